@@ -1,0 +1,43 @@
+"""Names of the columns every drivetrain component agrees on.
+
+A batch may carry any other column too; these are the ones engines, rollouts and the trainer
+read without being told. Token columns are aligned with ``input_ids``: position ``t`` describes
+token ``t`` of the sequence (for ``log_probs``: log p(token t | tokens < t); the first token of
+each sequence has no prediction, so its value is 0 and its ``loss_mask`` must be 0).
+"""
+
+from __future__ import annotations
+
+INPUT_IDS = "input_ids"  # token ids (prompt + response)
+POSITION_IDS = "position_ids"  # restart at 0 for every sequence; engines derive them if absent
+LOSS_MASK = "loss_mask"  # 1 for tokens the loss counts (e.g. assistant / response tokens)
+RESPONSE_MASK = "response_mask"  # 1 for tokens the policy generated
+LOG_PROBS = "log_probs"  # output of engines: log-prob of each token under the model
+ENTROPY = "entropy"  # output of engines: entropy of the predictive distribution at each token
+VALUES = "values"  # output of value-head engines: one scalar per token
+OLD_LOG_PROBS = "old_log_probs"  # the actor's log-probs before this update
+REF_LOG_PROBS = "ref_log_probs"  # the reference model's log-probs
+ROLLOUT_LOG_PROBS = "rollout_log_probs"  # sampled log-probs reported by the rollout backend
+ADVANTAGES = "advantages"
+RETURNS = "returns"
+REWARDS = "rewards"  # per-token rewards (the sequence reward usually on the last token)
+WEIGHT_VERSION = "weight_version"  # per sample: which weights generated it
+
+#: Columns holding one value per token (the rest hold one value per sample).
+TOKEN_COLUMNS = frozenset(
+    {
+        INPUT_IDS,
+        POSITION_IDS,
+        LOSS_MASK,
+        RESPONSE_MASK,
+        LOG_PROBS,
+        ENTROPY,
+        VALUES,
+        OLD_LOG_PROBS,
+        REF_LOG_PROBS,
+        ROLLOUT_LOG_PROBS,
+        ADVANTAGES,
+        RETURNS,
+        REWARDS,
+    }
+)

@@ -1,0 +1,179 @@
+"""Configuration shapes shared by every engine, rollout and weight-sync backend.
+
+Frozen, nested stdlib dataclasses. Each backend adds its own dataclass beside its code,
+usually by subclassing :class:`EngineConfig`. Loading YAML files and dotted command-line
+overrides into these classes is the trainer's job; here each class only checks that its values
+make sense and names the valid choices when they do not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from drivetrain.api.errors import ConfigError
+
+SCHEDULERS = ("constant", "linear", "cosine")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _check_choice(owner: str, name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{owner}.{name}={value!r} is not one of {', '.join(choices)}")
+
+
+def _check_positive(
+    owner: str, name: str, value: float | None, *, allow_zero: bool = False
+) -> None:
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{owner}.{name}={value!r} must be {bound}")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters; ``rank == 0`` means full fine-tuning."""
+
+    rank: int = 0
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("all-linear",)
+
+    def __post_init__(self) -> None:
+        _check_positive("lora", "rank", self.rank, allow_zero=True)
+        _check_positive("lora", "alpha", self.alpha)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"lora.dropout={self.dropout!r} must be in [0, 1)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to train and how to hold its parameters.
+
+    ``path`` is a local Hugging Face model directory. ``dtype`` is the parameter dtype;
+    engines may keep an fp32 master copy regardless.
+    """
+
+    path: str = ""
+    dtype: str = "float32"
+    trust_remote_code: bool = False
+    gradient_checkpointing: bool = False
+    value_head: bool = False  # one scalar per token instead of logits (critics, reward models)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+    def __post_init__(self) -> None:
+        _check_choice("model", "dtype", self.dtype, DTYPES)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW and its learning-rate schedule.
+
+    The schedule warms up linearly over ``warmup_steps`` (or ``warmup_ratio * total_steps``),
+    then stays constant, decays linearly, or follows a cosine, down to ``min_lr_ratio * lr``.
+    """
+
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    clip_grad: float | None = 1.0
+    scheduler: str = "constant"
+    warmup_steps: int | None = None
+    warmup_ratio: float = 0.0
+    min_lr_ratio: float = 0.0
+    total_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_positive("optim", "lr", self.lr)
+        _check_positive("optim", "eps", self.eps)
+        _check_positive("optim", "weight_decay", self.weight_decay, allow_zero=True)
+        _check_positive("optim", "clip_grad", self.clip_grad)
+        _check_positive("optim", "warmup_steps", self.warmup_steps, allow_zero=True)
+        _check_positive("optim", "total_steps", self.total_steps)
+        _check_choice("optim", "scheduler", self.scheduler, SCHEDULERS)
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"optim.betas={self.betas!r} must be two numbers in [0, 1)")
+        for name in ("warmup_ratio", "min_lr_ratio"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"optim.{name}={getattr(self, name)!r} must be in [0, 1]")
+        if self.scheduler != "constant" and self.total_steps is None:
+            raise ConfigError(f"optim.scheduler={self.scheduler!r} needs optim.total_steps")
+
+
+@dataclass(frozen=True)
+class MicroBatchConfig:
+    """How an engine cuts a mini-batch into micro-batches: a fixed number of samples, or a
+    token budget per micro-batch ("dynamic batch size"). Set exactly one."""
+
+    micro_batch_size: int | None = None
+    max_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.micro_batch_size is None) == (self.max_tokens is None):
+            raise ConfigError(
+                "micro_batch: set exactly one of micro_batch_size and max_tokens "
+                f"(got micro_batch_size={self.micro_batch_size}, max_tokens={self.max_tokens})"
+            )
+        _check_positive("micro_batch", "micro_batch_size", self.micro_batch_size)
+        _check_positive("micro_batch", "max_tokens", self.max_tokens)
+
+
+def _default_micro_batch() -> MicroBatchConfig:
+    return MicroBatchConfig(micro_batch_size=1)
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Move parameters / optimizer state to host memory while the engine is not in a mode that
+    needs them (the contexts ``train_mode()`` and ``eval_mode()`` bring them back)."""
+
+    params: bool = False
+    optimizer: bool = False
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What every training engine is configured with. Engines subclass it for their own knobs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    micro_batch: MicroBatchConfig = field(default_factory=_default_micro_batch)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    device: str = "auto"  # "auto", "cpu", "cuda", "npu"; auto picks the accelerator if present
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """What every rollout backend is configured with. Backends subclass it for their own knobs."""
+
+    model_path: str = ""
+    dtype: str = "float32"
+    max_model_len: int = 2048
+    tensor_parallel_size: int = 1
+    device: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_choice("rollout", "dtype", self.dtype, DTYPES)
+        _check_positive("rollout", "max_model_len", self.max_model_len)
+        _check_positive("rollout", "tensor_parallel_size", self.tensor_parallel_size)
+
+
+@dataclass(frozen=True)
+class WeightSyncConfig:
+    """What every weight-sync transport is configured with."""
+
+    bucket_bytes: int = 256 * 1024 * 1024
+    timeout_s: float = 300.0
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        _check_positive("weight_sync", "bucket_bytes", self.bucket_bytes)
+        _check_positive("weight_sync", "timeout_s", self.timeout_s)

@@ -1,0 +1,71 @@
+"""What a plugin declares about itself, readable without importing its heavy code.
+
+A distribution registers an entry point in ``drivetrain.engines``, ``drivetrain.rollouts`` or
+``drivetrain.ckpt_engines`` whose value is a :class:`PluginSpec` in a light module (one that
+imports only ``drivetrain.api``)::
+
+    # acme_engine/plugin.py
+    ACME = PluginSpec(
+        name="acme",
+        factory="acme_engine.engine:AcmeEngine",   # imported only when selected
+        config="acme_engine.config:AcmeConfig",    # a dataclass; light module too
+        api=">=0.1,<0.2",
+        capabilities=frozenset({"lora", "sequence_parallel", "device:cpu", "device:cuda"}),
+        install_hint="pip install acme-engine",
+    )
+
+    # pyproject.toml
+    [project.entry-points."drivetrain.engines"]
+    acme = "acme_engine.plugin:ACME"
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from drivetrain.api.version import VersionRange
+
+#: Capabilities drivetrain's own components look for. Plugins may declare others.
+KNOWN_CAPABILITIES = frozenset(
+    {
+        "lora",  # LoRA adapters, disable_adapter()
+        "value_head",  # critics / reward models
+        "packed",  # accepts Layout.PACKED batches
+        "dynamic_batch",  # token-budget micro-batching
+        "data_parallel",
+        "tensor_parallel",
+        "pipeline_parallel",
+        "context_parallel",
+        "sequence_parallel",
+        "expert_parallel",
+        "offload",  # params/optimizer offload between modes
+        "resharding_checkpoint",  # load a checkpoint saved at another world size/layout
+        "sleep",  # rollouts: frees memory on sleep()
+        "separate_process",  # rollouts: can run in another process/environment
+        "device:cpu",
+        "device:cuda",
+        "device:npu",
+    }
+)
+
+
+@dataclass(frozen=True)
+class PluginSpec:
+    """A plugin's self-description; the registry checks it before importing ``factory``."""
+
+    name: str
+    factory: str  # "module:attribute" of the class to instantiate with a config
+    api: str  # engine-api versions implemented, e.g. ">=0.1,<0.2"
+    capabilities: frozenset[str] = frozenset()
+    config: str = ""  # "module:attribute" of the config dataclass; empty: the api's default
+    install_hint: str = ""  # what to run when it fails to import
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        for label, target in (("factory", self.factory), ("config", self.config)):
+            if target and (target.count(":") != 1 or not all(target.split(":"))):
+                raise ValueError(f"plugin {self.name!r}: {label} must be 'module:attribute'")
+        if not self.factory:
+            raise ValueError(f"plugin {self.name!r}: factory is required")
+        VersionRange.parse(self.api)  # fail early on a malformed range
+        object.__setattr__(self, "capabilities", frozenset(self.capabilities))

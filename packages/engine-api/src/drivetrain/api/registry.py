@@ -1,0 +1,284 @@
+"""Discovery and loading of engines, rollouts and weight-sync transports from entry points.
+
+Discovery reads entry-point metadata only (no plugin code runs). ``spec(name)`` imports the
+plugin's light spec module; ``load(name)`` imports its code, after checking that the plugin is
+allowed, implements this engine-api version and declares the capabilities asked for. Every
+failure is remembered and shown with the installed alternatives, e.g.::
+
+    unknown engine 'acmee'. Installed engines:
+      fsdp2     drivetrain-engine-fsdp 0.1.0   ok
+      megatron  drivetrain-engine-megatron 0.1.0   failed to import: No module named
+                'megatron.core' (pip install drivetrain-engine-megatron)
+
+``DRIVETRAIN_PLUGINS`` restricts what may load: a comma-separated list of names (``fsdp2``)
+or group-qualified names (``engines:fsdp2``); a leading ``-`` denies instead
+(``-megatron``); ``none`` denies everything. With any allowed name listed, only listed
+plugins load. Results are cached per process, so loading is idempotent and cheap to repeat in
+every worker (Ray actors included).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import importlib
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from importlib import metadata
+from typing import Any
+
+from drivetrain.api.engine import Engine
+from drivetrain.api.errors import PluginError
+from drivetrain.api.plugin import PluginSpec
+from drivetrain.api.rollout import Rollout
+from drivetrain.api.version import API_VERSION, VersionRange
+from drivetrain.api.weight_sync import WeightTransport
+
+ENV_VAR = "DRIVETRAIN_PLUGINS"
+
+
+class Status(enum.Enum):
+    DISCOVERED = "discovered"  # entry point seen, nothing imported yet
+    OK = "ok"
+    DISABLED = "disabled"
+    FAILED = "failed to import"
+    INCOMPATIBLE = "incompatible"
+    INVALID = "invalid"
+    CONFLICT = "conflict"
+
+
+@dataclass(frozen=True)
+class PluginRecord:
+    """What the registry knows about one entry point."""
+
+    group: str
+    name: str
+    target: str  # the entry point's value
+    distribution: str
+    version: str
+    status: Status = Status.DISCOVERED
+    reason: str = ""
+    spec: PluginSpec | None = None
+
+    @property
+    def hint(self) -> str:
+        if self.spec and self.spec.install_hint:
+            return self.spec.install_hint
+        return f"pip install --force-reinstall {self.distribution}" if self.distribution else ""
+
+    def describe(self) -> str:
+        text = self.status.value
+        if self.reason:
+            text += f": {self.reason}"
+        if self.status in (Status.FAILED, Status.INCOMPATIBLE, Status.INVALID) and self.hint:
+            text += f" ({self.hint})"
+        return text
+
+
+def _allowed(group_label: str, name: str, rules: str | None) -> tuple[bool, str]:
+    if not rules or not rules.strip():
+        return True, ""
+    tokens = [t.strip() for t in rules.split(",") if t.strip()]
+    if any(t.lower() == "none" for t in tokens):
+        return False, f"{ENV_VAR} disables all plugins"
+
+    def matches(token: str) -> bool:
+        if ":" in token:
+            group, _, plugin = token.partition(":")
+            return group == group_label and plugin == name
+        return token == name
+
+    if any(t.startswith("-") and matches(t[1:]) for t in tokens):
+        return False, f"denied by {ENV_VAR}={rules}"
+    allows = [t for t in tokens if not t.startswith("-")]
+    if allows and not any(matches(t) for t in allows):
+        return False, f"not listed in {ENV_VAR}={rules}"
+    return True, ""
+
+
+def _import_target(target: str) -> Any:
+    module_name, _, attribute = target.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in attribute.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class Registry:
+    """The plugins of one entry-point group, e.g. ``Registry("drivetrain.engines", "engine")``."""
+
+    def __init__(self, group: str, kind: str, base: type | None = None) -> None:
+        self.group = group
+        self.kind = kind  # singular noun for messages: "engine", "rollout", ...
+        self.base = base
+        self._records: dict[str, PluginRecord] | None = None
+        self._loaded: dict[str, Any] = {}
+
+    @property
+    def label(self) -> str:
+        """The group's short name used in ``DRIVETRAIN_PLUGINS`` (``engines``...)."""
+        return self.group.rpartition(".")[2]
+
+    # ---- discovery (metadata only) ------------------------------------------------------
+    def refresh(self) -> None:
+        """Forget everything; the next call re-reads entry points and the environment."""
+        self._records = None
+        self._loaded.clear()
+
+    def _discover(self) -> dict[str, PluginRecord]:
+        if self._records is not None:
+            return self._records
+        rules = os.environ.get(ENV_VAR)
+        records: dict[str, PluginRecord] = {}
+        seen: dict[str, list[str]] = {}
+        for ep in metadata.entry_points(group=self.group):
+            dist = getattr(ep, "dist", None)
+            dist_name = dist.metadata["Name"] if dist is not None else ""
+            dist_version = dist.version if dist is not None else ""
+            seen.setdefault(ep.name, []).append(f"{dist_name} {dist_version}".strip())
+            if ep.name in records:
+                continue
+            record = PluginRecord(self.group, ep.name, ep.value, dist_name, dist_version)
+            ok, why = _allowed(self.label, ep.name, rules)
+            if not ok:
+                record = replace(record, status=Status.DISABLED, reason=why)
+            records[ep.name] = record
+        for name, providers in seen.items():
+            if len(set(providers)) > 1:
+                reason = f"provided by several distributions: {', '.join(sorted(set(providers)))}"
+                records[name] = replace(records[name], status=Status.CONFLICT, reason=reason)
+        self._records = dict(sorted(records.items()))
+        return self._records
+
+    def names(self) -> list[str]:
+        """Every discovered name, including disabled and broken ones."""
+        return list(self._discover())
+
+    # ---- checks and loading -------------------------------------------------------------
+    def _set(self, record: PluginRecord, **changes: Any) -> PluginRecord:
+        record = replace(record, **changes)
+        self._discover()[record.name] = record
+        return record
+
+    def _check_spec(self, name: str) -> PluginRecord:
+        records = self._discover()
+        if name not in records:
+            raise PluginError(f"unknown {self.kind} {name!r}. {self.summary()}")
+        record = records[name]
+        if record.spec is not None or record.status is not Status.DISCOVERED:
+            return record
+        try:
+            spec = _import_target(record.target)
+        except Exception as exc:
+            return self._set(record, status=Status.FAILED, reason=f"{type(exc).__name__}: {exc}")
+        if not isinstance(spec, PluginSpec):
+            why = f"entry point {record.target} is a {type(spec).__name__}, not a PluginSpec"
+            return self._set(record, status=Status.INVALID, reason=why)
+        if spec.name != name:
+            why = f"entry point {name!r} holds the spec of {spec.name!r}"
+            return self._set(record, status=Status.INVALID, reason=why, spec=spec)
+        if not VersionRange.parse(spec.api).contains(API_VERSION):
+            why = (
+                f"implements engine-api {spec.api}, but drivetrain-engine-api {API_VERSION} is "
+                f"installed (pip install 'drivetrain-engine-api{spec.api}' or upgrade the plugin)"
+            )
+            return self._set(record, status=Status.INCOMPATIBLE, reason=why, spec=spec)
+        return self._set(record, spec=spec)
+
+    def spec(self, name: str) -> PluginSpec:
+        """The plugin's declaration (imports only its spec module); raises if unusable."""
+        record = self._check_spec(name)
+        if record.status is not Status.DISCOVERED and record.status is not Status.OK:
+            raise PluginError(
+                f"{self.kind} {name!r} ({record.distribution} {record.version}) cannot be "
+                f"used: {record.describe()}. {self.summary(exclude=name)}"
+            )
+        assert record.spec is not None
+        return record.spec
+
+    def load(self, name: str, *, require: Iterable[str] = ()) -> Any:
+        """Import and return the plugin's factory (its class), checking ``require``d
+        capabilities. Cached: later calls return the same object."""
+        if name in self._loaded:
+            spec = self.spec(name)
+        else:
+            spec = self.spec(name)
+            record = self._discover()[name]
+            try:
+                factory = _import_target(spec.factory)
+            except Exception as exc:
+                record = self._set(
+                    record, status=Status.FAILED, reason=f"{type(exc).__name__}: {exc}"
+                )
+                raise PluginError(
+                    f"{self.kind} {name!r} is installed but failed to import: {record.describe()}"
+                ) from exc
+            if self.base is not None and not (
+                isinstance(factory, type) and issubclass(factory, self.base)
+            ):
+                base = f"{self.base.__module__}.{self.base.__name__}"
+                why = f"{spec.factory} is not a subclass of {base}"
+                self._set(record, status=Status.INVALID, reason=why)
+                raise PluginError(f"{self.kind} {name!r} is invalid: {why}")
+            self._set(record, status=Status.OK)
+            self._loaded[name] = factory
+        missing = sorted(set(require) - spec.capabilities)
+        if missing:
+            raise PluginError(
+                f"{self.kind} {name!r} lacks capabilities {missing}; it declares "
+                f"{sorted(spec.capabilities)}. Plugins with them: "
+                f"{self._with_capabilities(set(require)) or 'none installed'}"
+            )
+        return self._loaded[name]
+
+    def load_config_class(self, name: str, default: type) -> type:
+        """The plugin's config dataclass (``default`` if it declares none)."""
+        spec = self.spec(name)
+        if not spec.config:
+            return default
+        try:
+            return _import_target(spec.config)
+        except Exception as exc:
+            raise PluginError(
+                f"{self.kind} {name!r}: config {spec.config} failed to import: {exc}"
+            ) from exc
+
+    def inspect(self, *, load: bool = True) -> list[PluginRecord]:
+        """A record per discovered plugin; with ``load`` each is imported to report its status."""
+        for name in self.names():
+            with contextlib.suppress(PluginError):  # the failure is kept in the record
+                self.load(name) if load else self._check_spec(name)
+        return list(self._discover().values())
+
+    # ---- messages -----------------------------------------------------------------------
+    def _with_capabilities(self, wanted: set[str]) -> str:
+        return ", ".join(
+            r.name for r in self._discover().values() if r.spec and wanted <= r.spec.capabilities
+        )
+
+    def summary(self, *, exclude: str | None = None) -> str:
+        records = [r for r in self.inspect() if r.name != exclude]
+        if not records:
+            return (
+                f"No other {self.kind}s are installed."
+                if exclude
+                else (f"No {self.kind}s are installed (entry-point group {self.group}).")
+            )
+        width = max(len(r.name) for r in records)
+        lines = [f"Installed {self.kind}s:"]
+        for r in records:
+            lines.append(f"  {r.name:<{width}}  {r.distribution} {r.version}  {r.describe()}")
+        return "\n".join(lines)
+
+
+engines = Registry("drivetrain.engines", "engine", Engine)
+rollouts = Registry("drivetrain.rollouts", "rollout", Rollout)
+ckpt_engines = Registry("drivetrain.ckpt_engines", "ckpt-engine", WeightTransport)
+REGISTRIES = {r.label: r for r in (engines, rollouts, ckpt_engines)}
+
+
+def refresh_all() -> None:
+    """Forget every registry's cache (after installing plugins or changing the env var)."""
+    for registry in REGISTRIES.values():
+        registry.refresh()

@@ -1,0 +1,142 @@
+"""The rollout (generation) contract.
+
+A rollout backend holds an inference copy of the policy, generates completions for prompts, and
+receives new weights after every training step. It may live in another process or another
+Python environment than the trainer (vLLM and SGLang pin their own torch): everything crossing
+this interface is plain Python data (ints, floats, strings) except the weight stream, which a
+weight-sync transport delivers.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from drivetrain.api.config import RolloutConfig
+from drivetrain.api.engine import NamedTensor
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. ``temperature == 0`` means greedy. ``n`` completions per prompt.
+
+    ``top_k <= 0`` and ``top_p == 1`` disable those filters. Generation stops at
+    ``max_new_tokens``, at any of ``stop_token_ids`` (kept in the output), at the model's EOS
+    unless ``ignore_eos``, or at any of ``stop`` strings (output cut after the string).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.n < 1:
+            problems.append(f"n={self.n} must be >= 1")
+        if self.temperature < 0:
+            problems.append(f"temperature={self.temperature} must be >= 0")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p={self.top_p} must be in (0, 1]")
+        if self.max_new_tokens < 1:
+            problems.append(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        if problems:
+            raise ValueError("invalid sampling params: " + "; ".join(problems))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_new_tokens or the context length
+    ABORT = "abort"  # the request was aborted (e.g. for a weight update)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt as token ids, or as chat ``messages`` the backend renders with the
+    tokenizer's chat template (adding the generation prompt)."""
+
+    token_ids: tuple[int, ...] = ()
+    messages: tuple[Mapping[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if bool(self.token_ids) == bool(self.messages):
+            raise ValueError("a Prompt needs exactly one of token_ids and messages")
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled completion.
+
+    ``log_probs[i]`` is the log-probability of ``token_ids[i]`` under the distribution it was
+    sampled from (after temperature and top-k/top-p), so that it equals what the trainer
+    recomputes at the same temperature. ``prompt_ids`` is the rendered prompt.
+    """
+
+    prompt_index: int
+    prompt_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    log_probs: tuple[float, ...]
+    finish_reason: FinishReason
+    weight_version: int
+    text: str | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+class Rollout(abc.ABC):
+    """Base class of every rollout backend."""
+
+    config: RolloutConfig
+
+    def __init__(self, config: RolloutConfig) -> None:
+        self.config = config
+
+    @abc.abstractmethod
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
+        """Sample ``params.n`` completions for every prompt.
+
+        Returns ``len(prompts) * params.n`` completions grouped by prompt, in prompt order
+        (``result[i * n + j]`` is sample ``j`` of prompt ``i``). A prompt longer than the
+        context, or invalid params, raise ``ValueError`` before anything is generated.
+        """
+
+    @abc.abstractmethod
+    def update_weights(self, weights: Iterable[NamedTensor], *, version: int) -> None:
+        """Load new weights, given as a stream of Hugging Face named full tensors.
+
+        The stream may cover all weights or a subset (e.g. LoRA adapters); names the model does
+        not have raise ``KeyError`` and leave the old weights in use. After it returns, every
+        generation uses the new weights and reports ``version``.
+        """
+
+    @property
+    @abc.abstractmethod
+    def weight_version(self) -> int:
+        """Version of the weights in use (0 for the weights it was started with)."""
+
+    def sleep(self, level: int = 1) -> bool:
+        """Free accelerator memory while training runs: level 1 drops the KV cache and moves
+        weights to host, level 2 drops weights too (they must be re-sent). Returns whether memory
+        was actually freed (``False`` where the backend cannot, e.g. on CPU)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        return False
+
+    def wake_up(self) -> None:
+        """Undo :meth:`sleep`; a no-op when sleep freed nothing."""
+        return None
+
+    def shutdown(self) -> None:
+        """Release processes and memory; the object is unusable afterwards."""
+        return None

@@ -1,0 +1,50 @@
+"""The conformance harness of the fake engine (and a template for real engines' harnesses)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from drivetrain.api.batch import Batch
+from drivetrain.api.config import MicroBatchConfig, OptimConfig
+from drivetrain.api.engine import Engine
+from drivetrain.api.testing import fake_model
+from drivetrain.api.testing.fake_engine import FakeEngine, FakeEngineConfig
+
+
+@dataclass
+class FakeHarness:
+    engine_class: type[FakeEngine] = FakeEngine
+    vocab_size: int = 12
+    atol: float = 1e-9
+    rtol: float = 1e-9
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-2, clip_grad=None))
+
+    def make_engine(self, micro_batch: MicroBatchConfig) -> Engine:
+        config = FakeEngineConfig(
+            vocab_size=self.vocab_size, micro_batch=micro_batch, optim=self.optim
+        )
+        engine = self.engine_class(config)
+        engine.initialize()
+        return engine
+
+    def make_batch(
+        self, sequences: Sequence[Sequence[int]], loss_mask: Sequence[Sequence[int]]
+    ) -> Batch:
+        width = max(len(s) for s in sequences)
+        return Batch.from_columns(
+            {
+                "input_ids": [list(s) + [0] * (width - len(s)) for s in sequences],
+                "loss_mask": [
+                    [float(m) for m in row] + [0.0] * (width - len(row)) for row in loss_mask
+                ],
+            },
+            seq_lens=[len(s) for s in sequences],
+        )
+
+    def to_list(self, value: Any) -> Any:
+        return value
+
+    def reference_weights(self) -> Mapping[str, Any]:
+        return fake_model.init_weights(self.vocab_size, seed=0)

@@ -1,0 +1,46 @@
+"""What an engine author supplies to run the conformance kit against their engine."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from drivetrain.api.batch import Batch
+from drivetrain.api.config import MicroBatchConfig
+from drivetrain.api.engine import Engine
+
+
+class EngineHarness(Protocol):
+    """Builds engines and batches in the engine's own types.
+
+    Every engine from ``make_engine`` must start from the same weights (same seed), with an
+    optimizer config whose steps visibly change the weights (a learning rate around 1e-2 and
+    no warm-up suits the kit's tiny data). On a multi-rank engine every rank builds the same
+    global batch; the kit shards it with ``engine.shard_data``.
+    """
+
+    #: The vocabulary size: the kit draws token ids below it.
+    vocab_size: int
+    #: Absolute/relative tolerance for comparisons (fp32 engines: about 1e-5).
+    atol: float
+    rtol: float
+
+    def make_engine(self, micro_batch: MicroBatchConfig) -> Engine:
+        """A fresh, initialized engine using ``micro_batch`` as its micro-batching config."""
+        ...
+
+    def make_batch(
+        self, sequences: Sequence[Sequence[int]], loss_mask: Sequence[Sequence[int]]
+    ) -> Batch:
+        """A padded batch with ``input_ids`` and ``loss_mask`` columns in the engine's types
+        (``loss_mask`` as a floating type, so losses can multiply by it)."""
+        ...
+
+    def to_list(self, value: Any) -> Any:
+        """A column or weight value as nested Python lists of floats."""
+        ...
+
+    def reference_weights(self) -> Mapping[str, Any]:
+        """The initial weights by Hugging Face name, built independently of the engine (e.g.
+        from the HF model the engine loads); values in any type ``to_list`` accepts."""
+        ...

@@ -1,0 +1,21 @@
+"""Entry-point declarations of the fake engine and rollout (``--engine fake``)."""
+
+from drivetrain.api.plugin import PluginSpec
+
+FAKE_ENGINE = PluginSpec(
+    name="fake",
+    factory="drivetrain.api.testing.fake_engine:FakeEngine",
+    config="drivetrain.api.testing.fake_engine:FakeEngineConfig",
+    api=">=0.1,<0.2",
+    capabilities=frozenset({"packed", "dynamic_batch", "offload", "device:cpu"}),
+    description="pure-Python bigram engine for orchestration tests (no torch)",
+)
+
+FAKE_ROLLOUT = PluginSpec(
+    name="fake",
+    factory="drivetrain.api.testing.fake_rollout:FakeRollout",
+    config="drivetrain.api.testing.fake_rollout:FakeRolloutConfig",
+    api=">=0.1,<0.2",
+    capabilities=frozenset({"device:cpu"}),
+    description="pure-Python bigram rollout for orchestration tests (no torch)",
+)

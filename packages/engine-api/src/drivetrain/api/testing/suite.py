@@ -1,0 +1,40 @@
+"""The conformance kit as a pytest test class, for engine authors::
+
+    from drivetrain.api.testing import EngineConformance
+
+    class TestAcmeEngine(EngineConformance):
+        def harness(self):
+            return AcmeHarness()
+
+pytest collects the inherited ``test_*`` methods; nothing here imports pytest.
+"""
+
+from __future__ import annotations
+
+from drivetrain.api.testing import conformance
+from drivetrain.api.testing.harness import EngineHarness
+
+
+class EngineConformance:
+    """Inherit and implement :meth:`harness`; each contract check becomes a test."""
+
+    def harness(self) -> EngineHarness:
+        raise NotImplementedError("return an EngineHarness for the engine under test")
+
+    def test_contract_shapes(self) -> None:
+        conformance.check_contract_shapes(self.harness())
+
+    def test_micro_batch_invariance(self) -> None:
+        conformance.check_micro_batch_invariance(self.harness())
+
+    def test_order_restored(self) -> None:
+        conformance.check_order_restored(self.harness())
+
+    def test_modes(self) -> None:
+        conformance.check_modes(self.harness())
+
+    def test_checkpoint_round_trip(self) -> None:
+        conformance.check_checkpoint_round_trip(self.harness())
+
+    def test_weight_export(self) -> None:
+        conformance.check_weight_export(self.harness())

@@ -1,0 +1,122 @@
+"""The weight-sync (ckpt-engine) contract: moving an engine's weight stream into rollouts.
+
+One sync, as the trainer's manager runs it::
+
+    endpoint = sender.prepare()                       # trainer rank 0, once
+    topology = Topology.one_sender(num_receivers)     # or a transport's own layout
+    sender.connect(TransportRole.SENDER, 0, topology, endpoint)      # once, reused
+    receiver_i.connect(TransportRole.RECEIVER, i + 1, topology, endpoint)
+    # every step:
+    stats = await sender.send(engine.export_weights(), version=step)  ‖
+    rollout_i.update_weights(<tensors from receiver_i.receive()>, version=step)
+    ...
+    transport.finalize()
+
+Transports bucket tensors (``WeightSyncConfig.bucket_bytes``, never hard-coded), send each
+bucket's metadata ahead of its data, split tensors larger than a bucket and rejoin them, and
+raise :class:`WeightSyncError` within ``timeout_s`` when a peer disappears instead of hanging.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import AsyncIterator, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from drivetrain.api.config import WeightSyncConfig
+from drivetrain.api.engine import NamedTensor
+from drivetrain.api.errors import DrivetrainError
+
+
+class WeightSyncError(DrivetrainError):
+    """A sync failed (peer died, timeout, mismatched metadata); no receiver reports success."""
+
+
+class TransportRole(enum.Enum):
+    SENDER = "sender"
+    RECEIVER = "receiver"
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What a receiver learns about a tensor before its bytes arrive."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # e.g. "bfloat16"
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Ranks of the transport's own group: which senders and receivers take part.
+
+    ``senders`` and ``receivers`` are transport-group ranks; ``world_size`` counts both.
+    """
+
+    senders: tuple[int, ...]
+    receivers: tuple[int, ...]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.senders) + len(self.receivers)
+
+    @classmethod
+    def one_sender(cls, num_receivers: int) -> Topology:
+        """Trainer rank 0 sends (rank 0); rollout worker ``i`` receives as rank ``i + 1``."""
+        if num_receivers < 1:
+            raise ValueError(f"need at least one receiver, got {num_receivers}")
+        return cls(senders=(0,), receivers=tuple(range(1, num_receivers + 1)))
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    """What one sync moved and how long it took, as seen by the reporting side."""
+
+    version: int
+    num_tensors: int
+    num_buckets: int
+    bytes: int
+    seconds: float
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+class WeightTransport(abc.ABC):
+    """Base class of every weight-sync transport (entry-point group ``drivetrain.ckpt_engines``)."""
+
+    config: WeightSyncConfig
+
+    def __init__(self, config: WeightSyncConfig) -> None:
+        self.config = config
+
+    @abc.abstractmethod
+    def prepare(self) -> Mapping[str, Any]:
+        """On the sending side, before anyone connects: reserve what peers need to reach it
+        (an address and free port, a shared directory, an IPC handle) and return it as
+        JSON-serialisable data for the controller to hand to every participant."""
+
+    @abc.abstractmethod
+    def connect(
+        self, role: TransportRole, rank: int, topology: Topology, endpoint: Mapping[str, Any]
+    ) -> None:
+        """Join the transport group once (collective over all participants); reused by every
+        later sync until :meth:`finalize`."""
+
+    @abc.abstractmethod
+    async def send(self, weights: Iterable[NamedTensor], *, version: int) -> SyncStats:
+        """Send the whole stream to every receiver. Returns when every receiver has the last
+        bucket; raises :class:`WeightSyncError` within ``timeout_s`` if one does not."""
+
+    @abc.abstractmethod
+    def receive(self) -> AsyncIterator[NamedTensor]:
+        """Yield the tensors of one sync, in the sender's order, as full tensors with the
+        sender's names, shapes and dtypes, ending when the sender's stream ends."""
+
+    @abc.abstractmethod
+    def finalize(self) -> None:
+        """Leave the group and free buffers; idempotent."""

@@ -1,0 +1,73 @@
+"""Typed configs from YAML files and dotted overrides, via OmegaConf structured configs.
+
+``load_config(EngineConfig, files=["run.yaml"], overrides=["optim.lr=1e-6"])`` returns a frozen
+``EngineConfig``. Unknown keys, wrong types and invalid values raise :class:`ConfigError`
+naming the key and, for unknown keys, the valid ones at that level.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from drivetrain.api.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def _valid_keys(config_type: type, dotted: str) -> tuple[str, list[str]]:
+    """The dataclass level that ``dotted`` points into, and that level's field names."""
+    owner, parts = config_type, dotted.split(".")
+    prefix: list[str] = []
+    for part in parts[:-1]:
+        hints = typing.get_type_hints(owner)
+        if part not in hints or not dataclasses.is_dataclass(hints[part]):
+            break
+        owner = hints[part]
+        prefix.append(part)
+    return ".".join(prefix), [f.name for f in dataclasses.fields(owner)]
+
+
+def _explain(config_type: type, exc: OmegaConfBaseException) -> ConfigError:
+    key = getattr(exc, "full_key", None) or ""
+    if isinstance(exc, ConfigKeyError) and key:
+        where, valid = _valid_keys(config_type, key)
+        level = f"'{where}'" if where else "the top level"
+        return ConfigError(f"unknown config key '{key}'; valid keys at {level}: {', '.join(valid)}")
+    first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return ConfigError(f"invalid config value for '{key}': {first_line}" if key else first_line)
+
+
+def load_config(
+    config_type: type[T], *, files: Sequence[str | Path] = (), overrides: Sequence[str] = ()
+) -> T:
+    """Merge defaults, then each YAML file in order, then ``key=value`` overrides."""
+    if not dataclasses.is_dataclass(config_type):
+        raise TypeError(f"{config_type!r} is not a dataclass")
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"overrides must look like key=value, got {bad}")
+    try:
+        merged: Any = OmegaConf.structured(config_type)
+        for path in files:
+            if not Path(path).is_file():
+                raise ConfigError(f"config file {str(path)!r} does not exist")
+            loaded = OmegaConf.load(path)
+            if not isinstance(loaded, type(merged)):
+                raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top")
+            merged = OmegaConf.merge(merged, loaded)
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        return typing.cast(T, OmegaConf.to_object(merged))
+    except OmegaConfBaseException as exc:
+        raise _explain(config_type, exc) from None
+
+
+def to_yaml(config: Any) -> str:
+    """The config as YAML, the form ``--print-config`` shows and files accept."""
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
