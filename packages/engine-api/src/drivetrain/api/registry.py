@@ -19,7 +19,6 @@ every worker (Ray actors included).
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import importlib
 import os
@@ -161,12 +160,10 @@ class Registry:
         self._discover()[record.name] = record
         return record
 
-    def _check_spec(self, name: str) -> PluginRecord:
-        records = self._discover()
-        if name not in records:
-            raise PluginError(f"unknown {self.kind} {name!r}. {self.summary()}")
-        record = records[name]
-        if record.spec is not None or record.status is not Status.DISCOVERED:
+    def _check_spec(self, name: str) -> PluginRecord | None:
+        """Import the spec module and check it; record (never raise) any problem."""
+        record = self._discover().get(name)
+        if record is None or record.spec is not None or record.status is not Status.DISCOVERED:
             return record
         try:
             spec = _import_target(record.target)
@@ -186,43 +183,51 @@ class Registry:
             return self._set(record, status=Status.INCOMPATIBLE, reason=why, spec=spec)
         return self._set(record, spec=spec)
 
-    def spec(self, name: str) -> PluginSpec:
-        """The plugin's declaration (imports only its spec module); raises if unusable."""
+    def _resolve(self, name: str) -> PluginRecord | None:
+        """Check the spec, then import the factory; record (never raise) any problem."""
         record = self._check_spec(name)
-        if record.status is not Status.DISCOVERED and record.status is not Status.OK:
+        if record is None or record.status is not Status.DISCOVERED:
+            return record
+        assert record.spec is not None
+        try:
+            factory = _import_target(record.spec.factory)
+        except Exception as exc:
+            return self._set(record, status=Status.FAILED, reason=f"{type(exc).__name__}: {exc}")
+        if self.base is not None and not (
+            isinstance(factory, type) and issubclass(factory, self.base)
+        ):
+            base = f"{self.base.__module__}.{self.base.__name__}"
+            why = f"{record.spec.factory} is not a subclass of {base}"
+            return self._set(record, status=Status.INVALID, reason=why)
+        self._loaded[name] = factory
+        return self._set(record, status=Status.OK)
+
+    def _usable(
+        self, record: PluginRecord | None, name: str, *, ok: tuple[Status, ...]
+    ) -> PluginSpec:
+        if record is None:
+            raise PluginError(f"unknown {self.kind} {name!r}. {self.summary()}")
+        if record.status not in ok:
+            verb = (
+                "is installed but failed to import"
+                if record.status is Status.FAILED
+                else ("cannot be used")
+            )
             raise PluginError(
-                f"{self.kind} {name!r} ({record.distribution} {record.version}) cannot be "
-                f"used: {record.describe()}. {self.summary(exclude=name)}"
+                f"{self.kind} {name!r} ({record.distribution} {record.version}) {verb}: "
+                f"{record.describe()}. {self.summary(exclude=name)}"
             )
         assert record.spec is not None
         return record.spec
 
+    def spec(self, name: str) -> PluginSpec:
+        """The plugin's declaration (imports only its spec module); raises if unusable."""
+        return self._usable(self._check_spec(name), name, ok=(Status.DISCOVERED, Status.OK))
+
     def load(self, name: str, *, require: Iterable[str] = ()) -> Any:
         """Import and return the plugin's factory (its class), checking ``require``d
         capabilities. Cached: later calls return the same object."""
-        if name in self._loaded:
-            spec = self.spec(name)
-        else:
-            spec = self.spec(name)
-            record = self._discover()[name]
-            try:
-                factory = _import_target(spec.factory)
-            except Exception as exc:
-                record = self._set(
-                    record, status=Status.FAILED, reason=f"{type(exc).__name__}: {exc}"
-                )
-                raise PluginError(
-                    f"{self.kind} {name!r} is installed but failed to import: {record.describe()}"
-                ) from exc
-            if self.base is not None and not (
-                isinstance(factory, type) and issubclass(factory, self.base)
-            ):
-                base = f"{self.base.__module__}.{self.base.__name__}"
-                why = f"{spec.factory} is not a subclass of {base}"
-                self._set(record, status=Status.INVALID, reason=why)
-                raise PluginError(f"{self.kind} {name!r} is invalid: {why}")
-            self._set(record, status=Status.OK)
-            self._loaded[name] = factory
+        spec = self._usable(self._resolve(name), name, ok=(Status.OK,))
         missing = sorted(set(require) - spec.capabilities)
         if missing:
             raise PluginError(
@@ -247,8 +252,7 @@ class Registry:
     def inspect(self, *, load: bool = True) -> list[PluginRecord]:
         """A record per discovered plugin; with ``load`` each is imported to report its status."""
         for name in self.names():
-            with contextlib.suppress(PluginError):  # the failure is kept in the record
-                self.load(name) if load else self._check_spec(name)
+            self._resolve(name) if load else self._check_spec(name)
         return list(self._discover().values())
 
     # ---- messages -----------------------------------------------------------------------

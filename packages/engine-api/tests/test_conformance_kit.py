@@ -1,0 +1,117 @@
+"""The kit passes the fake engine and fails engines that break the contract."""
+
+from dataclasses import replace
+
+import pytest
+
+from drivetrain.api import Batch, LossContext, OutputSpec
+from drivetrain.api.testing import EngineConformance, FakeEngine, FakeHarness, run_conformance
+from drivetrain.api.testing import conformance as kit
+
+
+class TestFakeEngineConforms(EngineConformance):
+    def harness(self):
+        return FakeHarness()
+
+
+class PerMicroBatchMean(FakeEngine):
+    """Normalises each micro-batch by its own token count: the verl/Megatron parity bug."""
+
+    def forward_backward(self, batch, loss_fn, *, outputs=None):
+        def local_mean(out, mb, ctx):
+            tokens = int(sum(sum(row) for row in mb["loss_mask"]))
+            return loss_fn(out, mb, replace(ctx, global_tokens=tokens))
+
+        result = super().forward_backward(batch, local_mean, outputs=outputs)
+        return replace(result, loss=result.loss / result.num_micro_batches)
+
+
+class UnorderedInfer(FakeEngine):
+    """Returns infer outputs in micro-batch order instead of the caller's."""
+
+    def infer(self, batch, outputs):
+        parts = self._micro_batches(batch)
+        regrouped = batch.select([i for part in parts for i in part])
+        return super().infer(regrouped, outputs)
+
+
+class MissingWeight(FakeEngine):
+    def export_weights(self, *, adapter_only=False):
+        for name, value in super().export_weights(adapter_only=adapter_only):
+            if name != "bigram.bias":
+                yield name, value
+
+
+class ForgetsOptimizerState(FakeEngine):
+    def load_checkpoint(self, path):
+        info = super().load_checkpoint(path)
+        self.exp_avg, self.exp_avg_sq, self.optim_steps = self._zeros(), self._zeros(), 0
+        return info
+
+
+class NoModeChecks(FakeEngine):
+    def _require(self, mode, what):
+        pass
+
+
+class InferChangesWeights(FakeEngine):
+    def infer(self, batch, outputs):
+        self.params["bigram.bias"][0] += 1e-3
+        return super().infer(batch, outputs)
+
+
+def failures(engine_class):
+    return {
+        r.name: r.error
+        for r in run_conformance(FakeHarness(engine_class=engine_class))
+        if not r.passed
+    }
+
+
+def test_fake_engine_passes_everything():
+    assert failures(FakeEngine) == {}
+
+
+@pytest.mark.parametrize(
+    ("engine_class", "check", "message"),
+    [
+        (PerMicroBatchMean, "check_micro_batch_invariance", "loss with"),
+        (UnorderedInfer, "check_order_restored", "order not restored"),
+        (MissingWeight, "check_weight_export", "missing weights ['bigram.bias']"),
+        (ForgetsOptimizerState, "check_checkpoint_round_trip", "after resume"),
+        (NoModeChecks, "check_contract_shapes", "must raise EngineStateError"),
+        (InferChangesWeights, "check_modes", "deterministic"),
+    ],
+)
+def test_kit_fails_contract_breakers(engine_class, check, message):
+    found = failures(engine_class)
+    assert check in found, f"{check} did not catch {engine_class.__name__}: {found}"
+    assert message in found[check]
+
+
+def test_kit_loss_is_backend_neutral():
+    """The kit's loss uses operators only, so array libraries run it unchanged."""
+    np = pytest.importorskip("numpy")
+    ctx = LossContext(
+        global_tokens=4, global_sequences=2, dp_size=1, micro_batch_index=0, num_micro_batches=2
+    )
+    outputs = {"log_probs": np.array([[0.0, -1.0, -2.0]])}
+    loss, metrics = kit.token_mean_nll(outputs, {"loss_mask": np.array([[0.0, 1.0, 1.0]])}, ctx)
+    assert loss == pytest.approx(0.75) and metrics == {}
+
+
+def test_forward_backward_reports_global_counts():
+    harness = FakeHarness()
+    engine = harness.make_engine(kit.MicroBatchConfig(micro_batch_size=3))
+    batch: Batch = harness.make_batch(*kit.sample_data(harness.vocab_size))
+    seen = []
+
+    def spy(outputs, micro_batch, ctx):
+        seen.append((len(micro_batch), ctx))
+        return kit.token_mean_nll(outputs, micro_batch, ctx)
+
+    with engine.train_mode():
+        result = engine.forward_backward(batch, spy, outputs=OutputSpec())
+    assert [n for n, _ in seen] == [3, 3, 2] and result.num_micro_batches == 3
+    assert {ctx.global_tokens for _, ctx in seen} == {result.num_tokens}
+    assert {ctx.global_sequences for _, ctx in seen} == {len(batch)}

@@ -1,0 +1,173 @@
+"""The plugin registry over real distributions (dist-info folders on sys.path)."""
+
+import sys
+import textwrap
+
+import pytest
+
+from drivetrain.api import PluginError, PluginSpec
+from drivetrain.api import registry as reg
+from drivetrain.api.registry import Status
+
+GOOD_SPEC = """
+from drivetrain.api import PluginSpec
+SPEC = PluginSpec(
+    name="{name}", factory="{module}.engine:Engine", api="{api}",
+    capabilities=frozenset({{"lora", "device:cpu"}}), install_hint="pip install {dist}",
+)
+"""
+GOOD_ENGINE = """
+from drivetrain.api.testing import FakeEngine
+class Engine(FakeEngine):
+    pass
+"""
+
+
+@pytest.fixture
+def install(tmp_path, monkeypatch):
+    """Install a minimal distribution (dist-info + modules) and refresh the registries."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv(reg.ENV_VAR, raising=False)
+    installed = []
+
+    def _install(
+        dist,
+        name,
+        *,
+        api=">=0.1,<0.2",
+        spec=GOOD_SPEC,
+        engine=GOOD_ENGINE,
+        group="drivetrain.engines",
+    ):
+        module = dist.replace("-", "_")
+        package = tmp_path / module
+        package.mkdir()
+        (package / "__init__.py").write_text("")
+        (package / "plugin.py").write_text(
+            textwrap.dedent(spec.format(name=name, module=module, api=api, dist=dist))
+        )
+        (package / "engine.py").write_text(textwrap.dedent(engine))
+        info = tmp_path / f"{module}-1.2.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.2\n")
+        (info / "entry_points.txt").write_text(f"[{group}]\n{name} = {module}.plugin:SPEC\n")
+        installed.append(module)
+        reg.refresh_all()
+
+    yield _install
+    for module in installed:
+        for key in [k for k in sys.modules if k == module or k.startswith(module + ".")]:
+            del sys.modules[key]
+    reg.refresh_all()
+
+
+def test_loads_by_name_and_is_idempotent(install):
+    install("acme-engine", "acme")
+    assert "acme" in reg.engines.names()
+    first = reg.engines.load("acme", require={"lora"})
+    assert first is reg.engines.load("acme")
+    assert first.__name__ == "Engine"
+    record = {r.name: r for r in reg.engines.inspect()}["acme"]
+    assert (record.status, record.distribution, record.version) == (Status.OK, "acme-engine", "1.2")
+
+
+def test_discovery_imports_no_plugin_code(install):
+    install("lazy-engine", "lazy")
+    assert reg.engines.names()
+    assert "lazy_engine" not in sys.modules
+    reg.engines.spec("lazy")
+    assert "lazy_engine.plugin" in sys.modules and "lazy_engine.engine" not in sys.modules
+
+
+def test_unknown_name_lists_installed_with_status(install):
+    install("acme-engine", "acme")
+    install("broken-engine", "broken", engine="import megatron.core_that_is_missing\n")
+    with pytest.raises(PluginError) as err:
+        reg.engines.load("acmee")
+    text = str(err.value)
+    assert "unknown engine 'acmee'" in text
+    assert "acme    acme-engine 1.2  ok" in text
+    assert "broken-engine 1.2  failed to import: ModuleNotFoundError" in text
+    assert "(pip install broken-engine)" in text
+
+
+def test_failed_import_names_reason_and_hint(install):
+    install("broken-engine", "broken", engine="import megatron.core_that_is_missing\n")
+    with pytest.raises(
+        PluginError,
+        match=r"installed but failed to import.*No module named 'megatron'.*pip install broken-",
+    ):
+        reg.engines.load("broken")
+    with pytest.raises(PluginError, match="failed to import"):  # stays failed, no re-import storm
+        reg.engines.load("broken")
+
+
+def test_incompatible_api_range_is_rejected_before_import(install):
+    install("future-engine", "future", api=">=0.2,<0.3")
+    with pytest.raises(
+        PluginError, match=r"implements engine-api >=0.2,<0.3, but drivetrain-engine-api 0.1.0"
+    ):
+        reg.engines.load("future")
+    assert "future_engine.engine" not in sys.modules
+
+
+def test_spec_must_be_a_plugin_spec_of_the_same_name(install):
+    install("odd-engine", "odd", spec="SPEC = object()\n")
+    with pytest.raises(PluginError, match="not a PluginSpec"):
+        reg.engines.load("odd")
+
+
+def test_factory_must_subclass_the_group_base(install):
+    install("wrong-engine", "wrong", engine="class Engine:\n    pass\n")
+    with pytest.raises(PluginError, match=r"not a subclass of drivetrain\.api\.engine\.Engine"):
+        reg.engines.load("wrong")
+
+
+def test_missing_capability_is_reported(install):
+    install("acme-engine", "acme")
+    with pytest.raises(PluginError, match=r"lacks capabilities \['pipeline_parallel'\]"):
+        reg.engines.load("acme", require={"pipeline_parallel"})
+
+
+@pytest.mark.parametrize(
+    ("rules", "allowed"),
+    [
+        ("", True),
+        ("acme", True),
+        ("engines:acme", True),
+        ("rollouts:acme", False),
+        ("fake", False),
+        ("-acme", False),
+        ("none", False),
+        ("acme,-engines:acme", False),
+    ],
+)
+def test_env_var_restricts_plugins(install, monkeypatch, rules, allowed):
+    install("acme-engine", "acme")
+    monkeypatch.setenv(reg.ENV_VAR, rules)
+    reg.refresh_all()
+    if allowed:
+        reg.engines.load("acme")
+    else:
+        with pytest.raises(PluginError, match="disabled"):
+            reg.engines.load("acme")
+
+
+def test_same_name_from_two_distributions_is_a_conflict(install):
+    install("acme-engine", "acme")
+    install("acme-fork", "acme")
+    with pytest.raises(PluginError, match="conflict: provided by several distributions"):
+        reg.engines.load("acme")
+
+
+def test_builtin_fake_plugins_are_discoverable():
+    reg.refresh_all()
+    assert reg.engines.load("fake").__name__ == "FakeEngine"
+    assert reg.rollouts.load("fake").__name__ == "FakeRollout"
+
+
+def test_plugin_spec_validates_its_fields():
+    with pytest.raises(ValueError, match="module:attribute"):
+        PluginSpec(name="x", factory="no_colon", api=">=0.1")
+    with pytest.raises(ValueError, match="invalid version range"):
+        PluginSpec(name="x", factory="a:B", api="0.1")
