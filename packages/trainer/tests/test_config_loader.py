@@ -1,0 +1,72 @@
+import pytest
+
+from drivetrain.api import ConfigError, EngineConfig, MicroBatchConfig
+from drivetrain.api.testing import FakeEngineConfig
+from drivetrain.trainer.config_loader import load_config, to_yaml
+
+
+def test_defaults_files_then_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("optim:\n  lr: 0.5\n  betas: [0.8, 0.9]\nmicro_batch:\n  micro_batch_size: 4\n")
+    config = load_config(EngineConfig, files=[path], overrides=["optim.lr=1e-6", "seed=3"])
+    assert config.optim.lr == 1e-6 and config.optim.betas == (0.8, 0.9)
+    assert config.micro_batch == MicroBatchConfig(micro_batch_size=4)
+    assert config.seed == 3
+    with pytest.raises(AttributeError):
+        config.seed = 4  # frozen
+
+
+def test_subclassed_engine_config_keeps_its_fields():
+    config = load_config(FakeEngineConfig, overrides=["vocab_size=32", "model.lora.rank=8"])
+    assert isinstance(config, FakeEngineConfig) and config.vocab_size == 32
+    assert config.model.lora.enabled
+
+
+def test_unknown_key_names_the_valid_keys():
+    with pytest.raises(ConfigError) as err:
+        load_config(EngineConfig, overrides=["optim.lrr=1"])
+    message = str(err.value)
+    assert "unknown config key 'optim.lrr'" in message
+    assert "valid keys at 'optim': lr, betas, eps, weight_decay, clip_grad" in message
+
+
+def test_unknown_top_level_key():
+    with pytest.raises(ConfigError, match="valid keys at the top level: model, optim, micro_batch"):
+        load_config(EngineConfig, overrides=["optimizer.lr=1"])
+
+
+def test_unknown_key_in_yaml_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model:\n  pth: /tmp/x\n")
+    with pytest.raises(ConfigError, match="unknown config key 'model.pth'.*path, dtype"):
+        load_config(EngineConfig, files=[path])
+
+
+def test_wrong_type_and_invalid_value():
+    with pytest.raises(ConfigError, match="invalid config value for 'optim.lr'"):
+        load_config(EngineConfig, overrides=["optim.lr=fast"])
+    with pytest.raises(ConfigError, match="optim.scheduler='step' is not one of"):
+        load_config(EngineConfig, overrides=["optim.scheduler=step"])
+    with pytest.raises(ConfigError, match="set exactly one of micro_batch_size and max_tokens"):
+        load_config(EngineConfig, overrides=["micro_batch.max_tokens=512"])
+
+
+def test_bad_override_syntax_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(EngineConfig, overrides=["optim.lr"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(EngineConfig, files=[tmp_path / "missing.yaml"])
+
+
+def test_yaml_round_trip(tmp_path):
+    config = load_config(
+        EngineConfig,
+        overrides=[
+            "optim.lr=0.25",
+            "micro_batch.micro_batch_size=null",
+            "micro_batch.max_tokens=64",
+        ],
+    )
+    path = tmp_path / "printed.yaml"
+    path.write_text(to_yaml(config))
+    assert load_config(EngineConfig, files=[path]) == config

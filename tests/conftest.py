@@ -1,0 +1,44 @@
+"""Fixtures for cross-package tests: throwaway virtual environments built with uv."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+class Venv:
+    """A fresh virtual environment; ``install`` takes requirement strings or local paths."""
+
+    def __init__(self, path: Path) -> None:
+        self.uv = shutil.which("uv")
+        assert self.uv, "these tests need the uv executable on PATH (pip install uv)"
+        self.path = path
+        self.python = str(path / "bin" / "python")
+        subprocess.run([self.uv, "venv", "-q", "--python", sys.executable, str(path)], check=True)
+
+    def install(self, *requirements: str | Path) -> None:
+        args = [self.uv, "pip", "install", "-q", "--python", self.python, *map(str, requirements)]
+        subprocess.run(args, check=True, timeout=600)
+
+    def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+        env["COLUMNS"] = "250"  # rich tables: keep rows on one line
+        return subprocess.run(
+            [self.python, *args], capture_output=True, text=True, check=check, timeout=300, env=env
+        )
+
+    def script(self, name: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return self.run(str(self.path / "bin" / name), *args, check=check)
+
+
+@pytest.fixture(scope="module")
+def venv_factory(tmp_path_factory):
+    def make(name: str) -> Venv:
+        return Venv(tmp_path_factory.mktemp(name) / "venv")
+
+    return make
