@@ -141,3 +141,33 @@ def test_column_ops_for_numpy_style_arrays_resolve_lazily():
     packed = batch.to_packed()
     assert packed["input_ids"].tolist() == [0, 1, 2, 3, 4]
     assert Batch.concat([packed, packed]).select([3, 0])["reward"].tolist() == [2.0, 1.0]
+
+
+def test_replacing_a_token_column_keeps_it_per_token():
+    packed = make_batch([2, 3]).to_packed()
+    replaced = packed.with_columns(input_ids=[9] * 5, loss_mask=[1] * 5)
+    assert replaced.token_keys == {"input_ids", "loss_mask"}
+    assert replaced.with_columns(token_keys=[], score=[1, 2]).token_keys == replaced.token_keys
+
+
+def test_concat_drops_differing_optional_meta_but_not_pad_id():
+    a, b = make_batch([1]).with_meta(weight_version=1), make_batch([2]).with_meta(weight_version=2)
+    assert Batch.concat([a, b]).meta.weight_version is None
+    assert Batch.concat([a, a]).meta.weight_version == 1
+    with pytest.raises(BatchError, match="pad_token_id differ"):
+        Batch.concat([a, a.with_meta(pad_token_id=5)])
+
+
+@given(lengths_st, st.integers(1, 3), layout_st)
+def test_dp_shards_restore_to_the_global_order(lengths, dp, layout):
+    from drivetrain.api.batch import restore_order
+    from drivetrain.api.partition import dp_shard_indices
+
+    if dp > len(lengths):
+        return
+    batch = make_batch(lengths, layout)
+    indices = dp_shard_indices(batch.seq_lens, dp)
+    shards = [batch.select(group) for group in indices]
+    if len(lengths) % dp == 0:
+        assert len({len(s) for s in shards}) == 1
+    assert sample_tokens(restore_order(shards, indices)) == sample_tokens(batch)

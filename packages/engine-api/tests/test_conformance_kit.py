@@ -7,6 +7,7 @@ import pytest
 from drivetrain.api import Batch, LossContext, OutputSpec
 from drivetrain.api.testing import EngineConformance, FakeEngine, FakeHarness, run_conformance
 from drivetrain.api.testing import conformance as kit
+from drivetrain.api.testing.nested import flatten
 
 
 class TestFakeEngineConforms(EngineConformance):
@@ -19,7 +20,7 @@ class PerMicroBatchMean(FakeEngine):
 
     def forward_backward(self, batch, loss_fn, *, outputs=None):
         def local_mean(out, mb, ctx):
-            tokens = int(sum(sum(row) for row in mb["loss_mask"]))
+            tokens = int(sum(flatten(mb["loss_mask"])))
             return loss_fn(out, mb, replace(ctx, global_tokens=tokens))
 
         result = super().forward_backward(batch, local_mean, outputs=outputs)
@@ -115,3 +116,21 @@ def test_forward_backward_reports_global_counts():
     assert [n for n, _ in seen] == [3, 3, 2] and result.num_micro_batches == 3
     assert {ctx.global_tokens for _, ctx in seen} == {result.num_tokens}
     assert {ctx.global_sequences for _, ctx in seen} == {len(batch)}
+
+
+class IgnoresPackedOffsets(FakeEngine):
+    """Treats a packed row as one long sequence: attention leaks across samples."""
+
+    def _forward(self, batch, spec, weights):
+        if batch.layout.value != "packed":
+            return super()._forward(batch, spec, weights)
+        merged = batch.__class__.from_columns(
+            dict(batch.columns), seq_lens=[batch.num_tokens], layout=batch.layout
+        )
+        return super()._forward(merged, spec, weights)
+
+
+def test_kit_fails_engine_that_leaks_across_packed_sequences():
+    found = failures(IgnoresPackedOffsets)
+    assert "check_packed_matches_padded" in found
+    assert "differ from padded" in found["check_packed_matches_padded"]

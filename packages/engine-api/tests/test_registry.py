@@ -135,7 +135,7 @@ def test_missing_capability_is_reported(install):
         ("", True),
         ("acme", True),
         ("engines:acme", True),
-        ("rollouts:acme", False),
+        ("rollouts:acme", True),
         ("fake", False),
         ("-acme", False),
         ("none", False),
@@ -171,3 +171,21 @@ def test_plugin_spec_validates_its_fields():
         PluginSpec(name="x", factory="no_colon", api=">=0.1")
     with pytest.raises(ValueError, match="invalid version range"):
         PluginSpec(name="x", factory="a:B", api="0.1")
+
+
+def test_env_var_with_unknown_group_is_an_error(install, monkeypatch):
+    install("acme-engine", "acme")
+    monkeypatch.setenv(reg.ENV_VAR, "engine:acme")
+    reg.refresh_all()
+    with pytest.raises(PluginError, match="unknown group 'engine'.*engines, rollouts, ckpt_engines"):
+        reg.engines.load("acme")
+
+
+def test_group_qualified_allow_list_leaves_other_groups_alone(install, monkeypatch):
+    install("acme-engine", "acme")
+    monkeypatch.setenv(reg.ENV_VAR, "engines:acme")
+    reg.refresh_all()
+    reg.engines.load("acme")
+    reg.rollouts.load("fake")
+    with pytest.raises(PluginError, match="not listed"):
+        reg.engines.load("fake")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from itertools import accumulate, pairwise
 from types import MappingProxyType
 from typing import Any
@@ -47,6 +47,27 @@ class BatchMeta:
     pad_token_id: int = 0
     step: int | None = None  # the trainer step that produced this batch
     weight_version: int | None = None  # weights the batch was generated with, if uniform
+
+
+def _merge_meta(batches: Sequence[Batch]) -> BatchMeta:
+    """Fields all batches agree on are kept; optional ones that differ (e.g. the weight version
+    of samples from several rollouts) become ``None``; others must agree."""
+    first = batches[0].meta
+    changes = {}
+    for f in fields(first):
+        values = {getattr(b.meta, f.name) for b in batches}
+        if len(values) > 1:
+            if f.default is not None:
+                raise BatchError(f"cannot concat batches whose meta.{f.name} differ: {values}")
+            changes[f.name] = None
+    return replace(first, **changes) if changes else first
+
+
+def restore_order(pieces: Sequence[Batch], indices: Sequence[Sequence[int]]) -> Batch:
+    """Join pieces that hold the samples at ``indices`` of some batch (e.g. data-parallel
+    shards from :func:`drivetrain.api.partition.dp_shard_indices`) back into that batch's order."""
+    flat = [i for group in indices for i in group]
+    return Batch.concat(list(pieces)).select(inverse_permutation(flat))
 
 
 @dataclass(frozen=True)
@@ -116,11 +137,15 @@ class Batch:
         return self.layout is Layout.PACKED and name in self.token_keys
 
     # ---- columns and metadata -----------------------------------------------------------
-    def with_columns(self, token_keys: Iterable[str] = (), **columns: Any) -> Batch:
-        """Add or replace columns; names in ``token_keys`` are marked per-token."""
-        merged = {**self.columns, **columns}
-        keys = (self.token_keys - set(columns)) | (set(token_keys) & set(columns))
-        return replace(self, columns=merged, token_keys=frozenset(keys))
+    def with_columns(self, token_keys: Iterable[str] | None = None, **columns: Any) -> Batch:
+        """Add or replace columns. A replaced column keeps its per-token flag; a new one is
+        per-token if named in ``token_keys`` (default: if it is a standard token column)."""
+        from drivetrain.api.columns import TOKEN_COLUMNS
+
+        marked = set(token_keys) if token_keys is not None else set(TOKEN_COLUMNS)
+        new = set(columns) - set(self.columns)
+        keys = self.token_keys | (new & marked)
+        return replace(self, columns={**self.columns, **columns}, token_keys=frozenset(keys))
 
     def drop(self, *names: str) -> Batch:
         missing = [n for n in names if n not in self.columns]
@@ -140,8 +165,10 @@ class Batch:
         bad = [i for i in indices if not 0 <= i < n]
         if bad:
             raise BatchError(f"indices {bad[:5]} out of range for a batch of {n}")
-        offsets = self.offsets
-        token_index = [t for i in indices for t in range(offsets[i], offsets[i + 1])]
+        token_index: list[int] = []
+        if self.layout is Layout.PACKED:
+            offsets = self.offsets
+            token_index = [t for i in indices for t in range(offsets[i], offsets[i + 1])]
         columns = {}
         for name, value in self.columns.items():
             ops = column_ops_for(value)
@@ -177,7 +204,8 @@ class Batch:
 
     @staticmethod
     def concat(batches: Sequence[Batch]) -> Batch:
-        """Join batches with the same columns, token keys, layout and metadata."""
+        """Join batches with the same columns, token keys and layout (padded batches: the same
+        width; pad or pack them first). See :func:`_merge_meta` for metadata."""
         if not batches:
             raise BatchError("cannot concat an empty list of batches")
         first = batches[0]
@@ -187,12 +215,12 @@ class Batch:
                     f"cannot concat batches with columns {sorted(first.columns)} and "
                     f"{sorted(other.columns)}"
                 )
-            if (other.token_keys, other.layout, other.meta) != (
-                first.token_keys,
-                first.layout,
-                first.meta,
-            ):
-                raise BatchError("cannot concat batches with different token keys/layout/meta")
+            if (other.token_keys, other.layout) != (first.token_keys, first.layout):
+                raise BatchError(
+                    f"cannot concat a {other.layout.value} batch with token columns "
+                    f"{sorted(other.token_keys)} to a {first.layout.value} one with "
+                    f"{sorted(first.token_keys)}"
+                )
         columns = {}
         for name, value in first.columns.items():
             values = [b.columns[name] for b in batches]
@@ -201,7 +229,7 @@ class Batch:
             except Exception as exc:
                 raise BatchError(f"cannot concat column {name!r}: {exc}") from exc
         seq_lens = tuple(n for b in batches for n in b.seq_lens)
-        return replace(first, columns=columns, seq_lens=seq_lens)
+        return replace(first, columns=columns, seq_lens=seq_lens, meta=_merge_meta(batches))
 
     # ---- token-balanced partitioning ----------------------------------------------------
     def balanced_parts(self, parts: int, *, equal_size: bool = False) -> list[list[int]]:

@@ -102,6 +102,8 @@ class OptimConfig:
         for name in ("warmup_ratio", "min_lr_ratio"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"optim.{name}={getattr(self, name)!r} must be in [0, 1]")
+        if self.warmup_ratio > 0 and self.warmup_steps is None and self.total_steps is None:
+            raise ConfigError("optim.warmup_ratio needs optim.total_steps (or set warmup_steps)")
         if self.scheduler != "constant" and self.total_steps is None:
             raise ConfigError(f"optim.scheduler={self.scheduler!r} needs optim.total_steps")
 

@@ -33,6 +33,7 @@ from typing import Any
 from drivetrain.api.batch import Batch
 from drivetrain.api.config import EngineConfig
 from drivetrain.api.loss import LossFn, OutputSpec
+from drivetrain.api.partition import dp_shard_indices
 
 #: One exported weight: its Hugging Face parameter name and the full (unsharded) tensor.
 NamedTensor = tuple[str, Any]
@@ -164,19 +165,24 @@ class Engine(abc.ABC):
 
     # ---- data ---------------------------------------------------------------------------
     def shard_data(self, batch: Batch) -> Batch:
-        """This rank's share of a global batch: token-balanced over ``dp_size`` (same-size
-        shards), identical for ranks with the same ``dp_rank``. Order within the shard follows
-        the global batch."""
+        """This rank's share of a global batch, per :func:`.partition.dp_shard_indices`
+        (token-balanced; equal sample counts when ``dp_size`` divides the batch), identical for
+        ranks with the same ``dp_rank``, in the global batch's order. Shards may hold different
+        numbers of samples and micro-batches: engines agree on a common micro-batch count
+        (running empty ones where needed) so their collectives line up.
+        :func:`~drivetrain.api.batch.restore_order` joins collected results back."""
         info = self.parallel
-        if info.dp_size == 1:
-            return batch
-        parts = batch.balanced_parts(info.dp_size, equal_size=len(batch) % info.dp_size == 0)
-        return batch.select(parts[info.dp_rank])
+        return batch.select(dp_shard_indices(batch.seq_lens, info.dp_size)[info.dp_rank])
 
     # ---- placement ----------------------------------------------------------------------
     @abc.abstractmethod
     def to(self, device: str, *, model: bool = True, optimizer: bool = True) -> None:
-        """Move parameters and/or optimizer state to ``"cpu"`` or the engine's device."""
+        """Move parameters and/or optimizer state to host memory (``"cpu"``) or back to the
+        engine's compute device (``"device"``)."""
+
+    def close(self) -> None:
+        """Free device memory and process-group resources the engine created; idempotent."""
+        return None
 
     # ---- weights and checkpoints --------------------------------------------------------
     @abc.abstractmethod

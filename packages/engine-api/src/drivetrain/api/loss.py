@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from drivetrain.api.batch import Batch
+from drivetrain.api.columns import ENTROPY, LOG_PROBS, VALUES
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class OutputSpec:
 
     @property
     def names(self) -> tuple[str, ...]:
-        wanted = (("log_probs", self.log_probs), ("entropy", self.entropy), ("values", self.values))
+        wanted = ((LOG_PROBS, self.log_probs), (ENTROPY, self.entropy), (VALUES, self.values))
         return tuple(name for name, on in wanted if on)
 
 

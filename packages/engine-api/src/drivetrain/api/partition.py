@@ -71,7 +71,7 @@ def token_budget_partition(
             "micro-batch; raise the token budget or truncate the data"
         )
     if not lengths:
-        return []
+        return [[] for _ in range(min_parts)] if min_parts > 1 else []
     parts = max(min_parts, math.ceil(sum(lengths) / max_tokens))
     while True:
         if parts > len(lengths):
@@ -80,6 +80,15 @@ def token_budget_partition(
         if all(sum(lengths[i] for i in group) <= max_tokens for group in groups):
             return groups
         parts += 1
+
+
+def dp_shard_indices(lengths: Sequence[int], dp_size: int) -> list[list[int]]:
+    """Which samples each data-parallel rank gets: token-balanced, with equal sample counts
+    when ``dp_size`` divides the batch size. The controller uses the same function to put
+    outputs collected from the ranks back in order (:func:`drivetrain.api.batch.restore_order`)."""
+    if dp_size == 1:
+        return [list(range(len(lengths)))]
+    return balanced_partition(lengths, dp_size, equal_size=len(lengths) % dp_size == 0)
 
 
 def fixed_size_partition(n: int, size: int) -> list[list[int]]:

@@ -35,6 +35,7 @@ from drivetrain.api.version import API_VERSION, VersionRange
 from drivetrain.api.weight_sync import WeightTransport
 
 ENV_VAR = "DRIVETRAIN_PLUGINS"
+GROUP_LABELS = ("engines", "rollouts", "ckpt_engines")
 
 
 class Status(enum.Enum):
@@ -70,28 +71,36 @@ class PluginRecord:
         text = self.status.value
         if self.reason:
             text += f": {self.reason}"
-        if self.status in (Status.FAILED, Status.INCOMPATIBLE, Status.INVALID) and self.hint:
+        if self.status in (Status.FAILED, Status.INVALID) and self.hint:
             text += f" ({self.hint})"
         return text
 
 
 def _allowed(group_label: str, name: str, rules: str | None) -> tuple[bool, str]:
+    """Apply ``DRIVETRAIN_PLUGINS`` to one plugin. An allow-list restricts a group only when it
+    names plugins of that group (``engines:fsdp2``) or names plugins without a group."""
     if not rules or not rules.strip():
         return True, ""
     tokens = [t.strip() for t in rules.split(",") if t.strip()]
     if any(t.lower() == "none" for t in tokens):
         return False, f"{ENV_VAR} disables all plugins"
-
-    def matches(token: str) -> bool:
-        if ":" in token:
-            group, _, plugin = token.partition(":")
-            return group == group_label and plugin == name
-        return token == name
-
-    if any(t.startswith("-") and matches(t[1:]) for t in tokens):
+    parsed = []
+    for token in tokens:
+        deny = token.startswith("-")
+        group, _, plugin = token.lstrip("-").rpartition(":")
+        if group and group not in GROUP_LABELS:
+            raise PluginError(
+                f"{ENV_VAR}={rules}: unknown group {group!r} in {token!r}; "
+                f"groups are {', '.join(GROUP_LABELS)}"
+            )
+        parsed.append((deny, group, plugin))
+    if any(
+        deny and plugin == name and group in ("", group_label) for deny, group, plugin in parsed
+    ):
         return False, f"denied by {ENV_VAR}={rules}"
-    allows = [t for t in tokens if not t.startswith("-")]
-    if allows and not any(matches(t) for t in allows):
+    allows = [(group, plugin) for deny, group, plugin in parsed if not deny]
+    relevant = [plugin for group, plugin in allows if group in ("", group_label)]
+    if relevant and name not in relevant:
         return False, f"not listed in {ENV_VAR}={rules}"
     return True, ""
 
@@ -257,6 +266,7 @@ class Registry:
 
     # ---- messages -----------------------------------------------------------------------
     def _with_capabilities(self, wanted: set[str]) -> str:
+        self.inspect(load=False)
         return ", ".join(
             r.name for r in self._discover().values() if r.spec and wanted <= r.spec.capabilities
         )

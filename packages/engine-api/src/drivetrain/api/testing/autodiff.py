@@ -2,9 +2,9 @@
 gradients of whatever loss it is handed, with no tensor library.
 
 ``Scalar`` is a node; ``Array`` is a flat list of nodes with the nested row structure of the
-column it mirrors, supporting the handful of operations drivetrain's losses use
-(``*``, ``+``, ``-``, ``/`` by a number, ``.sum()``), so one loss function written against
-torch tensors also runs here.
+column it mirrors, supporting elementwise ``*``, ``+``, ``-``, ``/``, ``.exp()`` and ``.sum()``:
+enough for token-mean and sequence losses written with operators, so the same loss code runs on
+torch tensors and here. Losses needing other tensor functions (clamp, max) are torch-only.
 """
 
 from __future__ import annotations
@@ -156,6 +156,9 @@ class Array:
 
     def __truediv__(self, other: Any) -> Array:
         return self._zip(other, lambda a, b: a / b)
+
+    def exp(self) -> Array:
+        return Array([lift(a).exp() for a in self.items], self.rows)
 
     def sum(self) -> Scalar:
         return sum((lift(a) for a in self.items), Scalar(0.0))

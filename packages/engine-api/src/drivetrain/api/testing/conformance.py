@@ -9,11 +9,11 @@ a script.
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
 import tempfile
 import traceback
+import unittest
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +25,7 @@ from drivetrain.api.engine import Engine, ParallelInfo, StepResult
 from drivetrain.api.errors import EngineStateError
 from drivetrain.api.loss import LossContext, OutputSpec
 from drivetrain.api.testing.harness import EngineHarness
+from drivetrain.api.testing.nested import flatten, sample_rows, shape_of
 
 #: Lengths of the kit's sequences: varied, so token budgets regroup them.
 LENGTHS = (7, 3, 12, 5, 9, 4, 11, 6)
@@ -51,18 +52,10 @@ def sample_data(vocab_size: int, seed: int = 0) -> tuple[list[list[int]], list[l
 
 
 # ---- helpers ---------------------------------------------------------------------------
-def _flatten(value: Any) -> list[float]:
-    if isinstance(value, list | tuple):
-        return [x for item in value for x in _flatten(item)]
-    return [float(value)]
-
-
-def _shape(value: Any) -> tuple[int, ...]:
-    shape = []
-    while isinstance(value, list | tuple):
-        shape.append(len(value))
-        value = value[0] if value else None
-    return tuple(shape)
+def _gather(h: EngineHarness, obj: Any) -> list[Any]:
+    """``obj`` from every rank (the harness's collective), or ``[obj]`` in one process."""
+    gather = getattr(h, "all_gather_object", None)
+    return gather(obj) if gather is not None else [obj]
 
 
 def _close(h: EngineHarness, a: float, b: float) -> bool:
@@ -74,26 +67,21 @@ def _assert_close(h: EngineHarness, a: float, b: float, what: str) -> None:
 
 
 def _weights(h: EngineHarness, engine: Engine) -> dict[str, list[float]]:
-    return {name: _flatten(h.to_list(value)) for name, value in engine.export_weights()}
+    return {name: flatten(h.to_list(value)) for name, value in engine.export_weights()}
 
 
 def _assert_weights_close(h: EngineHarness, a: Mapping, b: Mapping, what: str) -> None:
-    assert list(a) == list(b), f"{what}: weight names differ: {sorted(set(a) ^ set(b))}"
+    assert set(a) == set(b), f"{what}: weight names differ: {sorted(set(a) ^ set(b))}"
+    assert list(a) == list(b), f"{what}: weights exported in a different order"
     for name in a:
-        worst = max(
-            (abs(x - y) - h.rtol * abs(y) for x, y in zip(a[name], b[name], strict=True)),
-            default=0.0,
-        )
-        assert worst <= h.atol, f"{what}: weight {name!r} differs by {worst + h.atol:.3g}"
+        worst = max((abs(x - y) for x, y in zip(a[name], b[name], strict=True)), default=0.0)
+        scale = max((abs(y) for y in b[name]), default=0.0)
+        assert worst <= h.atol + h.rtol * scale, f"{what}: weight {name!r} differs by {worst:.3g}"
 
 
 def _rows(h: EngineHarness, batch: Batch, column: str) -> list[list[float]]:
     """Per-sample values of a token column without padding (padded or packed layout)."""
-    values = h.to_list(batch[column])
-    if batch.layout.value == "packed":
-        offsets = batch.offsets
-        return [values[a:b] for a, b in itertools.pairwise(offsets)]
-    return [row[:n] for row, n in zip(values, batch.seq_lens, strict=True)]
+    return sample_rows(batch, h.to_list(batch[column]))
 
 
 @dataclass
@@ -119,10 +107,10 @@ def _data(h: EngineHarness) -> Batch:
 
 
 def _infer_rows(
-    h: EngineHarness, engine: Engine, batch: Batch, spec: OutputSpec
+    h: EngineHarness, engine: Engine, batch: Batch, spec: OutputSpec, *, shard: bool = True
 ) -> list[list[list[float]]] | None:
     with engine.eval_mode():
-        out = engine.infer(engine.shard_data(batch), spec)
+        out = engine.infer(engine.shard_data(batch) if shard else batch, spec)
     if out is None:
         return None
     return [_rows(h, out, name) for name in spec.names]
@@ -168,6 +156,11 @@ def check_contract_shapes(h: EngineHarness) -> None:
         assert all(x <= 1e-6 for x in row), "log-probs must be <= 0"
     for row in _rows(h, out, "entropy"):
         assert all(x >= -1e-6 for x in row), "entropy must be >= 0"
+    with engine.eval_mode():
+        hot = engine.infer(shard, OutputSpec(log_probs=True, temperature=2.0))
+    assert hot is not None and _rows(h, hot, LOG_PROBS) != _rows(h, out, LOG_PROBS), (
+        "log-probs must depend on OutputSpec.temperature"
+    )
 
     with engine.train_mode():
         engine.optimizer_zero_grad()
@@ -180,6 +173,7 @@ def check_contract_shapes(h: EngineHarness) -> None:
     assert isinstance(lr, float) and lr > 0, f"bad learning rate {lr!r}"
     want_tokens = int(sum(sum(m) for m in sample_data(h.vocab_size)[1]))
     assert result.num_tokens == want_tokens, f"num_tokens {result.num_tokens} != {want_tokens}"
+    engine.close()
 
 
 def check_micro_batch_invariance(h: EngineHarness) -> None:
@@ -204,44 +198,74 @@ def check_micro_batch_invariance(h: EngineHarness) -> None:
         "micro_batch_size=1 must run more micro-batches than one whole batch"
     )
 
+    assert runs[3][1].result.num_micro_batches > 1, "the kit's token budget must split the batch"
+
     engine = h.make_engine(splits[0])
-    rows = _infer_rows(h, engine, batch, OutputSpec(log_probs=True))
-    if rows is not None and engine.parallel.dp_size == 1:
-        _, masks = sample_data(h.vocab_size)
+    shard = engine.shard_data(batch)
+    rows = _infer_rows(h, engine, shard, OutputSpec(log_probs=True), shard=False)
+    local = (0.0, 0)
+    if rows is not None:  # output ranks of each data-parallel group report their shard's sums
+        masks = _rows(h, shard, LOSS_MASK)
         nll = -sum(
             lp * m
-            for row, mask in zip(rows[0], masks, strict=True)
-            for lp, m in zip(row, mask, strict=True)
+            for r, mk in zip(rows[0], masks, strict=True)
+            for lp, m in zip(r, mk, strict=True)
         )
-        _assert_close(h, base.loss, nll / sum(map(sum, masks)), "loss vs token-mean NLL from infer")
+        local = (nll, int(sum(map(sum, masks))))
+    reports = [r for r in _gather(h, (engine.parallel.dp_rank, rows is not None, local)) if r[1]]
+    per_dp = {dp: sums for dp, _, sums in reports}  # one report per dp rank
+    total = sum(n for n, _ in per_dp.values()) / sum(t for _, t in per_dp.values())
+    _assert_close(h, base.loss, total, "loss vs global token-mean NLL from infer")
+    engine.close()
 
 
 def check_order_restored(h: EngineHarness) -> None:
     """``infer`` returns samples in the caller's order, whatever its micro-batching."""
-    engine = h.make_engine(MicroBatchConfig(max_tokens=max(LENGTHS) + 4))
-    batch = _data(h)
+    regrouping = h.make_engine(MicroBatchConfig(max_tokens=max(LENGTHS) + 4))
+    one_by_one = h.make_engine(MicroBatchConfig(micro_batch_size=1))
+    shard = regrouping.shard_data(_data(h))
     spec = OutputSpec(log_probs=True, entropy=True)
-    full = _infer_rows(h, engine, batch, spec)
-    if full is None:
+    got = _infer_rows(h, regrouping, shard, spec, shard=False)
+    want = _infer_rows(h, one_by_one, shard, spec, shard=False)
+    order = list(reversed(range(len(shard))))
+    flipped = _infer_rows(h, regrouping, shard.reorder(order), spec, shard=False)
+    regrouping.close()
+    one_by_one.close()
+    if got is None:
         return
-    if engine.parallel.dp_size > 1:
-        return  # samples of one rank's shard are compared below via a single-rank world
-    for i in range(len(batch)):
-        single = _infer_rows(h, engine, batch.select([i]), spec)
-        assert single is not None
-        for k, name in enumerate(spec.names):
-            got, want = full[k][i], single[k][0]
-            assert len(got) == len(want) and all(
-                _close(h, a, b) for a, b in zip(got, want, strict=True)
-            ), f"infer row {i} ({name}) is not sample {i}'s output: order not restored"
-    order = list(reversed(range(len(batch))))
-    flipped = _infer_rows(h, engine, batch.reorder(order), spec)
-    assert flipped is not None
-    for k in range(len(spec.names)):
+    assert want is not None and flipped is not None
+    for k, name in enumerate(spec.names):
+        for i in range(len(shard)):
+            assert all(_close(h, a, b) for a, b in zip(got[k][i], want[k][i], strict=True)), (
+                f"infer row {i} ({name}) is not sample {i}'s output: order not restored"
+            )
         for new, old in enumerate(order):
             assert all(
-                _close(h, a, b) for a, b in zip(flipped[k][new], full[k][old], strict=True)
+                _close(h, a, b) for a, b in zip(flipped[k][new], got[k][old], strict=True)
             ), "infer on a reordered batch must return the reordered outputs"
+
+
+def check_packed_matches_padded(h: EngineHarness) -> None:
+    """Packed input gives the padded input's outputs, sample for sample."""
+    if not getattr(h, "packed", True):
+        raise unittest.SkipTest("the harness says its engine does not take packed batches")
+    engine = h.make_engine(MicroBatchConfig(micro_batch_size=3))
+    batch = _data(h)
+    spec = OutputSpec(log_probs=True, entropy=True)
+    padded = _infer_rows(h, engine, batch, spec)
+    packed = _infer_rows(h, engine, batch.to_packed(), spec)
+    padded_run = _train_step(h, h.make_engine(MicroBatchConfig(micro_batch_size=3)), batch)
+    packed_run = _train_step(h, engine, batch.to_packed())
+    engine.close()
+    if padded is not None:
+        assert packed is not None
+        for k, name in enumerate(spec.names):
+            for i, (a, b) in enumerate(zip(packed[k], padded[k], strict=True)):
+                assert all(_close(h, x, y) for x, y in zip(a, b, strict=True)), (
+                    f"packed {name} of sample {i} differ from padded"
+                )
+    _assert_close(h, packed_run.loss, padded_run.loss, "packed vs padded loss")
+    _assert_weights_close(h, packed_run.weights, padded_run.weights, "packed vs padded step")
 
 
 def check_modes(h: EngineHarness) -> None:
@@ -259,14 +283,15 @@ def check_modes(h: EngineHarness) -> None:
     assert any(a != b for name in before for a, b in zip(before[name], after[name], strict=True)), (
         "a train step must change the weights"
     )
+    engine.close()
 
 
 def check_checkpoint_round_trip(h: EngineHarness) -> None:
-    """Save after one step, load into a fresh engine: the next step matches exactly."""
+    """Save after one step, load into a fresh engine: the next step matches."""
     batch = _data(h)
     split = MicroBatchConfig(micro_batch_size=3)
     with tempfile.TemporaryDirectory() as tmp:
-        path = f"{tmp}/ckpt"
+        path = _gather(h, f"{tmp}/ckpt")[0]  # every rank uses rank 0's (shared) path
         original = h.make_engine(split)
         _train_step(h, original, batch)
         info = original.save_checkpoint(path, step=1)
@@ -277,10 +302,13 @@ def check_checkpoint_round_trip(h: EngineHarness) -> None:
         loaded = resumed.load_checkpoint(path)
         assert loaded.step == 1, f"load_checkpoint returned step {loaded.step}, saved 1"
         got = _train_step(h, resumed, batch)
-    assert got.loss == expected.loss, f"loss after resume {got.loss!r} != {expected.loss!r}"
-    assert got.grad_norm == expected.grad_norm, "grad norm after resume differs"
-    assert got.lr == expected.lr, f"learning rate after resume {got.lr} != {expected.lr}"
-    assert got.weights == expected.weights, "weights after resume + one step differ"
+        _gather(h, None)  # nobody deletes the directory while another rank still reads it
+    original.close()
+    resumed.close()
+    _assert_close(h, got.loss, expected.loss, "loss after resume")
+    _assert_close(h, got.grad_norm, expected.grad_norm, "grad norm after resume")
+    _assert_close(h, got.lr, expected.lr, "learning rate after resume")
+    _assert_weights_close(h, got.weights, expected.weights, "weights after resume + one step")
 
 
 def check_weight_export(h: EngineHarness) -> None:
@@ -294,11 +322,12 @@ def check_weight_export(h: EngineHarness) -> None:
         if name not in reference:
             continue
         got = h.to_list(value)
-        assert _shape(got) == _shape(reference[name]), (
-            f"weight {name!r} has shape {_shape(got)}, expected the full {_shape(reference[name])}"
+        want_shape = shape_of(reference[name])
+        assert shape_of(got) == want_shape, (
+            f"weight {name!r} has shape {shape_of(got)}, expected the full {want_shape}"
         )
         worst = max(
-            (abs(a - b) for a, b in zip(_flatten(got), _flatten(reference[name]), strict=True)),
+            (abs(a - b) for a, b in zip(flatten(got), flatten(reference[name]), strict=True)),
             default=0.0,
         )
         assert worst <= h.atol, f"weight {name!r} differs from the reference by {worst:.3g}"
@@ -306,12 +335,14 @@ def check_weight_export(h: EngineHarness) -> None:
     extra = sorted(set(seen) - set(reference))
     assert not missing, f"export is missing weights {missing}"
     assert not extra, f"export has weights the reference does not: {extra}"
+    engine.close()
 
 
 ENGINE_CHECKS: tuple[Callable[[EngineHarness], None], ...] = (
     check_contract_shapes,
     check_micro_batch_invariance,
     check_order_restored,
+    check_packed_matches_padded,
     check_modes,
     check_checkpoint_round_trip,
     check_weight_export,
@@ -331,6 +362,8 @@ def iter_conformance(
     for check in checks:
         try:
             check(harness)
+        except unittest.SkipTest as exc:
+            yield CheckResult(check.__name__, True, f"skipped: {exc}")
         except AssertionError as exc:
             yield CheckResult(check.__name__, False, str(exc) or traceback.format_exc())
         else:

@@ -16,7 +16,6 @@ import itertools
 import json
 import math
 import os
-import random
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -25,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from drivetrain.api.batch import Batch, Layout
-from drivetrain.api.columns import INPUT_IDS, LOSS_MASK
+from drivetrain.api.columns import ENTROPY, INPUT_IDS, LOG_PROBS, LOSS_MASK
 from drivetrain.api.config import EngineConfig
 from drivetrain.api.engine import CheckpointInfo, Engine, NamedTensor, ParallelInfo, StepResult
 from drivetrain.api.errors import EngineStateError
@@ -81,7 +80,6 @@ class FakeEngine(Engine):
         self.exp_avg_sq = self._zeros()
         self.optim_steps = 0
         self.sched_steps = 0
-        self.rng = random.Random(cfg.seed)
         self._initialized = True
 
     def _zeros(self) -> dict[str, Any]:
@@ -140,7 +138,7 @@ class FakeEngine(Engine):
                 if spec.entropy:
                     logp = [x - norm for x in scaled]
                     entropy.append(-sum((lp.exp() * lp for lp in logp), Scalar(0.0)))
-            for name, row in (("log_probs", log_probs), ("entropy", entropy)):
+            for name, row in ((LOG_PROBS, log_probs), (ENTROPY, entropy)):
                 if name in rows:
                     rows[name].append(row)
         return {
@@ -187,6 +185,12 @@ class FakeEngine(Engine):
     def infer(self, batch: Batch, outputs: OutputSpec) -> Batch | None:
         self._require("eval", "infer")
         parts = self._micro_batches(batch)
+        if not parts:
+            return (
+                batch.slice(0, 0)
+                .with_columns(token_keys=outputs.names, **{name: [] for name in outputs.names})
+                .drop(*batch.columns)
+            )
         pieces = []
         for indices in parts:
             micro = batch.select(indices)
@@ -252,7 +256,7 @@ class FakeEngine(Engine):
 
     # ---- placement ----------------------------------------------------------------------
     def to(self, device: str, *, model: bool = True, optimizer: bool = True) -> None:
-        if device not in ("cpu", "device"):
+        if device not in ("cpu", "device"):  # the contract's two places
             raise ValueError(f"the fake engine knows devices 'cpu' and 'device', not {device!r}")
         if model:
             self._device["model"] = device
@@ -279,7 +283,6 @@ class FakeEngine(Engine):
             "exp_avg_sq": self.exp_avg_sq,
             "optim_steps": self.optim_steps,
             "sched_steps": self.sched_steps,
-            "rng": self.rng.getstate(),
         }
 
     def save_checkpoint(self, path: str, *, step: int) -> CheckpointInfo:
@@ -310,7 +313,5 @@ class FakeEngine(Engine):
         self.exp_avg_sq = state["exp_avg_sq"]
         self.optim_steps = state["optim_steps"]
         self.sched_steps = state["sched_steps"]
-        version, internal, gauss = state["rng"]
-        self.rng.setstate((version, tuple(internal), gauss))
         self.grads = self._zeros()
         return CheckpointInfo(os.path.abspath(path), state["step"])

@@ -19,6 +19,7 @@ class FakeHarness:
     vocab_size: int = 12
     atol: float = 1e-9
     rtol: float = 1e-9
+    packed: bool = True
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-2, clip_grad=None))
 
     def make_engine(self, micro_batch: MicroBatchConfig) -> Engine:
@@ -45,6 +46,9 @@ class FakeHarness:
 
     def to_list(self, value: Any) -> Any:
         return value
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]  # the fake engine is single-process
 
     def reference_weights(self) -> Mapping[str, Any]:
         return fake_model.init_weights(self.vocab_size, seed=0)

@@ -34,12 +34,3 @@ def log_softmax(logits: Sequence[float]) -> list[float]:
     peak = max(logits)
     total = math.log(sum(math.exp(x - peak) for x in logits)) + peak
     return [x - total for x in logits]
-
-
-def shape_of(value: Any) -> tuple[int, ...]:
-    """Shape of a nested list of numbers."""
-    shape: list[int] = []
-    while isinstance(value, list | tuple):
-        shape.append(len(value))
-        value = value[0] if value else None
-    return tuple(shape)

@@ -19,6 +19,7 @@ from drivetrain.api.config import RolloutConfig
 from drivetrain.api.engine import NamedTensor
 from drivetrain.api.rollout import Completion, FinishReason, Prompt, Rollout, SamplingParams
 from drivetrain.api.testing import fake_model
+from drivetrain.api.testing.nested import shape_of
 
 
 @dataclass(frozen=True)
@@ -35,11 +36,12 @@ def processed_log_probs(logits: Sequence[float], params: SamplingParams) -> list
     logp = fake_model.log_softmax([x / params.temperature for x in logits])
     order = sorted(range(len(logp)), key=lambda i: -logp[i])
     keep = order[: params.top_k] if params.top_k > 0 else order
-    if params.top_p < 1.0:
+    if params.top_p < 1.0:  # nucleus over the top-k distribution, renormalised (as vLLM/HF do)
+        renormalised = fake_model.log_softmax([logp[i] for i in keep])
         kept, mass = [], 0.0
-        for i in keep:
+        for i, lp in zip(keep, renormalised, strict=True):
             kept.append(i)
-            mass += math.exp(logp[i])
+            mass += math.exp(lp)
             if mass >= params.top_p:
                 break
         keep = kept
@@ -114,8 +116,8 @@ class FakeRollout(Rollout):
         for name, value in weights:
             if name not in self.weights:
                 raise KeyError(f"unknown weight {name!r}; the model has {sorted(self.weights)}")
-            if fake_model.shape_of(value) != fake_model.shape_of(self.weights[name]):
-                raise ValueError(f"weight {name!r} has shape {fake_model.shape_of(value)}")
+            if shape_of(value) != shape_of(self.weights[name]):
+                raise ValueError(f"weight {name!r} has shape {shape_of(value)}")
             staged[name] = copy.deepcopy(value)
         self.weights.update(staged)
         self._version = version

@@ -24,6 +24,8 @@ class EngineHarness(Protocol):
     #: Absolute/relative tolerance for comparisons (fp32 engines: about 1e-5).
     atol: float
     rtol: float
+    #: Whether the engine takes ``Layout.PACKED`` batches (the "packed" capability).
+    packed: bool
 
     def make_engine(self, micro_batch: MicroBatchConfig) -> Engine:
         """A fresh, initialized engine using ``micro_batch`` as its micro-batching config."""
@@ -38,6 +40,11 @@ class EngineHarness(Protocol):
 
     def to_list(self, value: Any) -> Any:
         """A column or weight value as nested Python lists of floats."""
+        ...
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """``obj`` from every rank of the engine's world, in rank order (``[obj]`` for one
+        process), e.g. ``torch.distributed.all_gather_object``. Also acts as a barrier."""
         ...
 
     def reference_weights(self) -> Mapping[str, Any]:
