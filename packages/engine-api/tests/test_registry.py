@@ -177,7 +177,9 @@ def test_env_var_with_unknown_group_is_an_error(install, monkeypatch):
     install("acme-engine", "acme")
     monkeypatch.setenv(reg.ENV_VAR, "engine:acme")
     reg.refresh_all()
-    with pytest.raises(PluginError, match="unknown group 'engine'.*engines, rollouts, ckpt_engines"):
+    with pytest.raises(
+        PluginError, match="unknown group 'engine'.*engines, rollouts, ckpt_engines"
+    ):
         reg.engines.load("acme")
 
 

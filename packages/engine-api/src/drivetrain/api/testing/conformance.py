@@ -1,5 +1,9 @@
 """The engine conformance checks: what every drivetrain engine must demonstrate.
 
+Every rank runs every check and makes the same engine calls in the same order (engines'
+methods are collective); assertions come after the calls, so one rank's failure does not leave
+its peers waiting in a collective.
+
 Each check is a plain function ``check_x(harness)`` that raises ``AssertionError`` with an
 explanation when the engine breaks the contract. They use only the standard library and the
 engine's public interface, so they run under pytest (see :mod:`drivetrain.api.testing.suite`),
@@ -19,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from drivetrain.api.batch import Batch
-from drivetrain.api.columns import LOG_PROBS, LOSS_MASK
+from drivetrain.api.columns import ENTROPY, LOG_PROBS, LOSS_MASK
 from drivetrain.api.config import MicroBatchConfig
 from drivetrain.api.engine import Engine, ParallelInfo, StepResult
 from drivetrain.api.errors import EngineStateError
@@ -139,11 +143,26 @@ def check_contract_shapes(h: EngineHarness) -> None:
             continue
         raise AssertionError(f"{call.__name__} outside train_mode() must raise EngineStateError")
 
+    # every rank makes every call (they may be collective); assertions come after
     spec = OutputSpec(log_probs=True, entropy=True)
     with engine.eval_mode():
         out = engine.infer(shard, spec)
+        hot = engine.infer(shard, OutputSpec(log_probs=True, temperature=2.0))
+    with engine.train_mode():
+        engine.optimizer_zero_grad()
+        result = engine.forward_backward(shard, token_mean_nll)
+        grad_norm = engine.optimizer_step()
+        lr = engine.lr_scheduler_step()
+    engine.close()
+
+    assert isinstance(result, StepResult), "forward_backward must return a StepResult"
+    assert math.isfinite(result.loss) and result.loss > 0, f"bad loss {result.loss!r}"
+    assert isinstance(grad_norm, float) and grad_norm > 0, f"bad grad norm {grad_norm!r}"
+    assert isinstance(lr, float) and lr > 0, f"bad learning rate {lr!r}"
+    want_tokens = int(sum(sum(m) for m in sample_data(h.vocab_size)[1]))
+    assert result.num_tokens == want_tokens, f"num_tokens {result.num_tokens} != {want_tokens}"
     if not info.is_output_rank:
-        assert out is None, "infer must return None on ranks that are not output ranks"
+        assert out is None and hot is None, "infer must return None on non-output ranks"
         return
     assert isinstance(out, Batch), "infer must return a Batch on output ranks"
     assert out.seq_lens == shard.seq_lens, "infer output must keep the input's samples and lengths"
@@ -151,29 +170,14 @@ def check_contract_shapes(h: EngineHarness) -> None:
         f"infer returned {sorted(out.columns)}, asked {spec.names}"
     )
     assert out.layout == shard.layout, "infer output must keep the input layout"
-    for row in _rows(h, out, "log_probs"):
+    for row in _rows(h, out, LOG_PROBS):
         assert row[0] == 0.0, "log_probs at the first token of a sequence must be 0"
         assert all(x <= 1e-6 for x in row), "log-probs must be <= 0"
-    for row in _rows(h, out, "entropy"):
+    for row in _rows(h, out, ENTROPY):
         assert all(x >= -1e-6 for x in row), "entropy must be >= 0"
-    with engine.eval_mode():
-        hot = engine.infer(shard, OutputSpec(log_probs=True, temperature=2.0))
     assert hot is not None and _rows(h, hot, LOG_PROBS) != _rows(h, out, LOG_PROBS), (
         "log-probs must depend on OutputSpec.temperature"
     )
-
-    with engine.train_mode():
-        engine.optimizer_zero_grad()
-        result = engine.forward_backward(shard, token_mean_nll)
-        grad_norm = engine.optimizer_step()
-        lr = engine.lr_scheduler_step()
-    assert isinstance(result, StepResult), "forward_backward must return a StepResult"
-    assert math.isfinite(result.loss) and result.loss > 0, f"bad loss {result.loss!r}"
-    assert isinstance(grad_norm, float) and grad_norm > 0, f"bad grad norm {grad_norm!r}"
-    assert isinstance(lr, float) and lr > 0, f"bad learning rate {lr!r}"
-    want_tokens = int(sum(sum(m) for m in sample_data(h.vocab_size)[1]))
-    assert result.num_tokens == want_tokens, f"num_tokens {result.num_tokens} != {want_tokens}"
-    engine.close()
 
 
 def check_micro_batch_invariance(h: EngineHarness) -> None:

@@ -1,0 +1,53 @@
+"""The FSDP engine's configuration (no torch import: the trainer reads it to validate runs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from drivetrain.api import ConfigError, EngineConfig
+
+STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
+ATTENTION = ("varlen", "sdpa", "eager")
+
+
+@dataclass(frozen=True)
+class FSDPConfig(EngineConfig):
+    """Knobs of drivetrain's FSDP engines (``fsdp2`` and ``fsdp``).
+
+    ``strategy``: ``full_shard`` (ZeRO-3), ``shard_grad_op`` (ZeRO-2: parameters stay gathered
+    between forward and backward), ``hybrid_shard`` (shard within groups of
+    ``hybrid_shard_size`` ranks, replicate across them), ``no_shard`` (DDP-like).
+    ``reduce_dtype``: gradient reduction dtype under mixed precision (params in ``model.dtype``).
+    ``attention``: ``varlen`` runs causal attention per packed sequence (no cross-sequence
+    leakage, no dense mask; required for Ulysses); ``sdpa``/``eager`` use the model's own.
+    ``remove_padding``: compute on packed sequences whatever the input layout.
+    ``ulysses_size``: sequence-parallel group size (divides the world size).
+    ``logits_chunk``: tokens per chunk when turning hidden states into log-probs/entropy, so
+    full-vocabulary logits exist for at most this many tokens at a time.
+    ``cpu_offload_policy``: FSDP2's ``CPUOffloadPolicy`` (parameters live on host during steps);
+    distinct from ``offload`` (move state to host between train/eval phases).
+    """
+
+    strategy: str = "full_shard"
+    hybrid_shard_size: int = 0
+    reduce_dtype: str = "float32"
+    attention: str = "varlen"
+    remove_padding: bool = True
+    ulysses_size: int = 1
+    logits_chunk: int = 1024
+    cpu_offload_policy: bool = False
+    tokenizer_path: str = ""  # defaults to model.path when it holds a tokenizer
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"strategy={self.strategy!r} is not one of {', '.join(STRATEGIES)}")
+        if self.attention not in ATTENTION:
+            raise ConfigError(f"attention={self.attention!r} is not one of {', '.join(ATTENTION)}")
+        if self.reduce_dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"reduce_dtype={self.reduce_dtype!r} must be float32 or bfloat16")
+        if self.ulysses_size < 1 or self.logits_chunk < 1:
+            raise ConfigError("ulysses_size and logits_chunk must be >= 1")
+        if self.ulysses_size > 1 and (self.attention != "varlen" or not self.remove_padding):
+            raise ConfigError("ulysses_size > 1 needs attention='varlen' and remove_padding")
+        if self.strategy == "hybrid_shard" and self.hybrid_shard_size < 1:
+            raise ConfigError("strategy='hybrid_shard' needs hybrid_shard_size >= 1")

@@ -1,0 +1,376 @@
+"""drivetrain's FSDP training engines: ``FSDP2Engine`` (``fully_shard``) and ``FSDP1Engine``.
+
+The engine computes on packed rows (see :mod:`packing`), cuts mini-batches into micro-batches
+itself (fixed size or token budget, the same count on every rank), scales the backward pass so
+the accumulated gradient is the gradient of the summed losses whatever FSDP's averaging, and
+returns outputs in the caller's layout and order. Modules: sharding, attention + Ulysses,
+chunked token outputs, optimizer, offload, checkpoint and weight export live beside this file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from drivetrain.api import (
+    Batch,
+    BatchError,
+    CheckpointInfo,
+    Engine,
+    EngineConfig,
+    EngineStateError,
+    LossContext,
+    LossFn,
+    NamedTensor,
+    OutputSpec,
+    ParallelInfo,
+    StepResult,
+)
+from drivetrain.api.batch import restore_order
+from drivetrain.api.columns import ENTROPY, INPUT_IDS, LOG_PROBS, LOSS_MASK, VALUES
+from drivetrain.api.partition import fixed_size_partition
+from drivetrain.engine.fsdp import checkpoint, offload, weights
+from drivetrain.engine.fsdp.attention import set_packed_row
+from drivetrain.engine.fsdp.config import FSDPConfig
+from drivetrain.engine.fsdp.distributed import build_meshes, ensure_process_group, resolve_device
+from drivetrain.engine.fsdp.model import DTYPES, TokenOutputModel, load_hf_model, unwrap_peft
+from drivetrain.engine.fsdp.optim import build_optimizer, clip_grad_norm
+from drivetrain.engine.fsdp.packing import PackedRow, align_to_inputs, flat_column, pack, to_layout
+from drivetrain.engine.fsdp.sequence_parallel import gather_sequence, local_slice
+from drivetrain.engine.fsdp.sharding import wrap_fsdp1, wrap_fsdp2
+
+
+def _as_fsdp_config(config: EngineConfig) -> FSDPConfig:
+    if isinstance(config, FSDPConfig):
+        return config
+    return FSDPConfig(**{name: getattr(config, name) for name in vars(config)})
+
+
+class FSDPEngine(Engine):
+    """Shared implementation; :class:`FSDP2Engine` and :class:`FSDP1Engine` pick the wrapper."""
+
+    fsdp1: ClassVar[bool] = False
+    config: FSDPConfig
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(_as_fsdp_config(config))
+        self._mode: str | None = None
+        self.model: Any = None
+
+    # ---- life cycle ---------------------------------------------------------------------
+    def initialize(self) -> None:
+        cfg = self.config
+        self.device = resolve_device(cfg.device)
+        ensure_process_group(self.device)
+        torch.manual_seed(cfg.seed)  # identical init on every rank for new heads / adapters
+        shard_size = {"hybrid_shard": cfg.hybrid_shard_size, "no_shard": 0 if self.fsdp1 else 1}
+        self.meshes = build_meshes(self.device, cfg.ulysses_size, shard_size.get(cfg.strategy, 0))
+        hf = load_hf_model(cfg.model, cfg.attention)
+        self.hf_config = unwrap_peft(hf).config
+        module = TokenOutputModel(
+            hf, value_head=cfg.model.value_head, logits_chunk=cfg.logits_chunk
+        )
+        module.to(self.device)
+        wrap = wrap_fsdp1 if self.fsdp1 else wrap_fsdp2
+        self.model = wrap(module, cfg, self.meshes.fsdp, self.device)
+        self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, self.device)
+        lora = cfg.model.lora
+        self._lora_scaling = lora.alpha / lora.rank if lora.enabled else None
+        self._offload_idle()
+
+    def close(self) -> None:
+        self.model = self.optimizer = self.scheduler = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    @property
+    def parallel(self) -> ParallelInfo:
+        if self.model is None:
+            raise EngineStateError("call initialize() first")
+        m = self.meshes
+        return ParallelInfo(
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            dp_rank=m.dp_rank,
+            dp_size=m.dp_size,
+            is_output_rank=m.sp_rank == 0,
+            sizes={"dp": m.dp_size, "sp": m.sp_size},
+        )
+
+    @property
+    def _inner(self) -> TokenOutputModel:
+        return self.model.module if self.fsdp1 else self.model
+
+    # ---- modes and placement ------------------------------------------------------------
+    @contextlib.contextmanager
+    def _enter(self, mode: str) -> Iterator[None]:
+        if self.model is None:
+            raise EngineStateError("call initialize() first")
+        previous, self._mode = self._mode, mode
+        self.to("device", model=True, optimizer=mode == "train")
+        self.model.train(mode == "train")
+        try:
+            yield
+        finally:
+            self._mode = previous
+            if previous is None:
+                self._offload_idle()
+
+    def train_mode(self) -> AbstractContextManager[None]:
+        return self._enter("train")
+
+    def eval_mode(self) -> AbstractContextManager[None]:
+        return self._enter("eval")
+
+    def _require(self, mode: str, what: str) -> None:
+        if self._mode != mode:
+            raise EngineStateError(f"{what} needs {mode}_mode() (current mode: {self._mode})")
+
+    def _offload_idle(self) -> None:
+        off = self.config.offload
+        self.to("cpu", model=off.params, optimizer=off.optimizer)
+
+    def to(self, device: str, *, model: bool = True, optimizer: bool = True) -> None:
+        if device not in ("cpu", "device"):
+            raise ValueError(f"device must be 'cpu' or 'device', got {device!r}")
+        target = torch.device("cpu") if device == "cpu" else self.device
+        if model:
+            offload.move_model(self.model, target)
+        if optimizer:
+            offload.move_optimizer(self.optimizer, target)
+
+    # ---- data ---------------------------------------------------------------------------
+    def _micro_batches(self, batch: Batch) -> list[list[int]]:
+        """Index groups; every rank gets the same count (empty groups pad short shards)."""
+        spec = self.config.micro_batch
+        if spec.max_tokens is not None:
+            parts = batch.token_budget_parts(spec.max_tokens)
+        else:
+            parts = fixed_size_partition(len(batch), spec.micro_batch_size or 1)
+        count = torch.tensor(len(parts))
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        count = int(count)
+        if spec.max_tokens is not None and len(parts) < count <= len(batch):
+            parts = batch.token_budget_parts(spec.max_tokens, min_parts=count)  # rebalance
+        return parts + [[] for _ in range(count - len(parts))]
+
+    def _on_device(self, batch: Batch) -> Batch:
+        moved = {
+            name: value.to(self.device)
+            for name, value in batch.columns.items()
+            if isinstance(value, torch.Tensor) and value.device != self.device
+        }
+        return batch.with_columns(**moved) if moved else batch
+
+    def _dummy(self) -> Batch:
+        """A one-sample, loss-free micro-batch for ranks with fewer samples than their peers."""
+        n = self.meshes.sp_size
+        return Batch.from_columns(
+            {
+                INPUT_IDS: torch.zeros(1, n, dtype=torch.long, device=self.device),
+                LOSS_MASK: torch.zeros(1, n, device=self.device),
+            },
+            seq_lens=[n],
+        )
+
+    # ---- compute ------------------------------------------------------------------------
+    def _run_model(
+        self, micro: Batch, spec: OutputSpec
+    ) -> tuple[dict[str, torch.Tensor], PackedRow]:
+        cfg, m = self.config, self.meshes
+        if cfg.remove_padding:
+            row = pack(micro, self.device, multiple=m.sp_size)
+            ids, pos, tgt = (
+                local_slice(t, m.sp_group) for t in (row.input_ids, row.position_ids, row.targets)
+            )
+            set_packed_row(row.cu_seqlens, m.sp_group)
+            raw = self.model(ids[None], pos[None], tgt, None, spec.temperature, spec.entropy)
+            raw = {name: gather_sequence(value, m.sp_group) for name, value in raw.items()}
+            return raw, row
+        padded = micro.to_padded()
+        row = pack(padded, self.device)
+        ids = padded[INPUT_IDS].to(self.device)
+        width = ids.shape[1]
+        lens = torch.tensor(padded.seq_lens, device=self.device)
+        mask = (torch.arange(width, device=self.device)[None, :] < lens[:, None]).long()
+        positions = torch.arange(width, device=self.device).expand_as(ids)
+        raw = self.model(
+            ids, positions, row.targets[: row.num_tokens], mask, spec.temperature, spec.entropy
+        )
+        return raw, row
+
+    def _outputs(self, micro: Batch, spec: OutputSpec) -> dict[str, torch.Tensor]:
+        """The requested outputs for ``micro``, aligned with its inputs, in its layout."""
+        if spec.values != self.config.model.value_head or (
+            spec.values and (spec.log_probs or spec.entropy)
+        ):
+            kind = "value-head" if self.config.model.value_head else "causal LM"
+            raise EngineStateError(f"a {kind} engine cannot compute {spec.names}")
+        raw, row = self._run_model(micro, spec)
+        wanted = {LOG_PROBS: "log_probs", ENTROPY: "entropy", VALUES: "values"}
+        return {
+            column: to_layout(align_to_inputs(raw[key], row), micro)
+            for column, key in wanted.items()
+            if column in spec.names
+        }
+
+    def forward_backward(
+        self, batch: Batch, loss_fn: LossFn, *, outputs: OutputSpec | None = None
+    ) -> StepResult:
+        self._require("train", "forward_backward")
+        spec = outputs or (
+            OutputSpec(log_probs=False, values=True)
+            if self.config.model.value_head
+            else OutputSpec()
+        )
+        m = self.meshes
+        counts = torch.tensor(
+            [float(flat_column(batch, LOSS_MASK).sum()) if len(batch) else 0.0, float(len(batch))]
+        )
+        dist.all_reduce(counts, group=m.dp_group)
+        global_tokens, global_seqs = int(counts[0]), int(counts[1])
+        if global_tokens == 0:
+            raise BatchError("the mini-batch has no tokens with loss_mask == 1")
+        parts = self._micro_batches(batch)
+        # FSDP averages gradients over all ranks; the contract wants their sum over
+        # data-parallel ranks (sequence-parallel peers each hold a slice of one gradient)
+        scale = dist.get_world_size()
+        loss_sum, metrics = 0.0, {}
+        for k, indices in enumerate(parts):
+            if not indices:
+                out = self._outputs(self._dummy(), spec)
+                (sum(v.sum() for v in out.values()) * 0.0).backward()
+                continue
+            micro = self._on_device(batch.select(indices))
+            ctx = LossContext(global_tokens, global_seqs, m.dp_size, k, len(parts))
+            loss, mb_metrics = loss_fn(self._outputs(micro, spec), micro, ctx)
+            (loss * scale).backward()
+            loss_sum += float(loss.detach())
+            for name, value in mb_metrics.items():
+                metrics[name] = metrics.get(name, 0.0) + float(value)
+        loss_total, metric_totals = self._sum_over_dp(loss_sum, metrics)
+        return StepResult(loss_total, metric_totals, len(parts), global_tokens)
+
+    def _sum_over_dp(
+        self, loss: float, metrics: Mapping[str, float]
+    ) -> tuple[float, dict[str, float]]:
+        reports: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, (self.meshes.sp_rank, loss, dict(metrics)))
+        primary = [r for r in reports if r[0] == 0]  # sequence-parallel peers report the same
+        totals: dict[str, float] = {}
+        for _, _, values in primary:
+            for name, value in values.items():
+                totals[name] = totals.get(name, 0.0) + value
+        return sum(r[1] for r in primary), totals
+
+    def infer(self, batch: Batch, outputs: OutputSpec) -> Batch | None:
+        self._require("eval", "infer")
+        pieces, groups = [], []
+        with torch.no_grad():
+            for indices in self._micro_batches(batch):
+                if not indices:
+                    self._outputs(self._dummy(), outputs)
+                    continue
+                micro = self._on_device(batch.select(indices))
+                computed = {k: v.detach().cpu() for k, v in self._outputs(micro, outputs).items()}
+                pieces.append(
+                    Batch(computed, micro.seq_lens, frozenset(computed), micro.layout, batch.meta)
+                )
+                groups.append(indices)
+        if not self.parallel.is_output_rank:
+            return None
+        if not pieces:
+            empty = {name: torch.zeros(0) for name in outputs.names}
+            return Batch(empty, (), frozenset(empty), batch.layout, batch.meta)
+        return restore_order(pieces, groups)
+
+    def optimizer_zero_grad(self) -> None:
+        self._require("train", "optimizer_zero_grad")
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_step(self) -> float:
+        self._require("train", "optimizer_step")
+        norm = clip_grad_norm(self.model, self.config.optim.clip_grad, fsdp1=self.fsdp1)
+        if math.isfinite(norm):
+            self.optimizer.step()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)  # skip the update, keep the weights
+        return norm
+
+    def lr_scheduler_step(self) -> float:
+        self._require("train", "lr_scheduler_step")
+        self.scheduler.step()
+        return float(self.scheduler.get_last_lr()[0])
+
+    # ---- weights and checkpoints --------------------------------------------------------
+    def export_weights(self, *, adapter_only: bool = False) -> Iterator[NamedTensor]:
+        if self.model is None:
+            raise EngineStateError("call initialize() first")
+        if adapter_only and self._lora_scaling is None:
+            raise EngineStateError("adapter_only export needs LoRA (model.lora.rank > 0)")
+        return weights.export_stream(
+            self.model,
+            fsdp1=self.fsdp1,
+            dtype=DTYPES[self.config.model.dtype],
+            lora_scaling=self._lora_scaling,
+            adapter_only=adapter_only,
+        )
+
+    def adapter_config(self) -> Mapping[str, Any] | None:
+        if self._lora_scaling is None:
+            return None
+        config = self._inner.hf.peft_config["default"].to_dict()
+        return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+
+    def disable_adapter(self) -> AbstractContextManager[None]:
+        if self._lora_scaling is None:
+            return super().disable_adapter()
+        return self._inner.hf.disable_adapter()
+
+    def save_hf(self, path: str) -> None:
+        """Export a Hugging Face model directory (safetensors, config, tokenizer); collective."""
+        source = Path(self.config.tokenizer_path or self.config.model.path)
+        has_tokenizer = any(
+            (source / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")
+        )
+        weights.save_hf(
+            path,
+            self.export_weights(),
+            hf_config=self.hf_config,
+            tokenizer_dir=str(source) if has_tokenizer else None,
+        )
+
+    def save_checkpoint(self, path: str, *, step: int) -> CheckpointInfo:
+        if self.model is None:
+            raise EngineStateError("call initialize() first")
+        name = "fsdp" if self.fsdp1 else "fsdp2"
+        return checkpoint.save(
+            path,
+            step=step,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            engine=name,
+        )
+
+    def load_checkpoint(self, path: str) -> CheckpointInfo:
+        if self.model is None:
+            raise EngineStateError("call initialize() before load_checkpoint()")
+        return checkpoint.load(
+            path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler
+        )
+
+
+class FSDP2Engine(FSDPEngine):
+    fsdp1 = False
+
+
+class FSDP1Engine(FSDPEngine):
+    fsdp1 = True

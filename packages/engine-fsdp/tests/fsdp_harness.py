@@ -1,0 +1,119 @@
+"""Tiny local models and the conformance harness for the FSDP engines (no hub access)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from drivetrain.api import (
+    Batch,
+    LoraConfig,
+    MicroBatchConfig,
+    ModelConfig,
+    OffloadConfig,
+    OptimConfig,
+)
+from drivetrain.engine.fsdp.config import FSDPConfig
+from drivetrain.engine.fsdp.engine import FSDP1Engine, FSDP2Engine
+
+ENGINES = {"fsdp2": FSDP2Engine, "fsdp": FSDP1Engine}
+VOCAB = 64
+
+
+def build_tiny_model(
+    path: str, *, family: str = "qwen2", seed: int = 0, tie: bool = True, value_head: bool = False
+) -> str:
+    """A 2-layer random model saved as a Hugging Face directory (fp32)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    config_class = Qwen2Config if family == "qwen2" else LlamaConfig
+    config = config_class(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path)
+    return path
+
+
+def padded_batch(sequences: Sequence[Sequence[int]], loss_mask: Sequence[Sequence[int]]) -> Batch:
+    width = max(len(s) for s in sequences)
+    ids = torch.zeros(len(sequences), width, dtype=torch.long)
+    mask = torch.zeros(len(sequences), width)
+    for i, (s, m) in enumerate(zip(sequences, loss_mask, strict=True)):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
+    return Batch.from_columns(
+        {"input_ids": ids, "loss_mask": mask}, seq_lens=[len(s) for s in sequences]
+    )
+
+
+@dataclass
+class FSDPHarness:
+    model_dir: str
+    engine: str = "fsdp2"
+    overrides: dict[str, Any] = field(default_factory=dict)
+    vocab_size: int = VOCAB
+    atol: float = 1e-5
+    rtol: float = 1e-5
+    packed: bool = True
+
+    def config(self, micro_batch: MicroBatchConfig) -> FSDPConfig:
+        rest = dict(self.overrides)
+        model = dict(rest.pop("model", {}))
+        if "lora" in model:
+            model["lora"] = LoraConfig(**model["lora"])
+        optim = {"lr": 1e-2, "weight_decay": 0.0, "clip_grad": None, **rest.pop("optim", {})}
+        offload = OffloadConfig(**rest.pop("offload", {}))
+        return FSDPConfig(
+            model=ModelConfig(path=self.model_dir, **model),
+            optim=OptimConfig(**optim),
+            offload=offload,
+            micro_batch=micro_batch,
+            device="cpu",
+            **rest,
+        )
+
+    def make_engine(self, micro_batch: MicroBatchConfig) -> Any:
+        engine = ENGINES[self.engine](self.config(micro_batch))
+        engine.initialize()
+        return engine
+
+    def make_batch(
+        self, sequences: Sequence[Sequence[int]], loss_mask: Sequence[Sequence[int]]
+    ) -> Batch:
+        return padded_batch(sequences, loss_mask)
+
+    def to_list(self, value: Any) -> Any:
+        return value.tolist() if isinstance(value, torch.Tensor) else value
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+
+    def reference_weights(self) -> Mapping[str, Any]:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def single_thread() -> None:
+    """One torch thread per process: two processes share two cores (FACTS)."""
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
