@@ -117,3 +117,19 @@ class FSDPHarness:
 def single_thread() -> None:
     """One torch thread per process: two processes share two cores (FACTS)."""
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+
+def build_tiny_tokenizer(path: str) -> str:
+    """A word-level tokenizer over the tiny vocabulary, saved next to a model (no hub)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"w{i}": i for i in range(3, VOCAB)})
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
+    tokenizer.save_pretrained(path)
+    return path

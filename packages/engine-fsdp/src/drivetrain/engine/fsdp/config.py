@@ -23,7 +23,8 @@ class FSDPConfig(EngineConfig):
     ``remove_padding``: compute on packed sequences whatever the input layout.
     ``ulysses_size``: sequence-parallel group size (divides the world size).
     ``logits_chunk``: tokens per chunk when turning hidden states into log-probs/entropy, so
-    full-vocabulary logits exist for at most this many tokens at a time.
+    full-vocabulary logits exist for at most this many tokens at a time; 0 picks the count whose
+    fp32 logits fill ``logits_chunk_mib`` (4,096 tokens at a 16k vocabulary, 440 at 152k).
     ``cpu_offload_policy``: FSDP2's ``CPUOffloadPolicy`` (parameters live on host during steps);
     distinct from ``offload`` (move state to host between train/eval phases).
     """
@@ -34,9 +35,15 @@ class FSDPConfig(EngineConfig):
     attention: str = "varlen"
     remove_padding: bool = True
     ulysses_size: int = 1
-    logits_chunk: int = 1024
+    logits_chunk: int = 0
+    logits_chunk_mib: int = 256
     cpu_offload_policy: bool = False
     tokenizer_path: str = ""  # defaults to model.path when it holds a tokenizer
+
+    def chunk_tokens(self, vocab_size: int) -> int:
+        if self.logits_chunk:
+            return self.logits_chunk
+        return max(1, self.logits_chunk_mib * 2**20 // (4 * vocab_size))
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -45,8 +52,8 @@ class FSDPConfig(EngineConfig):
             raise ConfigError(f"attention={self.attention!r} is not one of {', '.join(ATTENTION)}")
         if self.reduce_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"reduce_dtype={self.reduce_dtype!r} must be float32 or bfloat16")
-        if self.ulysses_size < 1 or self.logits_chunk < 1:
-            raise ConfigError("ulysses_size and logits_chunk must be >= 1")
+        if self.ulysses_size < 1 or self.logits_chunk < 0 or self.logits_chunk_mib < 1:
+            raise ConfigError("ulysses_size and logits_chunk_mib must be >= 1, logits_chunk >= 0")
         if self.ulysses_size > 1 and (self.attention != "varlen" or not self.remove_padding):
             raise ConfigError("ulysses_size > 1 needs attention='varlen' and remove_padding")
         if self.strategy == "hybrid_shard" and self.hybrid_shard_size < 1:

@@ -75,15 +75,25 @@ class FSDPEngine(Engine):
         hf = load_hf_model(cfg.model, cfg.attention)
         self.hf_config = unwrap_peft(hf).config
         module = TokenOutputModel(
-            hf, value_head=cfg.model.value_head, logits_chunk=cfg.logits_chunk
+            hf,
+            value_head=cfg.model.value_head,
+            logits_chunk=cfg.chunk_tokens(self.hf_config.vocab_size),
         )
         module.to(self.device)
         wrap = wrap_fsdp1 if self.fsdp1 else wrap_fsdp2
-        self.model = wrap(module, cfg, self.meshes.fsdp, self.device)
+        self.model = wrap(module, cfg, self.meshes.fsdp, self.device) if self._shards() else module
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, self.device)
         lora = cfg.model.lora
         self._lora_scaling = lora.alpha / lora.rank if lora.enabled else None
         self._offload_idle()
+
+    def _shards(self) -> bool:
+        """Whether to wrap with FSDP. FSDP2 over a world of one only copies parameters and
+        gradients through its buffers (~20% of a step here), so a single fp32 rank without
+        an offload policy trains the plain module, as FSDP1 itself falls back to NO_SHARD."""
+        cfg = self.config
+        alone = dist.get_world_size() == 1 and cfg.model.dtype == "float32"
+        return self.fsdp1 or not alone or cfg.cpu_offload_policy
 
     def close(self) -> None:
         self.model = self.optimizer = self.scheduler = None

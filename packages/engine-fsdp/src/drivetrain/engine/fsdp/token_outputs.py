@@ -1,8 +1,8 @@
 """Per-token log-probs and entropy from hidden states, a chunk of tokens at a time.
 
 Full-vocabulary logits exist for at most ``chunk`` tokens at once, in forward *and* backward:
-each chunk runs under activation checkpointing, so its logits are recomputed during backward
-instead of being kept.
+when there are several chunks, each runs under activation checkpointing, so its logits are
+recomputed during backward instead of being kept.
 """
 
 from __future__ import annotations
@@ -20,13 +20,14 @@ def _chunk_outputs(
     temperature: float,
     want_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = F.linear(hidden, weight, bias).float() / temperature
-    log_norm = torch.logsumexp(logits, dim=-1)
-    log_probs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_norm
-    if want_entropy:
-        entropy = log_norm - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    else:
-        entropy = torch.zeros_like(log_probs)
+    logits = F.linear(hidden, weight, bias).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    # one fused log_softmax (forward and backward) is far cheaper on CPU than logsumexp's
+    # separate max/sub/exp passes over the [tokens, vocab] block
+    logp = torch.log_softmax(logits, dim=-1)
+    log_probs = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1) if want_entropy else torch.zeros_like(log_probs)
     return log_probs, entropy
 
 
@@ -43,10 +44,11 @@ def next_token_outputs(
     """For hidden states ``[T, H]`` and the tokens they predict ``[T]``: ``log p(target)`` and
     the entropy of the predictive distribution at ``temperature``, both ``[T]`` float32."""
     log_probs, entropies = [], []
-    grad = torch.is_grad_enabled()
+    # one chunk holds no more logits than the bound anyway: recomputing it would only cost time
+    grad = torch.is_grad_enabled() and hidden.shape[0] > chunk
     for start in range(0, hidden.shape[0], chunk):
         args = (hidden[start : start + chunk], weight, bias, targets[start : start + chunk])
-        if grad:
+        if grad:  # keep no logits for backward: recompute this chunk's there
             lp, ent = checkpoint(
                 _chunk_outputs, *args, temperature, want_entropy, use_reentrant=False
             )
