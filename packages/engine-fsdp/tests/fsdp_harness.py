@@ -72,6 +72,7 @@ class FSDPHarness:
     atol: float = 1e-5
     rtol: float = 1e-5
     packed: bool = True
+    device: str = "cpu"
 
     def config(self, micro_batch: MicroBatchConfig) -> FSDPConfig:
         rest = dict(self.overrides)
@@ -85,7 +86,7 @@ class FSDPHarness:
             optim=OptimConfig(**optim),
             offload=offload,
             micro_batch=micro_batch,
-            device="cpu",
+            device=self.device,
             **rest,
         )
 

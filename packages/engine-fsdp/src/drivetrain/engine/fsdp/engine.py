@@ -79,10 +79,13 @@ class FSDPEngine(Engine):
             value_head=cfg.model.value_head,
             logits_chunk=cfg.chunk_tokens(self.hf_config.vocab_size),
         )
-        module.to(self.device)
+        if not cfg.cpu_offload_policy:  # with it, FSDP2 wants host parameters and moves them itself
+            module.to(self.device)
         wrap = wrap_fsdp1 if self.fsdp1 else wrap_fsdp2
         self.model = wrap(module, cfg, self.meshes.fsdp, self.device) if self._shards() else module
-        self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, self.device)
+        # under CPUOffloadPolicy the sharded parameters (and so the optimizer) live on the host
+        optim_device = torch.device("cpu") if cfg.cpu_offload_policy else self.device
+        self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, optim_device)
         lora = cfg.model.lora
         self._lora_scaling = lora.alpha / lora.rank if lora.enabled else None
         self._offload_idle()
@@ -151,6 +154,8 @@ class FSDPEngine(Engine):
         if device not in ("cpu", "device"):
             raise ValueError(f"device must be 'cpu' or 'device', got {device!r}")
         target = torch.device("cpu") if device == "cpu" else self.device
+        if self.config.cpu_offload_policy:  # FSDP2 keeps parameters and optimizer on the host
+            return
         if model:
             offload.move_model(self.model, target)
         if optimizer:
@@ -164,7 +169,7 @@ class FSDPEngine(Engine):
             parts = batch.token_budget_parts(spec.max_tokens)
         else:
             parts = fixed_size_partition(len(batch), spec.micro_batch_size or 1)
-        count = torch.tensor(len(parts))
+        count = torch.tensor(len(parts), device=self.device)  # NCCL reduces device tensors only
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         count = int(count)
         if spec.max_tokens is not None and len(parts) < count <= len(batch):
@@ -242,7 +247,8 @@ class FSDPEngine(Engine):
         )
         m = self.meshes
         counts = torch.tensor(
-            [float(flat_column(batch, LOSS_MASK).sum()) if len(batch) else 0.0, float(len(batch))]
+            [float(flat_column(batch, LOSS_MASK).sum()) if len(batch) else 0.0, float(len(batch))],
+            device=self.device,
         )
         dist.all_reduce(counts, group=m.dp_group)
         global_tokens, global_seqs = int(counts[0]), int(counts[1])
