@@ -78,3 +78,23 @@ def test_offload_between_phases_on_cuda(model_dir):
     with engine.eval_mode():
         out = engine.infer(batch, OutputSpec(log_probs=True))
     assert out["log_probs"].device.type == "cpu" and torch.isfinite(out["log_probs"]).all()
+
+
+@pytest.mark.parametrize("engine_name", ["fsdp2", "fsdp"])
+def test_offload_frees_device_memory(model_dir, engine_name):
+    """Wrapped engines (bf16 forces FSDP at world size 1) hand device memory back when idle."""
+    data = make_data()
+    batch = padded_batch(data["sequences"], data["masks"])
+    overrides = {"model": {"dtype": "bfloat16"}, "offload": {"params": True, "optimizer": True}}
+    engine = FSDPHarness(
+        model_dir, engine=engine_name, overrides=overrides, device="cuda"
+    ).make_engine(MicroBatchConfig(micro_batch_size=4))
+    with engine.train_mode():
+        engine.optimizer_zero_grad()
+        engine.forward_backward(batch, token_mean_nll)
+        engine.optimizer_step()
+        resident = torch.cuda.memory_allocated()
+    idle = torch.cuda.memory_allocated()
+    assert idle < resident / 2, f"{engine_name}: {idle} bytes still on the GPU after offload"
+    exported = dict(engine.export_weights())  # works while offloaded
+    assert exported and torch.cuda.memory_allocated() < resident / 2

@@ -56,6 +56,9 @@ def varlen_attention(
     if not _CURRENT:
         raise RuntimeError(f"attention '{NAME}' runs only inside drivetrain's FSDP engine")
     ctx = _CURRENT[0]
+    for unsupported in ("sliding_window", "softcap", "s_aux"):
+        if kwargs.get(unsupported) is not None:
+            raise RuntimeError(f"attention '{NAME}' does not implement {unsupported}; use 'sdpa'")
     if query.shape[0] != 1:
         raise RuntimeError(f"attention '{NAME}' takes one packed row, got batch {query.shape[0]}")
     heads = query.shape[1]

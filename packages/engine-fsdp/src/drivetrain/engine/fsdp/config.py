@@ -38,6 +38,7 @@ class FSDPConfig(EngineConfig):
     logits_chunk: int = 0
     logits_chunk_mib: int = 256
     cpu_offload_policy: bool = False
+    meta_init: bool = True  # multi-rank FSDP2: only rank 0 reads the weights, others build on meta
     tokenizer_path: str = ""  # defaults to model.path when it holds a tokenizer
 
     def chunk_tokens(self, vocab_size: int) -> int:
@@ -56,5 +57,7 @@ class FSDPConfig(EngineConfig):
             raise ConfigError("ulysses_size and logits_chunk_mib must be >= 1, logits_chunk >= 0")
         if self.ulysses_size > 1 and (self.attention != "varlen" or not self.remove_padding):
             raise ConfigError("ulysses_size > 1 needs attention='varlen' and remove_padding")
+        if self.attention == "varlen" and not self.remove_padding:
+            raise ConfigError("attention='varlen' computes packed rows: keep remove_padding on")
         if self.strategy == "hybrid_shard" and self.hybrid_shard_size < 1:
             raise ConfigError("strategy='hybrid_shard' needs hybrid_shard_size >= 1")

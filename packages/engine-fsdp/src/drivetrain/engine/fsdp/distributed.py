@@ -15,11 +15,14 @@ from drivetrain.api import ConfigError
 BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
 
 
+def _local_cuda() -> torch.device:
+    # Ray may expose one GPU per actor while LOCAL_RANK counts all local ranks
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+
+
 def resolve_device(requested: str) -> torch.device:
     if requested == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        return torch.device("cpu")
+        return _local_cuda() if torch.cuda.is_available() else torch.device("cpu")
     kind = requested.split(":")[0]
     if kind not in BACKENDS:
         raise ConfigError(
@@ -28,17 +31,20 @@ def resolve_device(requested: str) -> torch.device:
     if kind == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError("device='cuda' but no CUDA device is visible")
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return _local_cuda()
     return torch.device(requested)
 
 
 def ensure_process_group(device: torch.device) -> None:
-    """Join the group torchrun/Ray describe in the environment, or form a world of one."""
+    """Join the group torchrun/Ray describe in the environment, or form a world of one.
+
+    On CUDA the group also gets gloo for host tensors (CPU-offloaded shards, object
+    collectives), so nothing fails with "no backend for device type cpu"."""
+    if device.type == "cuda":  # also when someone else created the group
+        torch.cuda.set_device(device)
     if dist.is_initialized():
         return
-    backend = BACKENDS[device.type]
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else BACKENDS[device.type]
     if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
         dist.init_process_group(backend)
     else:  # in-process use: a private world of one, no port needed

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -23,6 +24,7 @@ from drivetrain.api import (
     Batch,
     BatchError,
     CheckpointInfo,
+    ConfigError,
     Engine,
     EngineConfig,
     EngineStateError,
@@ -44,7 +46,7 @@ from drivetrain.engine.fsdp.model import DTYPES, TokenOutputModel, load_hf_model
 from drivetrain.engine.fsdp.optim import build_optimizer, clip_grad_norm
 from drivetrain.engine.fsdp.packing import PackedRow, align_to_inputs, flat_column, pack, to_layout
 from drivetrain.engine.fsdp.sequence_parallel import gather_sequence, local_slice
-from drivetrain.engine.fsdp.sharding import wrap_fsdp1, wrap_fsdp2
+from drivetrain.engine.fsdp.sharding import broadcast_from_rank0, wrap_fsdp1, wrap_fsdp2
 
 
 def _as_fsdp_config(config: EngineConfig) -> FSDPConfig:
@@ -67,22 +69,33 @@ class FSDPEngine(Engine):
     # ---- life cycle ---------------------------------------------------------------------
     def initialize(self) -> None:
         cfg = self.config
+        if self.fsdp1 and cfg.cpu_offload_policy:
+            raise ConfigError("cpu_offload_policy is FSDP2's; with FSDP1 use offload.params")
         self.device = resolve_device(cfg.device)
         ensure_process_group(self.device)
         torch.manual_seed(cfg.seed)  # identical init on every rank for new heads / adapters
         shard_size = {"hybrid_shard": cfg.hybrid_shard_size, "no_shard": 0 if self.fsdp1 else 1}
         self.meshes = build_meshes(self.device, cfg.ulysses_size, shard_size.get(cfg.strategy, 0))
-        hf = load_hf_model(cfg.model, cfg.attention)
+        rank0_loads = (
+            self._shards() and not self.fsdp1 and dist.get_world_size() > 1 and cfg.meta_init
+        )
+        hf = load_hf_model(cfg.model, cfg.attention, empty=rank0_loads and dist.get_rank() > 0)
         self.hf_config = unwrap_peft(hf).config
         module = TokenOutputModel(
             hf,
             value_head=cfg.model.value_head,
             logits_chunk=cfg.chunk_tokens(self.hf_config.vocab_size),
         )
-        if not cfg.cpu_offload_policy:  # with it, FSDP2 wants host parameters and moves them itself
+        empty = rank0_loads and dist.get_rank() != 0
+        # rank 0's full weights stay on the host until each rank takes its shard
+        full = module.state_dict() if rank0_loads and not empty else None
+        if not cfg.cpu_offload_policy and not empty:  # (FSDP2's offload policy wants host params)
             module.to(self.device)
         wrap = wrap_fsdp1 if self.fsdp1 else wrap_fsdp2
         self.model = wrap(module, cfg, self.meshes.fsdp, self.device) if self._shards() else module
+        if rank0_loads:
+            host = cfg.cpu_offload_policy
+            broadcast_from_rank0(self.model, full, torch.device("cpu") if host else self.device)
         # under CPUOffloadPolicy the sharded parameters (and so the optimizer) live on the host
         optim_device = torch.device("cpu") if cfg.cpu_offload_policy else self.device
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, optim_device)
@@ -105,16 +118,18 @@ class FSDPEngine(Engine):
 
     @property
     def parallel(self) -> ParallelInfo:
-        if self.model is None:
-            raise EngineStateError("call initialize() first")
-        m = self.meshes
+        # before initialize() the layout follows from torchrun's environment and the config
+        initialized = dist.is_initialized()
+        world = dist.get_world_size() if initialized else int(os.environ.get("WORLD_SIZE", 1))
+        rank = dist.get_rank() if initialized else int(os.environ.get("RANK", 0))
+        sp = self.config.ulysses_size
         return ParallelInfo(
-            rank=dist.get_rank(),
-            world_size=dist.get_world_size(),
-            dp_rank=m.dp_rank,
-            dp_size=m.dp_size,
-            is_output_rank=m.sp_rank == 0,
-            sizes={"dp": m.dp_size, "sp": m.sp_size},
+            rank=rank,
+            world_size=world,
+            dp_rank=rank // sp,
+            dp_size=world // sp,
+            is_output_rank=rank % sp == 0,
+            sizes={"dp": world // sp, "sp": sp},
         )
 
     @property
@@ -135,6 +150,20 @@ class FSDPEngine(Engine):
             self._mode = previous
             if previous is None:
                 self._offload_idle()
+            else:  # back in the outer mode: its dropout setting again
+                self.model.train(previous == "train")
+
+    @contextlib.contextmanager
+    def _resident(self) -> Iterator[None]:
+        """State on the device for a call made outside the modes (export, checkpoints)."""
+        if self._mode is not None:
+            yield
+            return
+        self.to("device")
+        try:
+            yield
+        finally:
+            self._offload_idle()
 
     def train_mode(self) -> AbstractContextManager[None]:
         return self._enter("train")
@@ -157,23 +186,37 @@ class FSDPEngine(Engine):
         if self.config.cpu_offload_policy:  # FSDP2 keeps parameters and optimizer on the host
             return
         if model:
-            offload.move_model(self.model, target)
+            offload.move_model(self.model, target, fsdp1=self.fsdp1)
         if optimizer:
             offload.move_optimizer(self.optimizer, target)
+        if target.type == "cpu" and (model or optimizer):
+            offload.release_device_memory(self.device)
 
     # ---- data ---------------------------------------------------------------------------
     def _micro_batches(self, batch: Batch) -> list[list[int]]:
         """Index groups; every rank gets the same count (empty groups pad short shards)."""
         spec = self.config.micro_batch
-        if spec.max_tokens is not None:
-            parts = batch.token_budget_parts(spec.max_tokens)
-        else:
-            parts = fixed_size_partition(len(batch), spec.micro_batch_size or 1)
-        count = torch.tensor(len(parts), device=self.device)  # NCCL reduces device tensors only
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        count = int(count)
+        error: BatchError | None = None
+        parts: list[list[int]] = []
+        try:
+            if spec.max_tokens is not None:
+                parts = batch.token_budget_parts(spec.max_tokens)
+            else:
+                parts = fixed_size_partition(len(batch), spec.micro_batch_size or 1)
+        except BatchError as exc:  # tell the peers before raising, or they wait forever
+            error = exc
+        # NCCL reduces device tensors only
+        flags = torch.tensor([len(parts), int(error is not None)], device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        count, failed = int(flags[0]), bool(flags[1])
+        if error is not None:
+            raise error
+        if failed:
+            raise BatchError("another rank's shard could not be cut into micro-batches")
         if spec.max_tokens is not None and len(parts) < count <= len(batch):
-            parts = batch.token_budget_parts(spec.max_tokens, min_parts=count)  # rebalance
+            balanced = batch.token_budget_parts(spec.max_tokens, min_parts=count)
+            if len(balanced) == count:  # spread over the agreed count rather than pad
+                parts = balanced
         return parts + [[] for _ in range(count - len(parts))]
 
     def _on_device(self, batch: Batch) -> Batch:
@@ -248,6 +291,7 @@ class FSDPEngine(Engine):
         m = self.meshes
         counts = torch.tensor(
             [float(flat_column(batch, LOSS_MASK).sum()) if len(batch) else 0.0, float(len(batch))],
+            dtype=torch.float64,  # exact token counts beyond 2**24
             device=self.device,
         )
         dist.all_reduce(counts, group=m.dp_group)
@@ -331,13 +375,17 @@ class FSDPEngine(Engine):
             raise EngineStateError("call initialize() first")
         if adapter_only and self._lora_scaling is None:
             raise EngineStateError("adapter_only export needs LoRA (model.lora.rank > 0)")
-        return weights.export_stream(
-            self.model,
-            fsdp1=self.fsdp1,
-            dtype=DTYPES[self.config.model.dtype],
-            lora_scaling=self._lora_scaling,
-            adapter_only=adapter_only,
-        )
+        return self._export(adapter_only)
+
+    def _export(self, adapter_only: bool) -> Iterator[NamedTensor]:
+        with self._resident():
+            yield from weights.export_stream(
+                self.model,
+                fsdp1=self.fsdp1,
+                dtype=DTYPES[self.config.model.dtype],
+                lora_scaling=self._lora_scaling,
+                adapter_only=adapter_only,
+            )
 
     def adapter_config(self) -> Mapping[str, Any] | None:
         if self._lora_scaling is None:
@@ -367,21 +415,23 @@ class FSDPEngine(Engine):
         if self.model is None:
             raise EngineStateError("call initialize() first")
         name = "fsdp" if self.fsdp1 else "fsdp2"
-        return checkpoint.save(
-            path,
-            step=step,
-            model=self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            engine=name,
-        )
+        with self._resident():
+            return checkpoint.save(
+                path,
+                step=step,
+                model=self.model,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                engine=name,
+            )
 
     def load_checkpoint(self, path: str) -> CheckpointInfo:
         if self.model is None:
             raise EngineStateError("call initialize() before load_checkpoint()")
-        return checkpoint.load(
-            path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler
-        )
+        with self._resident():
+            return checkpoint.load(
+                path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler
+            )
 
 
 class FSDP2Engine(FSDPEngine):

@@ -21,26 +21,28 @@ from drivetrain.engine.fsdp.token_outputs import next_token_outputs
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_hf_model(config: ModelConfig, attention: str) -> nn.Module:
-    """The HF model in fp32 (the master copy; mixed precision casts for compute)."""
+def load_hf_model(config: ModelConfig, attention: str, *, empty: bool = False) -> nn.Module:
+    """The HF model in fp32 (the master copy; mixed precision casts for compute).
+
+    ``empty``: parameters on the meta device (no memory, no disk read), buffers real; the
+    engine fills them from rank 0 after sharding, so large models are read once per job."""
     if not config.path:
         raise ConfigError("model.path is empty: point it at a local Hugging Face model directory")
     attn = VARLEN if attention == "varlen" else attention
-    kwargs: dict[str, Any] = {
-        "dtype": torch.float32,
-        "attn_implementation": attn,
-        "trust_remote_code": config.trust_remote_code,
-    }
+    kwargs: dict[str, Any] = {"dtype": torch.float32, "attn_implementation": attn}
+    remote = {"trust_remote_code": config.trust_remote_code}
+    extra = {"num_labels": 1} if config.value_head else {}
+    auto = AutoModelForTokenClassification if config.value_head else AutoModelForCausalLM
     try:
-        if config.value_head:
-            hf_config = AutoConfig.from_pretrained(
-                config.path, num_labels=1, trust_remote_code=config.trust_remote_code
-            )
-            model = AutoModelForTokenClassification.from_pretrained(
-                config.path, config=hf_config, **kwargs
-            )
+        hf_config = AutoConfig.from_pretrained(config.path, **extra, **remote)
+        if empty:
+            from accelerate import init_empty_weights
+
+            with init_empty_weights():  # parameters on meta, buffers (rotary tables) real
+                model = auto.from_config(hf_config, **kwargs, **remote)
+            model.tie_weights()  # from_config on meta leaves tied heads as separate parameters
         else:
-            model = AutoModelForCausalLM.from_pretrained(config.path, **kwargs)
+            model = auto.from_pretrained(config.path, config=hf_config, **kwargs, **remote)
     except OSError as exc:
         raise ConfigError(f"model.path={config.path!r} is not a loadable model: {exc}") from exc
     model.config.use_cache = False  # a KV cache in training breaks packed attention (FACTS)

@@ -66,9 +66,7 @@ def wrap_fsdp1(
         "no_shard": ShardingStrategy.NO_SHARD,
     }
     param_dtype, reduce_dtype = _compute_dtypes(config)
-    mixed = MixedPrecision(
-        param_dtype=param_dtype, reduce_dtype=reduce_dtype, buffer_dtype=param_dtype
-    )
+    mixed = MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype)  # fp32 buffers
     layer_types = {type(layer) for layer in decoder_layers(model.hf)}
     return FSDP(
         model,
@@ -81,3 +79,28 @@ def wrap_fsdp1(
         use_orig_params=True,
         sync_module_states=False,
     )
+
+
+def broadcast_from_rank0(
+    model: nn.Module, full: dict[str, torch.Tensor] | None, device: torch.device
+) -> None:
+    """Fill every rank's parameter shards from rank 0's full state dict, one parameter at a
+    time (ranks other than 0 built the model on the meta device and hold no weights yet)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if dist.get_rank() != 0:
+        buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+        model.to_empty(device=device)
+        for name, buffer in model.named_buffers():  # to_empty dropped the real buffers
+            buffer.data.copy_(buffers[name])
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if full is not None:
+                source = full[name].to(device=device, dtype=param.dtype)
+            else:
+                source = torch.empty(param.shape, dtype=param.dtype, device=device)
+            assert isinstance(param, DTensor), f"{name} is not sharded"
+            # scatter from rank 0, keep only this rank's shard
+            shard = distribute_tensor(source, param.device_mesh, param.placements, src_data_rank=0)
+            param.to_local().copy_(shard.to_local())
