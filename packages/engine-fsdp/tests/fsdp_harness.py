@@ -26,7 +26,7 @@ VOCAB = 64
 
 
 def build_tiny_model(
-    path: str, *, family: str = "qwen2", seed: int = 0, tie: bool = True, value_head: bool = False
+    path: str, *, family: str = "qwen2", seed: int = 0, tie: bool = True, hidden: int = 32
 ) -> str:
     """A 2-layer random model saved as a Hugging Face directory (fp32)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
@@ -34,8 +34,8 @@ def build_tiny_model(
     config_class = Qwen2Config if family == "qwen2" else LlamaConfig
     config = config_class(
         vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,

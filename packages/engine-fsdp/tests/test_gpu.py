@@ -81,20 +81,28 @@ def test_offload_between_phases_on_cuda(model_dir):
 
 
 @pytest.mark.parametrize("engine_name", ["fsdp2", "fsdp"])
-def test_offload_frees_device_memory(model_dir, engine_name):
+def test_offload_frees_device_memory(tmp_path, engine_name):
     """Wrapped engines (bf16 forces FSDP at world size 1) hand device memory back when idle."""
+    model_dir = build_tiny_model(str(tmp_path / "model"), hidden=1024)  # ~19M parameters
     data = make_data()
     batch = padded_batch(data["sequences"], data["masks"])
     overrides = {"model": {"dtype": "bfloat16"}, "offload": {"params": True, "optimizer": True}}
-    engine = FSDPHarness(
-        model_dir, engine=engine_name, overrides=overrides, device="cuda"
-    ).make_engine(MicroBatchConfig(micro_batch_size=4))
+    harness = FSDPHarness(model_dir, engine=engine_name, overrides=overrides, device="cuda")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    engine = harness.make_engine(MicroBatchConfig(micro_batch_size=4))
     with engine.train_mode():
         engine.optimizer_zero_grad()
         engine.forward_backward(batch, token_mean_nll)
         engine.optimizer_step()
-        resident = torch.cuda.memory_allocated()
-    idle = torch.cuda.memory_allocated()
-    assert idle < resident / 2, f"{engine_name}: {idle} bytes still on the GPU after offload"
-    exported = dict(engine.export_weights())  # works while offloaded
-    assert exported and torch.cuda.memory_allocated() < resident / 2
+        engine.optimizer_zero_grad()
+        resident = torch.cuda.memory_allocated() - base
+    idle = torch.cuda.memory_allocated() - base
+    assert resident > 200e6, (
+        f"{engine_name}: expected params + Adam state on the GPU, got {resident}"
+    )
+    # FSDP1 keeps some mixed-precision/communication buffers of its own on the device
+    bound = resident / 10 if engine_name == "fsdp2" else resident / 2
+    assert idle < bound, f"{engine_name}: {idle} of {resident} bytes stay on the GPU"
+    count = sum(t.numel() for _, t in engine.export_weights())  # works while offloaded
+    assert count > 15e6 and torch.cuda.memory_allocated() - base < bound  # and offloads again
