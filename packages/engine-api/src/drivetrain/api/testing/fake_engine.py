@@ -19,16 +19,16 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from drivetrain.api.batch import Batch, Layout
 from drivetrain.api.columns import ENTROPY, INPUT_IDS, LOG_PROBS, LOSS_MASK
 from drivetrain.api.config import EngineConfig
-from drivetrain.api.engine import CheckpointInfo, Engine, NamedTensor, ParallelInfo, StepResult
+from drivetrain.api.engine import CheckpointInfo, NamedTensor, ParallelInfo, StepResult
 from drivetrain.api.errors import EngineStateError
 from drivetrain.api.loss import LossContext, LossFn, OutputSpec
+from drivetrain.api.modes import ModalEngine
 from drivetrain.api.partition import fixed_size_partition, inverse_permutation
 from drivetrain.api.schedule import lr_multiplier
 from drivetrain.api.testing import fake_model
@@ -60,15 +60,14 @@ def _layout_like(batch: Batch, rows: list[list[Any]], pad: Any) -> list[Any]:
     return [row + [pad] * (width - len(row)) for row in rows]
 
 
-class FakeEngine(Engine):
+class FakeEngine(ModalEngine):
     config: FakeEngineConfig
 
     def __init__(self, config: EngineConfig) -> None:
         if not isinstance(config, FakeEngineConfig):
             config = FakeEngineConfig(**{k: getattr(config, k) for k in vars(config)})
         super().__init__(config)
-        self._mode: str | None = None
-        self._initialized = False
+        self._ready = False
         self._device = {"model": "cpu", "optimizer": "cpu"}
 
     # ---- life cycle ---------------------------------------------------------------------
@@ -80,7 +79,7 @@ class FakeEngine(Engine):
         self.exp_avg_sq = self._zeros()
         self.optim_steps = 0
         self.sched_steps = 0
-        self._initialized = True
+        self._ready = True
 
     def _zeros(self) -> dict[str, Any]:
         v = self.config.vocab_size
@@ -91,29 +90,15 @@ class FakeEngine(Engine):
         return ParallelInfo()
 
     # ---- modes --------------------------------------------------------------------------
-    @contextmanager
-    def _enter(self, mode: str) -> Iterator[None]:
-        if not self._initialized:
-            raise EngineStateError("call initialize() first")
-        previous = self._mode
-        self._mode = mode
-        self.to("device", model=True, optimizer=mode == "train")
-        try:
-            yield
-        finally:
-            self._mode = previous
+    def _initialized(self) -> bool:
+        return self._ready
+
+    def _place(self, mode: str | None) -> None:
+        if mode is None:  # idle: offload as configured
             offload = self.config.offload
             self.to("cpu", model=offload.params, optimizer=offload.optimizer)
-
-    def train_mode(self) -> AbstractContextManager[None]:
-        return self._enter("train")
-
-    def eval_mode(self) -> AbstractContextManager[None]:
-        return self._enter("eval")
-
-    def _require(self, mode: str, what: str) -> None:
-        if self._mode != mode:
-            raise EngineStateError(f"{what} needs {mode}_mode() (current mode: {self._mode})")
+        else:
+            self.to("device", model=True, optimizer=mode == "train")
 
     # ---- compute ------------------------------------------------------------------------
     def _micro_batches(self, batch: Batch) -> list[list[int]]:
@@ -304,7 +289,7 @@ class FakeEngine(Engine):
         return CheckpointInfo(path, step)
 
     def load_checkpoint(self, path: str) -> CheckpointInfo:
-        if not self._initialized:
+        if not self._ready:
             raise EngineStateError("call initialize() before load_checkpoint()")
         with open(os.path.join(path, "state.json")) as f:
             state = json.load(f)

@@ -25,7 +25,6 @@ from drivetrain.api import (
     BatchError,
     CheckpointInfo,
     ConfigError,
-    Engine,
     EngineConfig,
     EngineStateError,
     LossContext,
@@ -37,6 +36,7 @@ from drivetrain.api import (
 )
 from drivetrain.api.batch import restore_order
 from drivetrain.api.columns import ENTROPY, INPUT_IDS, LOG_PROBS, LOSS_MASK, VALUES
+from drivetrain.api.modes import TRAIN, ModalEngine
 from drivetrain.api.partition import fixed_size_partition
 from drivetrain.engine.fsdp import checkpoint, offload, weights
 from drivetrain.engine.fsdp.attention import set_packed_row
@@ -55,7 +55,7 @@ def _as_fsdp_config(config: EngineConfig) -> FSDPConfig:
     return FSDPConfig(**{name: getattr(config, name) for name in vars(config)})
 
 
-class FSDPEngine(Engine):
+class FSDPEngine(ModalEngine):
     """Shared implementation; :class:`FSDP2Engine` and :class:`FSDP1Engine` pick the wrapper."""
 
     fsdp1: ClassVar[bool] = False
@@ -63,7 +63,6 @@ class FSDPEngine(Engine):
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(_as_fsdp_config(config))
-        self._mode: str | None = None
         self.model: Any = None
 
     # ---- life cycle ---------------------------------------------------------------------
@@ -101,7 +100,7 @@ class FSDPEngine(Engine):
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, optim_device)
         lora = cfg.model.lora
         self._lora_scaling = lora.alpha / lora.rank if lora.enabled else None
-        self._offload_idle()
+        self._place(None)
 
     def _shards(self) -> bool:
         """Whether to wrap with FSDP. FSDP2 over a world of one only copies parameters and
@@ -137,21 +136,16 @@ class FSDPEngine(Engine):
         return self.model.module if self.fsdp1 else self.model
 
     # ---- modes and placement ------------------------------------------------------------
-    @contextlib.contextmanager
-    def _enter(self, mode: str) -> Iterator[None]:
-        if self.model is None:
-            raise EngineStateError("call initialize() first")
-        previous, self._mode = self._mode, mode
-        self.to("device", model=True, optimizer=mode == "train")
-        self.model.train(mode == "train")
-        try:
-            yield
-        finally:
-            self._mode = previous
-            if previous is None:
-                self._offload_idle()
-            else:  # back in the outer mode: its dropout setting again
-                self.model.train(previous == "train")
+    def _initialized(self) -> bool:
+        return self.model is not None
+
+    def _place(self, mode: str | None) -> None:
+        if mode is None:  # idle: offload as configured
+            off = self.config.offload
+            self.to("cpu", model=off.params, optimizer=off.optimizer)
+            return
+        self.to("device", model=True, optimizer=mode == TRAIN)
+        self.model.train(mode == TRAIN)
 
     @contextlib.contextmanager
     def _resident(self) -> Iterator[None]:
@@ -163,21 +157,7 @@ class FSDPEngine(Engine):
         try:
             yield
         finally:
-            self._offload_idle()
-
-    def train_mode(self) -> AbstractContextManager[None]:
-        return self._enter("train")
-
-    def eval_mode(self) -> AbstractContextManager[None]:
-        return self._enter("eval")
-
-    def _require(self, mode: str, what: str) -> None:
-        if self._mode != mode:
-            raise EngineStateError(f"{what} needs {mode}_mode() (current mode: {self._mode})")
-
-    def _offload_idle(self) -> None:
-        off = self.config.offload
-        self.to("cpu", model=off.params, optimizer=off.optimizer)
+            self._place(None)
 
     def to(self, device: str, *, model: bool = True, optimizer: bool = True) -> None:
         if device not in ("cpu", "device"):
