@@ -61,14 +61,17 @@ def varlen_attention(
             raise RuntimeError(f"attention '{NAME}' does not implement {unsupported}; use 'sdpa'")
     if query.shape[0] != 1:
         raise RuntimeError(f"attention '{NAME}' takes one packed row, got batch {query.shape[0]}")
-    heads = query.shape[1]
-    key = _repeat_kv(key, heads // key.shape[1])
-    value = _repeat_kv(value, heads // value.shape[1])
+    heads, kv_heads = query.shape[1], key.shape[1]
     if ctx.sp_group is not None:  # [1, h, s/sp, d] -> [1, h/sp, s, d]
         sp = dist.get_world_size(ctx.sp_group)
         if heads % sp:
             raise RuntimeError(f"{heads} attention heads do not divide over ulysses_size={sp}")
+        if kv_heads % sp:  # too few KV heads to split: send them repeated
+            key, value = _repeat_kv(key, heads // kv_heads), _repeat_kv(value, heads // kv_heads)
         query, key, value = (all_to_all(t, ctx.sp_group, 1, 2) for t in (query, key, value))
+    # each rank's query heads map onto its own KV heads (GQA groups stay whole)
+    key = _repeat_kv(key, query.shape[1] // key.shape[1])
+    value = _repeat_kv(value, query.shape[1] // value.shape[1])
     if query.shape[2] != ctx.cu_seqlens[-1]:
         raise RuntimeError(
             f"packed row has {query.shape[2]} tokens, offsets say {ctx.cu_seqlens[-1]}"

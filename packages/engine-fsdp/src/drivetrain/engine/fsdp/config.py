@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from drivetrain.api import ConfigError, EngineConfig
 
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
-ATTENTION = ("varlen", "sdpa", "eager")
+ATTENTION = ("varlen", "sdpa", "eager", "flash_attention_2")
 
 
 @dataclass(frozen=True)
@@ -18,8 +18,10 @@ class FSDPConfig(EngineConfig):
     between forward and backward), ``hybrid_shard`` (shard within groups of
     ``hybrid_shard_size`` ranks, replicate across them), ``no_shard`` (DDP-like).
     ``reduce_dtype``: gradient reduction dtype under mixed precision (params in ``model.dtype``).
-    ``attention``: ``varlen`` runs causal attention per packed sequence (no cross-sequence
-    leakage, no dense mask; required for Ulysses); ``sdpa``/``eager`` use the model's own.
+    ``attention``: ``varlen`` runs causal SDPA per packed sequence (no cross-sequence leakage,
+    no dense mask; required for Ulysses; on CPU faster than one masked call); ``sdpa``/``eager``
+    use the model's own; on GPUs with flash-attn installed ``flash_attention_2`` runs packed
+    rows through its variable-length kernel (transformers reads the restarting position ids).
     ``remove_padding``: compute on packed sequences whatever the input layout.
     ``ulysses_size``: sequence-parallel group size (divides the world size).
     ``logits_chunk``: tokens per chunk when turning hidden states into log-probs/entropy, so

@@ -123,6 +123,9 @@ def export_stream(
             if part is not None and part[1] != "base":
                 module, kind, suffix = part
                 yield f"base_model.model.{module}.lora_{kind}.{suffix}", tensor.to(dtype)
+            elif ".modules_to_save.default." in name:  # fully trained modules (a value head)
+                plain = name.replace(".modules_to_save.default", "")
+                yield f"base_model.model.{plain}", tensor.to(dtype)
         return
     stream = _lora_merged(raw, lora_scaling) if lora_scaling is not None else raw
     for name, tensor in stream:
@@ -158,8 +161,10 @@ def save_hf(
 
     seen = set()
     for name, tensor in weights:
-        if rank != 0 or name in seen:
+        if rank != 0:
             continue
+        if name in seen:
+            raise ValueError(f"weight {name!r} exported twice")
         seen.add(name)
         nbytes = tensor.numel() * tensor.element_size()
         if size and size + nbytes > max_shard_bytes:
