@@ -151,13 +151,6 @@ def test_value_head_engine_outputs_and_trains(model_dir, batch):
         critic.infer(batch, OutputSpec(log_probs=True))
 
 
-def test_offload_moves_state_between_phases(model_dir, batch):
-    harness = FSDPHarness(model_dir, overrides={"offload": {"params": True, "optimizer": True}})
-    engine = harness.make_engine(MicroBatchConfig(micro_batch_size=4))
-    train_steps(engine, batch, steps=1)
-    assert all(p.device.type == "cpu" for p in engine._inner.parameters())
-
-
 def test_clear_errors(model_dir, batch, tmp_path):
     with pytest.raises(ConfigError, match="model.path is empty"):
         FSDPHarness("").make_engine(MicroBatchConfig(micro_batch_size=1))

@@ -18,7 +18,7 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,7 +68,6 @@ class FakeEngine(ModalEngine):
             config = FakeEngineConfig(**{k: getattr(config, k) for k in vars(config)})
         super().__init__(config)
         self._ready = False
-        self._device = {"model": "cpu", "optimizer": "cpu"}
 
     # ---- life cycle ---------------------------------------------------------------------
     def initialize(self) -> None:
@@ -243,15 +242,7 @@ class FakeEngine(ModalEngine):
     def to(self, device: str, *, model: bool = True, optimizer: bool = True) -> None:
         if device not in ("cpu", "device"):  # the contract's two places
             raise ValueError(f"the fake engine knows devices 'cpu' and 'device', not {device!r}")
-        if model:
-            self._device["model"] = device
-        if optimizer:
-            self._device["optimizer"] = device
-
-    @property
-    def placement(self) -> Mapping[str, str]:
-        """Where model and optimizer state are ("cpu" = offloaded), for offload tests."""
-        return dict(self._device)
+        # pure-Python state lives in host memory either way: nothing to move
 
     # ---- weights and checkpoints --------------------------------------------------------
     def export_weights(self, *, adapter_only: bool = False) -> Iterator[NamedTensor]:
