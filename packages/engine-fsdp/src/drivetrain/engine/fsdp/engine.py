@@ -78,14 +78,14 @@ class FSDPEngine(ModalEngine):
         rank0_loads = (
             self._shards() and not self.fsdp1 and dist.get_world_size() > 1 and cfg.meta_init
         )
-        hf = load_hf_model(cfg.model, cfg.attention, empty=rank0_loads and dist.get_rank() > 0)
+        empty = rank0_loads and dist.get_rank() > 0  # built on meta, filled from rank 0
+        hf = load_hf_model(cfg.model, cfg.attention, empty=empty)
         self.hf_config = unwrap_peft(hf).config
         module = TokenOutputModel(
             hf,
             value_head=cfg.model.value_head,
             logits_chunk=cfg.chunk_tokens(self.hf_config.vocab_size),
         )
-        empty = rank0_loads and dist.get_rank() != 0
         # rank 0's full weights stay on the host until each rank takes its shard
         full = module.state_dict() if rank0_loads and not empty else None
         if not cfg.cpu_offload_policy and not empty:  # (FSDP2's offload policy wants host params)
