@@ -191,3 +191,11 @@ def test_group_qualified_allow_list_leaves_other_groups_alone(install, monkeypat
     reg.rollouts.load("fake")
     with pytest.raises(PluginError, match="not listed"):
         reg.engines.load("fake")
+
+
+def test_config_class_is_read_without_the_factory():
+    from drivetrain.api import EngineConfig
+    from drivetrain.api.testing import FakeEngineConfig
+
+    reg.refresh_all()
+    assert reg.engines.load_config_class("fake", EngineConfig) is FakeEngineConfig

@@ -16,7 +16,6 @@ import json
 import os
 import random
 import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from drivetrain.api import CheckpointInfo
+from drivetrain.engine.fsdp.atomic_dir import publish, staging_name
 
 MARKER = "drivetrain.json"
 
@@ -45,14 +45,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save(
     path: str,
     *,
@@ -64,7 +56,7 @@ def save(
 ) -> CheckpointInfo:
     target = Path(path).absolute()
     rank = dist.get_rank()
-    name = [f"{target.name}.incomplete-{uuid.uuid4().hex[:8]}" if rank == 0 else None]
+    name = [staging_name(target) if rank == 0 else None]
     dist.broadcast_object_list(name, src=0)
     staging = target.parent / str(name[0])
     if rank == 0:
@@ -82,15 +74,7 @@ def save(
                 json.dump(marker, f)
                 f.flush()
                 os.fsync(f.fileno())
-            _fsync_dir(staging)
-            if target.exists():  # replace an older checkpoint at the same path
-                old = target.parent / f"{target.name}.old-{uuid.uuid4().hex[:8]}"
-                os.replace(target, old)
-                os.replace(staging, target)
-                shutil.rmtree(old)
-            else:
-                os.replace(staging, target)
-            _fsync_dir(target.parent)
+            publish(staging, target)
         dist.barrier()
     except BaseException:
         if rank == 0:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,14 +21,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from drivetrain.api import NamedTensor
+from drivetrain.engine.fsdp.atomic_dir import publish, staging_name
 
 _PREFIXES = ("hf.", "base_model.model.")
-_FSDP1_MARKERS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+_FSDP1_MARKER = "_fsdp_wrapped_module."
 
 
 def _clean(name: str) -> str:
-    for marker in _FSDP1_MARKERS:
-        name = name.replace(marker, "")
+    name = name.replace(_FSDP1_MARKER, "")
     for prefix in _PREFIXES:
         name = name.removeprefix(prefix)
     return name
@@ -51,22 +49,15 @@ def _named_full_fsdp1(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     units = FSDP.fsdp_modules(model)  # root first, then nested units in module order
     nested = {id(p) for unit in units[1:] for p in unit.parameters()}
     order = {id(p): i for i, (_, p) in enumerate(model.named_parameters())}
+    prefixes = {id(m): f"{name}." if name else "" for name, m in model.named_modules()}
     for index, unit in enumerate(units):
         with FSDP.summon_full_params(unit, recurse=False, writeback=False):
             owned = [
                 (name, p) for name, p in unit.named_parameters() if index > 0 or id(p) not in nested
             ]
             owned.sort(key=lambda item: order.get(id(item[1]), 0))
-            prefix = _unit_prefix(model, unit)
             for name, param in owned:
-                yield _clean(prefix + name), param.detach().clone()
-
-
-def _unit_prefix(root: nn.Module, unit: nn.Module) -> str:
-    for name, module in root.named_modules():
-        if module is unit:
-            return f"{name}." if name else ""
-    return ""
+                yield _clean(prefixes[id(unit)] + name), param.detach().clone()
 
 
 _LORA_PARTS = {".base_layer.": "base", ".lora_A.": "A", ".lora_B.": "B"}
@@ -144,7 +135,7 @@ def save_hf(
     Every rank consumes the stream (it is collective); rank 0 writes, atomically."""
     rank = dist.get_rank()
     target = Path(path).absolute()
-    staging = target.parent / f"{target.name}.incomplete-{uuid.uuid4().hex[:8]}"
+    staging = target.parent / staging_name(target)
     shard: dict[str, torch.Tensor] = {}
     written: list[tuple[str, list[str]]] = []
     size = 0
@@ -184,7 +175,5 @@ def save_hf(
             from transformers import AutoTokenizer
 
             AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(staging)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
+        publish(staging, target)
     dist.barrier()
