@@ -12,7 +12,8 @@ from drivetrain.api.schedule import lr_multiplier
     [
         (lambda: OptimConfig(lr=0), "optim.lr=0 must be > 0"),
         (lambda: OptimConfig(scheduler="step"), "not one of constant, linear, cosine"),
-        (lambda: OptimConfig(scheduler="cosine"), "needs optim.total_steps"),
+        (lambda: lr_multiplier(0, OptimConfig(scheduler="cosine")), "needs optim.total_steps"),
+        (lambda: lr_multiplier(0, OptimConfig(warmup_ratio=0.1)), "needs optim.total_steps"),
         (lambda: OptimConfig(betas=(0.9, 1.5)), "betas"),
         (lambda: MicroBatchConfig(), "exactly one"),
         (lambda: MicroBatchConfig(micro_batch_size=2, max_tokens=8), "exactly one"),

@@ -76,6 +76,8 @@ class OptimConfig:
 
     The schedule warms up linearly over ``warmup_steps`` (or ``warmup_ratio * total_steps``),
     then stays constant, decays linearly, or follows a cosine, down to ``min_lr_ratio * lr``.
+    ``total_steps`` may stay unset in a config file: trainers fill it in from the run length;
+    a schedule that needs it fails when it is first evaluated (:func:`.schedule.lr_multiplier`).
     """
 
     lr: float = 1e-5
@@ -102,10 +104,6 @@ class OptimConfig:
         for name in ("warmup_ratio", "min_lr_ratio"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"optim.{name}={getattr(self, name)!r} must be in [0, 1]")
-        if self.warmup_ratio > 0 and self.warmup_steps is None and self.total_steps is None:
-            raise ConfigError("optim.warmup_ratio needs optim.total_steps (or set warmup_steps)")
-        if self.scheduler != "constant" and self.total_steps is None:
-            raise ConfigError(f"optim.scheduler={self.scheduler!r} needs optim.total_steps")
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from drivetrain.api.config import OptimConfig
+from drivetrain.api.errors import ConfigError
 
 
 def warmup_steps(config: OptimConfig) -> int:
@@ -23,6 +24,11 @@ def lr_multiplier(step: int, config: OptimConfig) -> float:
     Linear warm-up from ``1/(warmup+1)`` to 1 over the warm-up steps, then constant, linear
     decay or cosine decay to ``min_lr_ratio`` at ``total_steps``.
     """
+    if config.total_steps is None:
+        if config.scheduler != "constant":
+            raise ConfigError(f"optim.scheduler={config.scheduler!r} needs optim.total_steps")
+        if config.warmup_ratio > 0 and config.warmup_steps is None:
+            raise ConfigError("optim.warmup_ratio needs optim.total_steps (or set warmup_steps)")
     warmup = warmup_steps(config)
     if step < warmup:
         return (step + 1) / (warmup + 1)

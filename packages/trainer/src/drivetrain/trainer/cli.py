@@ -9,6 +9,7 @@ from rich.console import Console
 
 from drivetrain.api import registry
 from drivetrain.trainer.plugin_table import plugin_table
+from drivetrain.trainer.sft_command import sft
 
 app = typer.Typer(
     help="drivetrain: modular LLM post-training (SFT, PPO, GRPO) over pluggable engines.",
@@ -64,6 +65,9 @@ def rollouts() -> None:
 def ckpt_engines() -> None:
     """List installed weight-sync transports (entry-point group drivetrain.ckpt_engines)."""
     console.print(plugin_table(registry.ckpt_engines))
+
+
+app.command()(sft)
 
 
 def main() -> None:

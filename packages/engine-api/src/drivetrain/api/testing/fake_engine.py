@@ -17,11 +17,12 @@ import json
 import math
 import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from drivetrain.api.atomic_dir import publish, staging_path
 from drivetrain.api.batch import Batch, Layout
 from drivetrain.api.columns import ENTROPY, INPUT_IDS, LOG_PROBS, LOSS_MASK
 from drivetrain.api.config import EngineConfig
@@ -262,22 +263,20 @@ class FakeEngine(ModalEngine):
         }
 
     def save_checkpoint(self, path: str, *, step: int) -> CheckpointInfo:
-        path = os.path.abspath(path)
-        parent = os.path.dirname(path)
-        os.makedirs(parent, exist_ok=True)
-        staging = tempfile.mkdtemp(prefix=".incomplete-", dir=parent)
+        target = Path(path).absolute()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = staging_path(target)
+        staging.mkdir()
         try:
-            with open(os.path.join(staging, "state.json"), "w") as f:
+            with open(staging / "state.json", "w") as f:
                 json.dump(self._state(step), f)
                 f.flush()
                 os.fsync(f.fileno())
-            if os.path.exists(path):
-                shutil.rmtree(path)
-            os.replace(staging, path)  # the checkpoint appears whole, or not at all
+            publish(staging, target)  # the checkpoint appears whole, or not at all
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        return CheckpointInfo(path, step)
+        return CheckpointInfo(str(target), step)
 
     def load_checkpoint(self, path: str) -> CheckpointInfo:
         if not self._ready:

@@ -6,8 +6,8 @@ Layout of a checkpoint directory::
     extra_rank{r}.pt           LR scheduler, step, RNG states of rank r
     drivetrain.json            written last: step, world size, engine
 
-All ranks write into ``<path>.incomplete-<id>`` and rank 0 renames it to ``path`` after everyone
-finished, so ``path`` is complete or absent even if a process dies mid-write.
+All ranks write into ``.<name>.<id>.partial`` beside ``path`` and rank 0 renames it to ``path``
+after everyone finished, so ``path`` is complete or absent even if a process dies mid-write.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from drivetrain.api import CheckpointInfo
-from drivetrain.engine.fsdp.atomic_dir import publish, staging_name
+from drivetrain.api.atomic_dir import publish, staging_path
 
 MARKER = "drivetrain.json"
 
@@ -56,7 +56,7 @@ def save(
 ) -> CheckpointInfo:
     target = Path(path).absolute()
     rank = dist.get_rank()
-    name = [staging_name(target) if rank == 0 else None]
+    name = [staging_path(target).name if rank == 0 else None]
     dist.broadcast_object_list(name, src=0)
     staging = target.parent / str(name[0])
     if rank == 0:

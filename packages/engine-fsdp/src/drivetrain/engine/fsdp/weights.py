@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from drivetrain.api import NamedTensor
-from drivetrain.engine.fsdp.atomic_dir import publish, staging_name
+from drivetrain.api.atomic_dir import publish, staging_path
 
 _PREFIXES = ("hf.", "base_model.model.")
 _FSDP1_MARKER = "_fsdp_wrapped_module."
@@ -135,7 +135,7 @@ def save_hf(
     Every rank consumes the stream (it is collective); rank 0 writes, atomically."""
     rank = dist.get_rank()
     target = Path(path).absolute()
-    staging = target.parent / staging_name(target)
+    staging = staging_path(target)
     shard: dict[str, torch.Tensor] = {}
     written: list[tuple[str, list[str]]] = []
     size = 0

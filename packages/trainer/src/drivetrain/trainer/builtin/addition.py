@@ -1,0 +1,145 @@
+"""The built-in task: multi-digit addition as a chat, with an answer that can be checked.
+
+``drivetrain sft`` with no data and no model trains on it: a small Qwen2-style model created
+locally from a config, the character tokenizer, and train/test JSONL files written into the
+cache directory (``$DRIVETRAIN_CACHE``, default ``~/.cache/drivetrain``). Everything is derived
+from fixed seeds, so every machine builds the same assets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from drivetrain.api.atomic_dir import publish, staging_path
+from drivetrain.trainer.builtin.char_tokenizer import build_char_tokenizer
+
+ASSETS_VERSION = "addition-v1"
+MAX_DIGITS = 2
+TRAIN_SIZE = 20000
+TEST_SIZE = 200
+MODEL_SHAPE = {
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+}
+
+
+@dataclass(frozen=True)
+class AdditionAssets:
+    root: Path
+
+    @property
+    def model_dir(self) -> Path:
+        return self.root / "model"
+
+    @property
+    def train_path(self) -> Path:
+        return self.root / "train.jsonl"
+
+    @property
+    def test_path(self) -> Path:
+        return self.root / "test.jsonl"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DRIVETRAIN_CACHE") or Path.home() / ".cache" / "drivetrain")
+
+
+def problem(rng: random.Random) -> tuple[str, str]:
+    a, b = (rng.randrange(10 ** rng.randint(1, MAX_DIGITS)) for _ in range(2))
+    return f"What is {a}+{b}?", str(a + b)
+
+
+def make_rows(count: int, seed: int, exclude: set[str] = frozenset()) -> list[dict[str, object]]:
+    rng, rows = random.Random(seed), []
+    while len(rows) < count:
+        prompt, answer = problem(rng)
+        if prompt in exclude:
+            continue
+        rows.append(
+            {
+                "messages": [
+                    {"role": "user", "content": prompt},
+                    {"role": "assistant", "content": answer},
+                ]
+            }
+        )
+    return rows
+
+
+def _write_jsonl(path: Path, rows: list[dict[str, object]]) -> None:
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def _build_model(path: Path, tokenizer_dir: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        **MODEL_SHAPE,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+
+
+def ensure_assets(root: Path | None = None) -> AdditionAssets:
+    """Build the model, tokenizer and data once; later calls reuse them."""
+    target = (root or cache_dir()) / ASSETS_VERSION
+    assets = AdditionAssets(target)
+    if target.is_dir():
+        return assets
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = staging_path(target)
+    staging.mkdir()
+    try:
+        test = make_rows(TEST_SIZE, seed=1)
+        held_out = {row["messages"][0]["content"] for row in test}  # type: ignore[index]
+        _write_jsonl(staging / "test.jsonl", test)
+        _write_jsonl(staging / "train.jsonl", make_rows(TRAIN_SIZE, seed=0, exclude=held_out))
+        build_char_tokenizer(staging / "model")
+        _build_model(staging / "model", staging / "model")
+        publish(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return assets
+
+
+SFT_MODEL = "sft-model"
+SFT_REPORT = "drivetrain_sft_report.json"
+
+
+def cache_sft_model(assets: AdditionAssets, hf_dir: Path, report: dict[str, object]) -> Path:
+    """Keep the SFT result beside the assets, where the RL default run starts from."""
+    target = assets.root / SFT_MODEL
+    staging = staging_path(target)
+    shutil.copytree(hf_dir, staging)
+    (staging / SFT_REPORT).write_text(json.dumps(report, indent=2))
+    publish(staging, target)
+    return target
+
+
+def cached_sft_model(root: Path | None = None) -> Path | None:
+    """The cached SFT model of the built-in task, if a default SFT run has finished."""
+    path = (root or cache_dir()) / ASSETS_VERSION / SFT_MODEL
+    return path if (path / SFT_REPORT).is_file() else None

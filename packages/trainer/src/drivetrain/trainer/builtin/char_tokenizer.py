@@ -1,0 +1,40 @@
+"""A character-level tokenizer with a chat template, built locally (no hub access).
+
+Every printable ASCII character is one token; role markers and the end-of-turn marker are
+special tokens, so prompts, answers and the template tokenize the same way everywhere.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+PAD, END, UNK = "<|pad|>", "<|end|>", "<|unk|>"
+ROLES = ("<|system|>", "<|user|>", "<|assistant|>")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def build_char_tokenizer(path: str | Path) -> Path:
+    """Save a ``PreTrainedTokenizerFast`` to ``path`` (EOS = end of turn, PAD separate)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = [PAD, END, UNK, *ROLES]
+    chars = [c for c in string.printable if c not in "\t\n\r\x0b\x0c"]
+    vocab = {token: i for i, token in enumerate([*specials, *chars])}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token=PAD,
+        eos_token=END,
+        unk_token=UNK,
+        additional_special_tokens=list(ROLES),
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(path))
+    return Path(path)

@@ -1,0 +1,124 @@
+"""Turn SFT rows into token ids and a loss mask.
+
+Two row shapes are accepted: ``{"prompt": ..., "response": ...}`` and chat ``{"messages": [...]}``
+(OpenAI-style ``role``/``content`` dicts). Chat rows go through the tokenizer's chat template and
+the loss covers assistant turns only. Prompt/response rows use the chat template too when the
+tokenizer has one (as a user and an assistant turn), else plain text + EOS.
+
+Assistant tokens are found by rendering the conversation up to each assistant turn with and
+without that turn and masking the characters in between (via the fast tokenizer's offsets), so
+any template works as long as rendering a prefix of the conversation gives a prefix of the text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from drivetrain.trainer.errors import DataError
+
+
+@dataclass(frozen=True)
+class Example:
+    input_ids: tuple[int, ...]
+    loss_mask: tuple[int, ...]  # 1 where the token is a training target
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass(frozen=True)
+class RowKeys:
+    prompt: str = "prompt"
+    response: str = "response"
+    messages: str = "messages"
+
+
+def row_to_messages(row: Mapping[str, Any], keys: RowKeys, where: str) -> list[dict[str, str]]:
+    """The row as a list of chat messages, validated."""
+    if keys.messages in row:
+        messages = row[keys.messages]
+        if not isinstance(messages, list) or not messages:
+            raise DataError(f"{where}: '{keys.messages}' must be a non-empty list of messages")
+        for i, m in enumerate(messages):
+            if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
+                raise DataError(f"{where}: message {i} needs 'role' and 'content'")
+            if not isinstance(m["content"], str):
+                raise DataError(f"{where}: message {i} content must be a string")
+        if not any(m["role"] == "assistant" for m in messages):
+            raise DataError(f"{where}: no assistant message, so nothing to train on")
+        return [{"role": str(m["role"]), "content": m["content"]} for m in messages]
+    if keys.prompt in row and keys.response in row:
+        prompt, response = row[keys.prompt], row[keys.response]
+        if not isinstance(prompt, str) or not isinstance(response, str):
+            raise DataError(f"{where}: '{keys.prompt}' and '{keys.response}' must be strings")
+        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+    found = ", ".join(sorted(map(str, row))) or "none"
+    raise DataError(
+        f"{where}: expected '{keys.messages}' or '{keys.prompt}'+'{keys.response}' keys, "
+        f"found: {found}"
+    )
+
+
+def _render(tokenizer: Any, messages: Sequence[Mapping[str, str]], *, generation: bool) -> str:
+    return tokenizer.apply_chat_template(
+        list(messages), tokenize=False, add_generation_prompt=generation
+    )
+
+
+def tokenize_chat(tokenizer: Any, messages: Sequence[Mapping[str, str]], where: str) -> Example:
+    """Chat-template tokens with a loss mask over the assistant turns."""
+    text = _render(tokenizer, messages, generation=False)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = _render(tokenizer, messages[:i], generation=True) if i else ""
+        through = _render(tokenizer, messages[: i + 1], generation=False)
+        if not (text.startswith(through) and through.startswith(before)):
+            raise DataError(
+                f"{where}: the chat template does not render conversation prefixes as text "
+                "prefixes, so assistant tokens cannot be located"
+            )
+        spans.append((len(before), len(through)))
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
+    mask = [int(any(lo <= start < hi for lo, hi in spans)) for start, _ in offsets]
+    return Example(tuple(ids), tuple(mask))
+
+
+def tokenize_plain(tokenizer: Any, prompt: str, response: str) -> Example:
+    """No chat template: prompt tokens (with BOS if the tokenizer adds one), response, EOS."""
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    response_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
+    if tokenizer.eos_token_id is not None:
+        response_ids = [*response_ids, tokenizer.eos_token_id]
+    ids = [*prompt_ids, *response_ids]
+    return Example(tuple(ids), tuple([0] * len(prompt_ids) + [1] * len(response_ids)))
+
+
+def tokenize_row(tokenizer: Any, row: Mapping[str, Any], keys: RowKeys, where: str) -> Example:
+    messages = row_to_messages(row, keys, where)
+    if getattr(tokenizer, "chat_template", None):
+        return tokenize_chat(tokenizer, messages, where)
+    if keys.messages in row:
+        raise DataError(f"{where}: chat rows need a tokenizer with a chat template")
+    return tokenize_plain(tokenizer, messages[0]["content"], messages[1]["content"])
+
+
+def truncate(example: Example, max_length: int, policy: str, where: str) -> Example | None:
+    """Apply the truncation policy; ``None`` when nothing to train on is left."""
+    if len(example) > max_length:
+        if policy == "error":
+            raise DataError(
+                f"{where}: {len(example)} tokens is longer than data.max_length={max_length} "
+                "(set data.truncation=left or right to cut such examples)"
+            )
+        cut = slice(len(example) - max_length, None) if policy == "left" else slice(max_length)
+        example = Example(example.input_ids[cut], example.loss_mask[cut])
+    # Position 0 has no prediction (columns.py), so it can never be a target.
+    mask = (0, *example.loss_mask[1:])
+    if not any(mask):
+        return None
+    return Example(example.input_ids, mask)

@@ -1,0 +1,17 @@
+"""Errors the trainer raises on purpose, so the CLI can print them without a traceback."""
+
+from __future__ import annotations
+
+from drivetrain.api.errors import DrivetrainError
+
+
+class DataError(DrivetrainError, ValueError):
+    """A data file is missing, unreadable or malformed, or yields no usable example."""
+
+
+class CheckpointError(DrivetrainError):
+    """A checkpoint to resume from is missing, incomplete, or from another job."""
+
+
+class WorkerError(DrivetrainError):
+    """A worker process failed to start or died; the message carries its error."""

@@ -1,0 +1,103 @@
+"""Metrics sinks: JSONL (always), TensorBoard, and W&B when it is installed (offline unless
+``WANDB_MODE`` says otherwise), plus the loss-curve PNG written at the end of a run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from drivetrain.trainer.sft_config import LoggingConfig
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut short by a killed run
+            continue
+    return rows
+
+
+class MetricsLogger:
+    def __init__(
+        self,
+        out_dir: Path,
+        config: LoggingConfig,
+        *,
+        run_config: Mapping[str, Any],
+        resume_step: int = 0,
+    ) -> None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.path = out_dir / METRICS_FILE
+        # A resumed run repeats the steps after its checkpoint: drop what the killed run logged
+        # for them so the file holds one curve.
+        kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self._file = open(self.path, "a")  # noqa: SIM115 - open for the run's lifetime
+        self._tb = None
+        if config.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=resume_step + 1)
+        self._wandb = None
+        if config.wandb == "auto" and importlib.util.find_spec("wandb") is not None:
+            import wandb
+
+            self._wandb = wandb.init(
+                project=config.wandb_project,
+                dir=str(out_dir),
+                mode=os.environ.get("WANDB_MODE", "offline"),
+                config=dict(run_config),
+                resume="allow",
+            )
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in metrics.items():
+                self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(dict(metrics), step=step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def plot_loss_curve(metrics_path: Path, png_path: Path) -> Path:
+    """Train (and validation) loss against step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, label in (("train/loss", "train"), ("val/loss", "validation")):
+        points = [(r["step"], r[key]) for r in rows if key in r]
+        if points:
+            steps, values = zip(*points, strict=True)
+            ax.plot(steps, values, label=label, marker="o" if len(points) < 30 else None)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return png_path

@@ -1,0 +1,47 @@
+"""The training progress bar: step, loss, tokens/s and ETA (rich; silent when disabled)."""
+
+from __future__ import annotations
+
+from types import TracebackType
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+
+class TrainingProgress:
+    def __init__(self, total: int, start: int, *, enabled: bool, console: Console) -> None:
+        self._progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("{task.fields[tps]} tok/s"),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=console,
+            disable=not enabled,
+        )
+        self._task = self._progress.add_task("sft", total=total, completed=start, loss="-", tps="-")
+
+    def __enter__(self) -> TrainingProgress:
+        self._progress.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._progress.stop()
+
+    def update(self, *, loss: float, tokens_per_s: float) -> None:
+        self._progress.update(self._task, advance=1, loss=f"{loss:.4f}", tps=f"{tokens_per_s:,.0f}")

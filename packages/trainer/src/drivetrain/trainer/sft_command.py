@@ -1,0 +1,73 @@
+"""``drivetrain sft``: supervised fine-tuning on any installed engine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from drivetrain.api.errors import DrivetrainError
+from drivetrain.trainer.sft_job import builtin_report, describe, load_sft_job, prepare, run_sft
+
+console = Console(stderr=True)
+
+
+def sft(
+    overrides: Annotated[
+        list[str] | None,
+        typer.Argument(help="Dotted config overrides, e.g. engine.optim.lr=1e-5 run.max_steps=9"),
+    ] = None,
+    config: Annotated[
+        list[Path] | None,
+        typer.Option("--config", "-c", help="YAML config file(s), merged in order."),
+    ] = None,
+    engine: Annotated[
+        str, typer.Option("--engine", help="Training engine (see `drivetrain engines`).")
+    ] = "fsdp2",
+    print_config: Annotated[
+        bool, typer.Option("--print-config", help="Print the config and exit.")
+    ] = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option("--dry-run", help="Validate engine, model and data; exit without training."),
+    ] = False,
+    resume: Annotated[
+        str,
+        typer.Option("--resume", help="auto (latest complete checkpoint), none, or a path."),
+    ] = "auto",
+) -> None:
+    """Supervised fine-tuning. With no data and no model: the built-in addition task."""
+    try:
+        job = load_sft_job(engine, files=config or (), overrides=overrides or ())
+        if print_config:
+            typer.echo(job.to_yaml(), nl=False)
+            return
+        prepared = prepare(job)
+        console.print(describe(prepared))
+        if dry_run:
+            console.print("[green]dry run: config, engine, model and data are valid[/green]")
+            return
+        result = run_sft(prepared, resume=resume, console=console)
+    except DrivetrainError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    if result is None:  # a non-zero torchrun rank
+        return
+    summary = {
+        "output_dir": str(result.output_dir),
+        "steps": result.final_step,
+        "final_train_loss": result.train_loss.get(result.final_step),
+        "val_loss": result.val_loss,
+        "hf_model": str(result.hf_dir) if result.hf_dir else None,
+    }
+    if job.builtin is not None and result.hf_dir is not None:
+        report = builtin_report(job, result)
+        console.print(
+            f"exact-match accuracy on {report['test_examples']} held-out problems: "
+            f"{report['accuracy_before']:.1%} before, {report['accuracy_after']:.1%} after SFT"
+        )
+        summary.update(report)
+    typer.echo(json.dumps(summary))

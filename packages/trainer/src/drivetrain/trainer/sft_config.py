@@ -1,0 +1,141 @@
+"""The SFT job's configuration: data, run length, checkpoints, logging and workers.
+
+The engine's own config class (``FSDPConfig`` for ``--engine fsdp2``, ...) is plugged in under
+``engine`` at load time by :func:`sft_config_type`, so YAML files and dotted overrides reach
+the engine's knobs (``engine.optim.lr=1e-4``) and unknown keys are reported at every level.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from drivetrain.api.config import EngineConfig, MicroBatchConfig, ModelConfig, OptimConfig
+from drivetrain.api.errors import ConfigError
+
+TRUNCATION = ("error", "left", "right")
+LAUNCHERS = ("auto", "inprocess", "torchrun", "ray")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Local data files. Empty ``train_path`` (with an empty ``engine.model.path``) selects the
+    built-in synthetic addition task and its locally built model."""
+
+    train_path: str = ""
+    val_path: str = ""
+    tokenizer_path: str = ""  # empty: the model's directory
+    val_ratio: float = 0.0  # held out of train_path when val_path is empty
+    prompt_key: str = "prompt"
+    response_key: str = "response"
+    messages_key: str = "messages"
+    max_length: int = 1024
+    truncation: str = "error"  # error | left (keep the end) | right (keep the start)
+    packing: bool = True  # hand the engine packed (padding-free) batches
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        if self.truncation not in TRUNCATION:
+            raise ConfigError(
+                f"data.truncation={self.truncation!r} is not one of {', '.join(TRUNCATION)}"
+            )
+        if not 0.0 <= self.val_ratio < 1.0:
+            raise ConfigError(f"data.val_ratio={self.val_ratio} must be in [0, 1)")
+        if self.max_length < 2:
+            raise ConfigError(f"data.max_length={self.max_length} must be >= 2")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """How long to train and what to keep."""
+
+    output_dir: str = "runs/sft"
+    epochs: int = 1
+    max_steps: int | None = None  # overrides epochs when set
+    batch_size: int = 32  # sequences per optimizer step, over all data-parallel ranks
+    eval_every: int = 0  # validation loss every N steps (0: only at the end, if val data)
+    eval_batch_size: int = 64
+    save_every: int = 0  # checkpoint every N steps (0: only at the end)
+    keep_last: int = 2  # complete checkpoints kept; older ones are deleted
+    export_hf: bool = True  # write a Hugging Face model directory at the end
+
+    def __post_init__(self) -> None:
+        for name in ("epochs", "batch_size", "eval_batch_size", "keep_last"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"run.{name}={getattr(self, name)} must be >= 1")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError(f"run.max_steps={self.max_steps} must be >= 1")
+        for name in ("eval_every", "save_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"run.{name}={getattr(self, name)} must be >= 0")
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    tensorboard: bool = True
+    wandb: str = "auto"  # auto (when installed; offline unless WANDB_MODE says otherwise) | off
+    wandb_project: str = "drivetrain"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.wandb not in ("auto", "off"):
+            raise ConfigError(f"logging.wandb={self.wandb!r} is not one of auto, off")
+
+
+@dataclass(frozen=True)
+class WorkersConfig:
+    """Where the engine's ranks run. ``auto``: torchrun's ranks when launched by torchrun, else
+    Ray actors when ``num > 1``, else this process."""
+
+    num: int = 1
+    launcher: str = "auto"
+    ray_address: str = ""  # join an existing cluster ("auto" or "host:port"); empty: start one
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = -1.0  # -1: one GPU each when the cluster has GPUs, else none
+    start_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.launcher not in LAUNCHERS:
+            raise ConfigError(
+                f"workers.launcher={self.launcher!r} is not one of {', '.join(LAUNCHERS)}"
+            )
+        if self.num < 1:
+            raise ConfigError(f"workers.num={self.num} must be >= 1")
+
+
+def _default_engine() -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(),
+        optim=OptimConfig(lr=1e-4, weight_decay=0.0),
+        micro_batch=MicroBatchConfig(max_tokens=8192),
+    )
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    engine: EngineConfig = field(default_factory=_default_engine)
+    data: DataConfig = field(default_factory=DataConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    workers: WorkersConfig = field(default_factory=WorkersConfig)
+    seed: int = 0  # data order, validation split and the engine's seed
+
+
+def sft_config_type(engine_config: type[EngineConfig]) -> type[SFTConfig]:
+    """``SFTConfig`` whose ``engine`` field has the chosen engine's config class.
+
+    The defaults keep the SFT-specific engine defaults above (lr, token budget) for the fields
+    the base class shares."""
+    base = _default_engine()
+    shared = {f.name: getattr(base, f.name) for f in dataclasses.fields(EngineConfig)}
+
+    def default() -> Any:
+        return engine_config(**shared)
+
+    return dataclasses.make_dataclass(
+        f"SFTConfig[{engine_config.__name__}]",
+        [("engine", engine_config, field(default_factory=default))],
+        bases=(SFTConfig,),
+        frozen=True,
+    )

@@ -1,0 +1,150 @@
+"""Assemble an SFT job from the command line: config, validation, workers, training, report.
+
+Everything that can be checked without training is checked before the first output file is
+written: the engine is installed and compatible, the model and tokenizer load, every data row
+tokenizes within the truncation policy, the batch size fits the data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from drivetrain.api import EngineConfig, registry
+from drivetrain.api.errors import ConfigError
+from drivetrain.trainer.builtin import addition
+from drivetrain.trainer.config_loader import load_config, to_yaml
+from drivetrain.trainer.data.batching import StepPlan
+from drivetrain.trainer.data.sft_dataset import SFTData, load_sft_data
+from drivetrain.trainer.errors import DataError
+from drivetrain.trainer.sft_config import SFTConfig, sft_config_type
+from drivetrain.trainer.sft_trainer import SFTResult, SFTTrainer, total_steps
+from drivetrain.trainer.workers.launch import make_group
+
+BUILTIN_CONFIG = Path(__file__).parent / "builtin" / "addition_sft.yaml"
+
+
+@dataclass(frozen=True)
+class SFTJob:
+    engine_name: str
+    config: SFTConfig
+    builtin: addition.AdditionAssets | None = None
+
+    def to_yaml(self) -> str:
+        return to_yaml(self.config)
+
+
+def load_sft_job(
+    engine_name: str, *, files: Sequence[str | Path] = (), overrides: Sequence[str] = ()
+) -> SFTJob:
+    """Parse the config for ``engine_name``; with no data and no model, the built-in task."""
+    registry.engines.spec(engine_name)  # unknown or unusable engine: lists what is installed
+    config_type = sft_config_type(registry.engines.load_config_class(engine_name, EngineConfig))
+    config = load_config(config_type, files=files, overrides=overrides)
+    if config.data.train_path:
+        if not config.engine.model.path:
+            raise ConfigError("engine.model.path is required when data.train_path is set")
+        return SFTJob(engine_name, config)
+    if config.engine.model.path:
+        raise ConfigError("data.train_path is required when engine.model.path is set")
+    assets = addition.ensure_assets()
+    builtin = [f"engine.model.path={assets.model_dir}", f"data.train_path={assets.train_path}"]
+    config = load_config(
+        config_type, files=[BUILTIN_CONFIG, *files], overrides=[*builtin, *overrides]
+    )
+    return SFTJob(engine_name, config, assets)
+
+
+@dataclass(frozen=True)
+class PreparedSFT:
+    job: SFTJob
+    data: SFTData
+    pad_token_id: int
+    steps: int
+
+
+def prepare(job: SFTJob) -> PreparedSFT:
+    """Validate everything a run needs, without writing anything."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    registry.engines.load(job.engine_name)
+    config = job.config
+    model_path = Path(config.engine.model.path)
+    trust = config.engine.model.trust_remote_code
+    try:
+        AutoConfig.from_pretrained(str(model_path), trust_remote_code=trust)
+        tokenizer = AutoTokenizer.from_pretrained(
+            config.data.tokenizer_path or str(model_path), trust_remote_code=trust
+        )
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot load model/tokenizer at {str(model_path)!r}: {exc}") from None
+    data = load_sft_data(config.data, tokenizer, config.seed)
+    try:
+        plan = StepPlan(len(data.train), config.run.batch_size, config.seed, config.data.shuffle)
+    except ValueError as exc:
+        raise DataError(str(exc)) from None
+    pad = tokenizer.pad_token_id
+    if pad is None:
+        pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    return PreparedSFT(job, data, int(pad), total_steps(config, plan))
+
+
+def engine_config_for_run(prepared: PreparedSFT) -> EngineConfig:
+    """The engine config with what the job decides: schedule length and seed."""
+    engine = prepared.job.config.engine
+    optim = dataclasses.replace(engine.optim, total_steps=prepared.steps)
+    return dataclasses.replace(engine, optim=optim, seed=prepared.job.config.seed)
+
+
+def describe(prepared: PreparedSFT) -> str:
+    data, config = prepared.data, prepared.job.config
+    return (
+        f"engine {prepared.job.engine_name}: {len(data.train)} training examples "
+        f"({data.train_tokens:,} tokens), {len(data.val)} validation, {data.dropped} dropped "
+        f"by truncation; {prepared.steps} steps of {config.run.batch_size} sequences"
+    )
+
+
+def run_sft(prepared: PreparedSFT, *, resume: str, console: Console) -> SFTResult | None:
+    """Train; returns the result on the writing process (rank 0 / the controller)."""
+    config = prepared.job.config
+    group = make_group(prepared.job.engine_name, engine_config_for_run(prepared), config.workers)
+    try:
+        trainer = SFTTrainer(
+            config,
+            engine_name=prepared.job.engine_name,
+            group=group,
+            data=prepared.data,
+            pad_token_id=prepared.pad_token_id,
+            console=console,
+        )
+        result = trainer.fit(resume=resume)
+    finally:
+        group.close()
+    if not group.is_writer:
+        return None
+    out = Path(config.run.output_dir)
+    (out / "config.yaml").write_text(prepared.job.to_yaml())
+    return result
+
+
+def builtin_report(job: SFTJob, result: SFTResult) -> dict[str, Any]:
+    """Exact-match accuracy of the built-in task before and after training; caches the trained
+    model for the RL default run."""
+    from drivetrain.trainer.builtin.exact_match import exact_match
+
+    assert job.builtin is not None and result.hf_dir is not None
+    rows = [json.loads(line) for line in job.builtin.test_path.read_text().splitlines()]
+    report = {
+        "accuracy_before": exact_match(str(job.builtin.model_dir), rows),
+        "accuracy_after": exact_match(str(result.hf_dir), rows),
+        "test_examples": len(rows),
+    }
+    addition.cache_sft_model(job.builtin, result.hf_dir, report)
+    return report

@@ -1,0 +1,103 @@
+"""One rank of a worker group: an engine found through the registry, and the operations the
+trainer's roles run on it.
+
+The same class runs in this process, in every torchrun process and inside each Ray actor. Every
+method is called on every rank in the same order (the engine's SPMD contract) and returns the
+same value on every rank, so a controller can read any one of them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from drivetrain.api import Batch, EngineConfig, OutputSpec, ParallelInfo, registry
+from drivetrain.api.columns import LOG_PROBS, LOSS_MASK
+from drivetrain.trainer.hf_export import write_hf_model
+from drivetrain.trainer.losses import get_loss
+
+
+@dataclass(frozen=True)
+class StepStats:
+    loss: float
+    grad_norm: float
+    lr: float
+    num_tokens: int
+    num_micro_batches: int
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+class EngineWorker:
+    def __init__(
+        self, engine_name: str, config: EngineConfig, env: Mapping[str, str] | None = None
+    ) -> None:
+        # torch.distributed reads these in engine.initialize(); Ray actors get them from here.
+        os.environ.update(env or {})
+        factory = registry.engines.load(engine_name)
+        self.engine = factory(config)
+        self.config = config
+
+    def initialize(self) -> ParallelInfo:
+        self.engine.initialize()
+        return self.engine.parallel
+
+    def parallel(self) -> ParallelInfo:
+        return self.engine.parallel
+
+    def train_step(self, shard: Batch, loss: str) -> StepStats:
+        engine = self.engine
+        with engine.train_mode():
+            engine.optimizer_zero_grad()
+            result = engine.forward_backward(shard, get_loss(loss), outputs=OutputSpec())
+            grad_norm = engine.optimizer_step()
+            lr = engine.lr_scheduler_step()
+        return StepStats(
+            loss=result.loss,
+            grad_norm=grad_norm,
+            lr=lr,
+            num_tokens=result.num_tokens,
+            num_micro_batches=result.num_micro_batches,
+            metrics=dict(result.metrics),
+        )
+
+    def eval_nll(self, shard: Batch) -> tuple[float, int]:
+        """Summed NLL and loss-token count over the whole batch (all data-parallel ranks)."""
+        import torch
+        import torch.distributed as dist
+
+        with self.engine.eval_mode():
+            scored = self.engine.infer(shard, OutputSpec(log_probs=True))
+        local = (0.0, 0)
+        if scored is not None:
+            mask = shard[LOSS_MASK].to(torch.float64)
+            nll = -(scored[LOG_PROBS].to(torch.float64) * mask).sum()
+            local = (float(nll), int(mask.sum()))
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return local
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+        return sum(g[0] for g in gathered), sum(g[1] for g in gathered)
+
+    def save_checkpoint(self, path: str, step: int) -> None:
+        self.engine.save_checkpoint(path, step=step)
+
+    def load_checkpoint(self, path: str) -> int:
+        return self.engine.load_checkpoint(path).step
+
+    def export_hf(self, path: str) -> None:
+        """Hugging Face model directory from the engine's weight stream (rank 0 writes)."""
+        import torch.distributed as dist
+
+        writer = not dist.is_initialized() or dist.get_rank() == 0
+        write_hf_model(
+            path,
+            self.engine.export_weights(),
+            source_dir=self.config.model.path,
+            adapter_config=self.engine.adapter_config(),
+            writer=writer,
+        )
+
+    def close(self) -> None:
+        self.engine.close()

@@ -1,0 +1,37 @@
+"""Pick how the engine's ranks run: this process, torchrun's processes, or Ray actors."""
+
+from __future__ import annotations
+
+from drivetrain.api import EngineConfig
+from drivetrain.api.errors import ConfigError
+from drivetrain.trainer.sft_config import WorkersConfig
+from drivetrain.trainer.workers.group import LocalWorkerGroup, WorkerGroup, launched_by_torchrun
+
+
+def resolve_launcher(workers: WorkersConfig) -> str:
+    if workers.launcher != "auto":
+        return workers.launcher
+    if launched_by_torchrun():
+        return "torchrun"
+    return "ray" if workers.num > 1 else "inprocess"
+
+
+def make_group(engine_name: str, config: EngineConfig, workers: WorkersConfig) -> WorkerGroup:
+    launcher = resolve_launcher(workers)
+    if launcher == "torchrun":
+        if not launched_by_torchrun():
+            raise ConfigError(
+                "workers.launcher=torchrun, but this process was not started by torchrun; run "
+                "`torchrun --nproc-per-node N -m drivetrain.trainer sft ...`"
+            )
+        return LocalWorkerGroup(engine_name, config)
+    if launcher == "inprocess":
+        if workers.num != 1:
+            raise ConfigError(
+                f"workers.launcher=inprocess runs one rank, but workers.num={workers.num}; "
+                "use workers.launcher=ray (or torchrun) for more"
+            )
+        return LocalWorkerGroup(engine_name, config)
+    from drivetrain.trainer.workers.ray_group import RayWorkerGroup
+
+    return RayWorkerGroup(engine_name, config, workers)
