@@ -1,6 +1,6 @@
 """The built-in task: multi-digit addition as a chat, with an answer that can be checked.
 
-``drivetrain sft`` with no data and no model trains on it: a small Qwen2-style model created
+``drivetrain sft`` with no data and no model trains on it: a small Llama-style model created
 locally from a config, the character tokenizer, and train/test JSONL files written into the
 cache directory (``$DRIVETRAIN_CACHE``, default ``~/.cache/drivetrain``). Everything is derived
 from fixed seeds, so every machine builds the same assets.
@@ -17,8 +17,9 @@ from pathlib import Path
 
 from drivetrain.api.atomic_dir import publish, staging_path
 from drivetrain.trainer.builtin.char_tokenizer import build_char_tokenizer
+from drivetrain.trainer.builtin.tiny_model import build_llama_model
 
-ASSETS_VERSION = "addition-v1"
+ASSETS_VERSION = "addition-v2"
 MAX_DIGITS = 2
 TRAIN_SIZE = 20000
 TEST_SIZE = 200
@@ -81,27 +82,6 @@ def _write_jsonl(path: Path, rows: list[dict[str, object]]) -> None:
             f.write(json.dumps(row) + "\n")
 
 
-def _build_model(path: Path, tokenizer_dir: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
-
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        **MODEL_SHAPE,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(str(path))
-    tokenizer.save_pretrained(str(path))
-
-
 def ensure_assets(root: Path | None = None) -> AdditionAssets:
     """Build the model, tokenizer and data once; later calls reuse them."""
     target = (root or cache_dir()) / ASSETS_VERSION
@@ -117,7 +97,7 @@ def ensure_assets(root: Path | None = None) -> AdditionAssets:
         _write_jsonl(staging / "test.jsonl", test)
         _write_jsonl(staging / "train.jsonl", make_rows(TRAIN_SIZE, seed=0, exclude=held_out))
         build_char_tokenizer(staging / "model")
-        _build_model(staging / "model", staging / "model")
+        build_llama_model(staging / "model", tokenizer_dir=staging / "model", **MODEL_SHAPE)
         publish(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

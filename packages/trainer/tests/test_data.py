@@ -1,0 +1,130 @@
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from drivetrain.trainer.data.batching import StepPlan, make_batch
+from drivetrain.trainer.data.files import read_rows
+from drivetrain.trainer.data.sft_dataset import load_sft_data
+from drivetrain.trainer.data.tokenize import RowKeys, tokenize_row, truncate
+from drivetrain.trainer.errors import DataError
+from drivetrain.trainer.sft_config import DataConfig
+from trainer_fixtures import write_jsonl
+
+CHAT = {
+    "messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "1+2?"},
+        {"role": "assistant", "content": "3"},
+        {"role": "user", "content": "and 2+2?"},
+        {"role": "assistant", "content": "4"},
+    ]
+}
+
+
+def targets(tokenizer, example):
+    return tokenizer.decode(
+        [t for t, m in zip(example.input_ids, example.loss_mask, strict=True) if m]
+    )
+
+
+def test_chat_loss_covers_assistant_turns_only(tokenizer):
+    example = tokenize_row(tokenizer, CHAT, RowKeys(), "row 0")
+    assert targets(tokenizer, example) == "3<|end|>4<|end|>"
+    assert tokenizer.decode(example.input_ids).startswith("<|system|>be brief")
+
+
+def test_prompt_response_rows_use_the_chat_template(tokenizer):
+    example = tokenize_row(tokenizer, {"prompt": "hi", "response": "yo"}, RowKeys(), "row 0")
+    assert tokenizer.decode(example.input_ids) == "<|user|>hi<|end|><|assistant|>yo<|end|>"
+    assert targets(tokenizer, example) == "yo<|end|>"
+
+
+def test_custom_keys(tokenizer):
+    keys = RowKeys(prompt="q", response="a")
+    example = tokenize_row(tokenizer, {"q": "hi", "a": "yo"}, keys, "row 0")
+    assert targets(tokenizer, example) == "yo<|end|>"
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ({"text": "x"}, "expected 'messages' or 'prompt'\\+'response' keys, found: text"),
+        ({"messages": []}, "non-empty list"),
+        ({"messages": [{"role": "user", "content": "x"}]}, "no assistant message"),
+        ({"prompt": 1, "response": "x"}, "must be strings"),
+    ],
+)
+def test_malformed_rows_are_named(tokenizer, row, message):
+    with pytest.raises(DataError, match=f"row 7: .*{message}"):
+        tokenize_row(tokenizer, row, RowKeys(), "f.jsonl row 7")
+
+
+def test_truncation_policies(tokenizer):
+    example = tokenize_row(tokenizer, {"prompt": "abcdef", "response": "xyz"}, RowKeys(), "r")
+    with pytest.raises(DataError, match="r: 13 tokens is longer than data.max_length=10"):
+        truncate(example, 10, "error", "r")
+    left = truncate(example, 10, "left", "r")
+    assert left.input_ids == example.input_ids[-10:] and left.loss_mask[0] == 0
+    assert targets(tokenizer, left) == "xyz<|end|>"
+    assert targets(tokenizer, truncate(example, 10, "right", "r")) == "x"
+    assert truncate(example, 8, "right", "r") is None  # the response was cut away entirely
+
+
+def test_missing_corrupt_and_empty_files(tmp_path, tokenizer):
+    with pytest.raises(DataError, match="does not exist"):
+        read_rows(tmp_path / "nope.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "response": "b"}\n{"prompt": \n')
+    with pytest.raises(DataError, match="bad.jsonl:2: not valid JSON"):
+        read_rows(bad)
+    corrupt = tmp_path / "bad.parquet"
+    corrupt.write_bytes(b"PAR1 definitely not parquet")
+    with pytest.raises(DataError, match="not a readable Parquet file"):
+        read_rows(corrupt)
+    with pytest.raises(DataError, match="unknown format"):
+        (tmp_path / "x.csv").write_text("a")
+        read_rows(tmp_path / "x.csv")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(DataError, match="holds no usable example"):
+        load_sft_data(DataConfig(train_path=str(empty)), tokenizer, seed=0)
+
+
+def test_parquet_and_validation_split(tmp_path, tokenizer):
+    rows = [{"prompt": f"{i}+1", "response": str(i + 1)} for i in range(20)]
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    data = load_sft_data(DataConfig(train_path=str(path), val_ratio=0.25), tokenizer, seed=3)
+    assert (len(data.train), len(data.val)) == (15, 5)
+    again = load_sft_data(DataConfig(train_path=str(path), val_ratio=0.25), tokenizer, seed=3)
+    assert again == data
+
+
+def test_explicit_validation_file(tmp_path, tokenizer):
+    train = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "a", "response": "b"}] * 4)
+    val = write_jsonl(tmp_path / "v.json", [])
+    val.write_text('[{"prompt": "c", "response": "d"}]')
+    data = load_sft_data(DataConfig(train_path=str(train), val_path=str(val)), tokenizer, 0)
+    assert (len(data.train), len(data.val)) == (4, 1)
+
+
+def test_step_plan_is_a_function_of_seed_and_step():
+    plan = StepPlan(10, 3, seed=5)
+    assert plan.steps_per_epoch == 3
+    first_epoch = [i for step in range(3) for i in plan.indices(step)]
+    assert len(set(first_epoch)) == 9
+    assert plan.indices(4) == StepPlan(10, 3, seed=5).indices(4)
+    assert plan.indices(3) != plan.indices(0) or plan.epoch_order(1) != plan.epoch_order(0)
+    assert StepPlan(10, 3, seed=0, shuffle=False).indices(1) == [3, 4, 5]
+    with pytest.raises(ValueError, match="larger than the 2 training examples"):
+        StepPlan(2, 3, seed=0)
+
+
+def test_batches_in_both_layouts(tokenizer):
+    rows = [{"prompt": "a", "response": "bc"}, {"prompt": "abcd", "response": "e"}]
+    examples = [tokenize_row(tokenizer, r, RowKeys(), "r") for r in rows]
+    padded = make_batch(examples, pad_token_id=0, packed=False)
+    packed = make_batch(examples, pad_token_id=0, packed=True)
+    assert padded["input_ids"].shape == (2, max(len(e) for e in examples))
+    assert packed["input_ids"].shape == (sum(len(e) for e in examples),)
+    assert packed["loss_mask"].sum() == padded["loss_mask"].sum() == 5
