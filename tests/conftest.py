@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parent))  # helper modules beside the tests
+
 
 class Venv:
     """A fresh virtual environment; ``install`` takes requirement strings or local paths."""

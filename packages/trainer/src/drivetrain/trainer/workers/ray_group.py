@@ -96,7 +96,12 @@ class RayWorkerGroup(WorkerGroup):
             if workers.ray_address:
                 init["address"] = workers.ray_address
             else:
-                init.update(num_cpus=max(os.cpu_count() or 1, workers.num), include_dashboard=False)
+                # "local": never join a cluster found through RAY_ADDRESS or a stale session.
+                init.update(
+                    address="local",
+                    num_cpus=max(os.cpu_count() or 1, workers.num),
+                    include_dashboard=False,
+                )
             ray.init(**init)
             self._started_ray = True
         try:
