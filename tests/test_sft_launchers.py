@@ -65,7 +65,8 @@ def ray_head(job):
     port = free_port()
     temp_dir = Path(tempfile.mkdtemp(prefix="rt_", dir="/tmp"))  # unix sockets: <= 107 bytes
     start = [
-        str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
+        str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
+        "--node-ip-address=127.0.0.1", f"--port={port}",
         f"--ray-client-server-port={free_port()}", "--dashboard-agent-listen-port=0",
         "--include-dashboard=false", "--num-cpus=2", "--num-gpus=0", f"--temp-dir={temp_dir}",
         "--disable-usage-stats",
