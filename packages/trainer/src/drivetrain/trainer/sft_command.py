@@ -10,9 +10,10 @@ import typer
 from rich.console import Console
 
 from drivetrain.api.errors import DrivetrainError
+from drivetrain.trainer.checkpoints import read_checkpoint
 from drivetrain.trainer.sft_job import builtin_report, describe, load_sft_job, prepare, run_sft
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)  # errors stay whole lines (greppable)
 
 
 def sft(
@@ -46,6 +47,8 @@ def sft(
             typer.echo(job.to_yaml(), nl=False)
             return
         prepared = prepare(job)
+        if resume not in ("auto", "none"):
+            read_checkpoint(Path(resume))  # fail before any worker starts
         console.print(describe(prepared))
         if dry_run:
             console.print("[green]dry run: config, engine, model and data are valid[/green]")
