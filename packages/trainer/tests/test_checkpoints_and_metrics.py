@@ -37,7 +37,7 @@ def test_non_writers_do_not_touch_files(tmp_path):
 
 
 def test_resumed_metrics_drop_steps_after_the_checkpoint(tmp_path):
-    config = LoggingConfig(tensorboard=True, wandb="off")
+    config = LoggingConfig(tensorboard=True, wandb=False)
     logger = MetricsLogger(tmp_path, config, run_config={})
     for step in range(1, 6):
         logger.log(step, {"train/loss": 1.0 / step})

@@ -49,7 +49,7 @@ class MetricsLogger:
 
             self._tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=resume_step + 1)
         self._wandb = None
-        if config.wandb == "auto" and importlib.util.find_spec("wandb") is not None:
+        if config.wandb and importlib.util.find_spec("wandb") is not None:
             import wandb
 
             self._wandb = wandb.init(

@@ -74,13 +74,9 @@ class RunConfig:
 @dataclass(frozen=True)
 class LoggingConfig:
     tensorboard: bool = True
-    wandb: str = "auto"  # auto (when installed; offline unless WANDB_MODE says otherwise) | off
+    wandb: bool = True  # when wandb is installed; offline unless WANDB_MODE says otherwise
     wandb_project: str = "drivetrain"
     progress: bool = True
-
-    def __post_init__(self) -> None:
-        if self.wandb not in ("auto", "off"):
-            raise ConfigError(f"logging.wandb={self.wandb!r} is not one of auto, off")
 
 
 @dataclass(frozen=True)

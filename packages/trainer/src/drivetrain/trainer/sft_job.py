@@ -111,7 +111,9 @@ def describe(prepared: PreparedSFT) -> str:
     )
 
 
-def run_sft(prepared: PreparedSFT, *, resume: str, console: Console) -> SFTResult | None:
+def run_sft(
+    prepared: PreparedSFT, *, resume: str, console: Console | None = None
+) -> SFTResult | None:
     """Train; returns the result on the writing process (rank 0 / the controller)."""
     config = prepared.job.config
     group = make_group(prepared.job.engine_name, engine_config_for_run(prepared), config.workers)

@@ -1,0 +1,96 @@
+"""TRL's ``SFTTrainer`` configured as the reference for drivetrain's SFT: same pre-tokenized
+examples, same order, fp32, plain AdamW, constant LR, one optimizer step per batch.
+
+TRL 1.x defaults that would otherwise differ (measured): ``bf16=True`` even on CPU, activation
+checkpointing on, a linear LR decay, shuffled data, truncation at 1024 tokens, and a
+``completion_mask`` that only counts with ``completion_only_loss=True``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ReferenceRun:
+    losses: list[float]
+    seconds: float  # wall time of trainer.train()
+    tokens: int  # non-padding tokens fed
+
+
+def trl_sft(
+    model_dir: Path,
+    examples: Sequence[Any],
+    *,
+    batch_size: int,
+    steps: int,
+    lr: float,
+    out_dir: Path,
+    max_grad_norm: float = 1.0,
+    callbacks: Sequence[Any] = (),
+) -> ReferenceRun:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    import time
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    class Losses(TrainerCallback):
+        def __init__(self) -> None:
+            self.values: list[float] = []
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+            if logs and "loss" in logs:
+                self.values.append(float(logs["loss"]))
+
+    used = list(examples[: batch_size * steps])
+    dataset = Dataset.from_dict(
+        {
+            "input_ids": [list(e.input_ids) for e in used],
+            "completion_mask": [list(e.loss_mask) for e in used],
+        }
+    )
+    args = SFTConfig(
+        output_dir=str(out_dir),
+        per_device_train_batch_size=batch_size,
+        gradient_accumulation_steps=1,
+        max_steps=steps,
+        learning_rate=lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        optim="adamw_torch",
+        max_grad_norm=max_grad_norm,
+        bf16=False,
+        fp16=False,
+        activation_checkpointing=False,
+        use_cpu=True,
+        seed=0,
+        train_sampling_strategy="sequential",
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        completion_only_loss=True,
+        packing=False,
+        padding_free=False,
+        max_length=None,
+    )
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    losses = Losses()
+    trainer = SFTTrainer(
+        model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+        callbacks=[losses, *callbacks],
+    )  # fmt: skip
+    began = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - began
+    return ReferenceRun(losses.values, seconds, sum(len(e.input_ids) for e in used))
