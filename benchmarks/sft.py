@@ -75,10 +75,7 @@ def drivetrain_tokens_per_s(root: Path, model: Path, data: Path, steps: int) -> 
     run_sft(prepare(job), resume="none")
     rows = [r for r in read_metrics(root / "drivetrain" / "metrics.jsonl") if "train/loss" in r]
     timed = rows[WARMUP:]
-    examples = tokenize_file(
-        str(data), AutoTokenizer.from_pretrained(str(model)), DataConfig(max_length=1100)
-    )[0]
-    tokens = [sum(len(e) for e in examples[s * BATCH : (s + 1) * BATCH]) for s in range(steps)]
+    tokens = step_tokens(load_examples(model, data), steps)
     seconds = sum(tokens[r["step"] - 1] / r["train/tokens_per_s"] for r in timed)
     return sum(tokens[r["step"] - 1] for r in timed) / seconds
 
@@ -124,21 +121,15 @@ def main() -> None:
         data = root / "train.jsonl"
         make_data(data, BATCH * steps)
         ours = drivetrain_tokens_per_s(root, model, data, steps)
-        examples = tokenize_file(
-            str(data), AutoTokenizer.from_pretrained(str(model)), DataConfig(max_length=1100)
-        )[0]
+        examples = load_examples(model, data)
         timer = StepTimes()
         run = trl_sft(
             model, examples, batch_size=BATCH, steps=steps, lr=1e-4, out_dir=root / "trl",
             callbacks=[timer],
         )  # fmt: skip
-        per_step = [
-            sum(len(e) for e in examples[s * BATCH : (s + 1) * BATCH]) for s in range(steps)
-        ]
+        per_step = step_tokens(examples, steps)
         theirs = sum(per_step[WARMUP:]) / sum(timer.times[WARMUP:])
-        padded = sum(
-            BATCH * max(len(e) for e in examples[s * BATCH : (s + 1) * BATCH]) for s in range(steps)
-        )
+        padded = sum(BATCH * max(map(len, batch)) for batch in batches(examples, steps))
     print(f"{'system':<28}{'tokens/s':>12}")
     print(f"{'TRL SFTTrainer (padded)':<28}{theirs:>12,.0f}")
     print(f"{'drivetrain fsdp2 (packed)':<28}{ours:>12,.0f}")
