@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))  # helper modules beside the tests
 
 
@@ -24,8 +25,15 @@ class Venv:
         subprocess.run([self.uv, "venv", "-q", "--python", sys.executable, str(path)], check=True)
 
     def install(self, *requirements: str | Path) -> None:
-        args = [self.uv, "pip", "install", "-q", "--python", self.python, *map(str, requirements)]
-        subprocess.run(args, check=True, timeout=600)
+        """Install with every third-party version pinned to the workspace lock, so the result
+        is the tested stack and comes from uv's cache (the trainer pulls in torch and Ray)."""
+        constraints = self.path.parent / "lock-constraints.txt"
+        if not constraints.exists():
+            export = [self.uv, "export", "--frozen", "--no-hashes", "--all-packages"]
+            export += ["--no-emit-workspace", "--no-header", "-o", str(constraints)]
+            subprocess.run(export, check=True, timeout=300, cwd=ROOT, capture_output=True)
+        args = [self.uv, "pip", "install", "-q", "--python", self.python, "-c", str(constraints)]
+        subprocess.run([*args, *map(str, requirements)], check=True, timeout=600)
 
     def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}

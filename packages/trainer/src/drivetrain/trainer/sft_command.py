@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -41,6 +42,9 @@ def sft(
     ] = "auto",
 ) -> None:
     """Supervised fine-tuning. With no data and no model: the built-in addition task."""
+    # Our progress bar is the one to watch; read by huggingface_hub when transformers loads
+    # (here, in torchrun ranks and in Ray actors, which get HF_* variables forwarded).
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         job = load_sft_job(engine, files=config or (), overrides=overrides or ())
         if print_config:
