@@ -13,6 +13,7 @@ import torch
 
 from drivetrain.api import MicroBatchConfig, OutputSpec
 from drivetrain.api.testing import token_mean_nll
+from drivetrain.trainer.hf_export import write_hf_model
 from fsdp_harness import FSDPHarness, padded_batch, single_thread
 from launch import write_result
 
@@ -49,7 +50,13 @@ if __name__ == "__main__":
             if k == 0:
                 engine.save_checkpoint(ckpt, step=1)
         export = str(Path(out_dir) / "hf")
-        engine.save_hf(export)
+        write_hf_model(
+            export,
+            engine.export_weights(),
+            source_dir=model_dir,
+            writer=torch.distributed.get_rank() == 0,
+        )
+        torch.distributed.barrier()  # rank 0 finished writing before anyone reads
         with engine.eval_mode():
             scored = engine.infer(batch, OutputSpec(log_probs=True))
         if torch.distributed.get_rank() == 0:

@@ -14,7 +14,6 @@ import math
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -377,19 +376,6 @@ class FSDPEngine(ModalEngine):
         if self._lora_scaling is None:
             return super().disable_adapter()
         return self._inner.hf.disable_adapter()
-
-    def save_hf(self, path: str) -> None:
-        """Export a Hugging Face model directory (safetensors, config, tokenizer); collective."""
-        source = Path(self.config.tokenizer_path or self.config.model.path)
-        has_tokenizer = any(
-            (source / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")
-        )
-        weights.save_hf(
-            path,
-            self.export_weights(),
-            hf_config=self.hf_config,
-            tokenizer_dir=str(source) if has_tokenizer else None,
-        )
 
     def save_checkpoint(self, path: str, *, step: int) -> CheckpointInfo:
         if self.model is None:

@@ -8,20 +8,13 @@ adapters alone under peft's names.
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import torch
-import torch.distributed as dist
-from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from drivetrain.api import NamedTensor
-from drivetrain.api.atomic_dir import publish, staging_path
 
 _PREFIXES = ("hf.", "base_model.model.")
 _FSDP1_MARKER = "_fsdp_wrapped_module."
@@ -121,59 +114,3 @@ def export_stream(
     stream = _lora_merged(raw, lora_scaling) if lora_scaling is not None else raw
     for name, tensor in stream:
         yield name.replace(".modules_to_save.default", ""), tensor.to(dtype)
-
-
-def save_hf(
-    path: str,
-    weights: Iterator[NamedTensor],
-    *,
-    hf_config: Any,
-    tokenizer_dir: str | None,
-    max_shard_bytes: int = 2 * 1024**3,
-) -> None:
-    """Write safetensors shards + config (+ tokenizer) loadable by ``from_pretrained`` and vLLM.
-    Every rank consumes the stream (it is collective); rank 0 writes, atomically."""
-    rank = dist.get_rank()
-    target = Path(path).absolute()
-    staging = staging_path(target)
-    shard: dict[str, torch.Tensor] = {}
-    written: list[tuple[str, list[str]]] = []
-    size = 0
-    if rank == 0:
-        staging.mkdir(parents=True)
-
-    def flush() -> None:
-        nonlocal shard, size
-        if shard:
-            file = f"model-{len(written) + 1:05d}.safetensors"
-            save_file(shard, str(staging / file), metadata={"format": "pt"})
-            written.append((file, list(shard)))
-        shard, size = {}, 0
-
-    seen = set()
-    for name, tensor in weights:
-        if rank != 0:
-            continue
-        if name in seen:
-            raise ValueError(f"weight {name!r} exported twice")
-        seen.add(name)
-        nbytes = tensor.numel() * tensor.element_size()
-        if size and size + nbytes > max_shard_bytes:
-            flush()
-        shard[name] = tensor.detach().to("cpu").contiguous()
-        size += nbytes
-    if rank == 0:
-        flush()
-        if len(written) == 1:
-            os.replace(staging / written[0][0], staging / "model.safetensors")
-        else:
-            weight_map = {name: file for file, names in written for name in names}
-            with open(staging / "model.safetensors.index.json", "w") as f:
-                json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
-        hf_config.save_pretrained(staging)
-        if tokenizer_dir:
-            from transformers import AutoTokenizer
-
-            AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(staging)
-        publish(staging, target)
-    dist.barrier()
