@@ -15,7 +15,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from drivetrain.api.atomic_dir import publish, staging_path
+from drivetrain.api.atomic_dir import fsync_dir, publish, staging_path
 from drivetrain.trainer.builtin.char_tokenizer import build_char_tokenizer
 from drivetrain.trainer.builtin.tiny_model import build_llama_model
 
@@ -98,7 +98,14 @@ def ensure_assets(root: Path | None = None) -> AdditionAssets:
         _write_jsonl(staging / "train.jsonl", make_rows(TRAIN_SIZE, seed=0, exclude=held_out))
         build_char_tokenizer(staging / "model")
         build_llama_model(staging / "model", tokenizer_dir=staging / "model", **MODEL_SHAPE)
-        publish(staging, target)
+        fsync_dir(staging)
+        # Not publish(): torchrun ranks may build at the same time; the first rename wins and
+        # the others drop their identical copy instead of replacing what a peer may be reading.
+        os.rename(staging, target)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not target.is_dir():
+            raise
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
