@@ -30,3 +30,15 @@ def test_plugin_tables(monkeypatch):
     engines = runner.invoke(app, ["engines"]).output
     fake_row = next(line for line in engines.splitlines() if "│ fake" in line)
     assert "drivetrain-engine-api 0.1.0" in fake_row and fake_row.rstrip(" │").endswith("ok")
+
+
+def test_cli_import_stays_light():
+    """`drivetrain engines` must not pay for torch, transformers or Ray (seconds each)."""
+    import subprocess
+    import sys
+
+    heavy = "{'torch', 'transformers', 'ray'}"
+    code = f"import sys, drivetrain.trainer.cli; print(sorted({heavy} & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

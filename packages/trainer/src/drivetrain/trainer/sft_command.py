@@ -12,7 +12,6 @@ from rich.console import Console
 
 from drivetrain.api.errors import DrivetrainError
 from drivetrain.trainer.checkpoints import read_checkpoint
-from drivetrain.trainer.sft_job import builtin_report, describe, load_sft_job, prepare, run_sft
 
 console = Console(stderr=True, soft_wrap=True)  # errors stay whole lines (greppable)
 
@@ -45,6 +44,9 @@ def sft(
     # Our progress bar is the one to watch; read by huggingface_hub when transformers loads
     # (here, in torchrun ranks and in Ray actors, which get HF_* variables forwarded).
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    # Here, not at module level: it imports torch, which `drivetrain engines` does not need.
+    from drivetrain.trainer.sft_job import builtin_report, describe, load_sft_job, prepare, run_sft
+
     try:
         job = load_sft_job(engine, files=config or (), overrides=overrides or ())
         if print_config:

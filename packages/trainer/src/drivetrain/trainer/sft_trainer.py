@@ -20,7 +20,7 @@ from drivetrain.trainer.checkpoints import Checkpoint, CheckpointManager, read_c
 from drivetrain.trainer.data.batching import StepPlan, eval_batches, make_batch
 from drivetrain.trainer.data.sft_dataset import SFTData
 from drivetrain.trainer.errors import CheckpointError
-from drivetrain.trainer.metrics import MetricsLogger, plot_loss_curve
+from drivetrain.trainer.metrics import METRICS_FILE, MetricsLogger, plot_loss_curve
 from drivetrain.trainer.progress import TrainingProgress
 from drivetrain.trainer.sft_config import SFTConfig
 from drivetrain.trainer.workers.engine_worker import StepStats
@@ -34,7 +34,6 @@ def total_steps(config: SFTConfig, plan: StepPlan) -> int:
 @dataclass
 class SFTResult:
     output_dir: Path
-    first_step: int  # 0 for a fresh run, the checkpoint's step when resumed
     final_step: int
     train_loss: dict[int, float] = field(default_factory=dict)  # 1-based step -> loss
     val_loss: float | None = None
@@ -105,6 +104,29 @@ class SFTTrainer:
         )
         return self.group.run_sharded("train_step", batch, "sft"), batch.num_tokens
 
+    def step_metrics(self, step: int) -> dict[str, float]:
+        """Train 0-based ``step``; its metrics, with the validation loss when one is due."""
+        began = time.perf_counter()
+        stats, tokens = self.train_step(step)
+        elapsed = time.perf_counter() - began
+        if not math.isfinite(stats.loss):
+            raise FloatingPointError(f"loss is {stats.loss} at step {step + 1}")
+        metrics = {
+            "train/loss": stats.loss,
+            "train/grad_norm": stats.grad_norm,
+            "train/lr": stats.lr,
+            "train/loss_tokens": stats.num_tokens,
+            "train/tokens_per_s": tokens / elapsed,
+            "train/epoch": step / self.plan.steps_per_epoch,
+            **{f"train/{k}": v for k, v in stats.metrics.items()},
+        }
+        every, done = self.config.run.eval_every, step + 1
+        if every and done % every == 0 and done < self.total:
+            val = self.validation_loss()
+            if val is not None:
+                metrics["val/loss"] = val
+        return metrics
+
     def validation_loss(self) -> float | None:
         if not self.data.val:
             return None
@@ -130,7 +152,7 @@ class SFTTrainer:
         if start_from is not None:
             start = self.group.run_all("load_checkpoint", start_from.engine_path)
             self.console.print(f"resumed from {start_from.path} at step {start}")
-        result = SFTResult(self.out, first_step=start, final_step=start)
+        result = SFTResult(self.out, final_step=start)
         logger = (
             MetricsLogger(
                 self.out, self.config.logging, run_config=self._state(), resume_step=start
@@ -146,30 +168,15 @@ class SFTTrainer:
                 console=self.console,
             ) as progress:
                 for step in range(start, self.total):
-                    began = time.perf_counter()
-                    stats, tokens = self.train_step(step)
-                    elapsed = time.perf_counter() - began
-                    if not math.isfinite(stats.loss):
-                        raise FloatingPointError(f"loss is {stats.loss} at step {step + 1}")
+                    metrics = self.step_metrics(step)
                     done = step + 1
-                    result.train_loss[done] = stats.loss
+                    result.train_loss[done] = metrics["train/loss"]
                     result.final_step = done
-                    metrics = {
-                        "train/loss": stats.loss,
-                        "train/grad_norm": stats.grad_norm,
-                        "train/lr": stats.lr,
-                        "train/loss_tokens": stats.num_tokens,
-                        "train/tokens_per_s": tokens / elapsed,
-                        "train/epoch": step / self.plan.steps_per_epoch,
-                        **{f"train/{k}": v for k, v in stats.metrics.items()},
-                    }
-                    if run.eval_every and done % run.eval_every == 0 and done < self.total:
-                        val = self.validation_loss()
-                        if val is not None:
-                            metrics["val/loss"] = val
                     if logger is not None:
                         logger.log(done, metrics)
-                    progress.update(loss=stats.loss, tokens_per_s=tokens / elapsed)
+                    progress.update(
+                        loss=metrics["train/loss"], tokens_per_s=metrics["train/tokens_per_s"]
+                    )
                     if run.save_every and done % run.save_every == 0 and done < self.total:
                         self.save(done)
             result.val_loss = self.validation_loss()
@@ -184,5 +191,5 @@ class SFTTrainer:
             if logger is not None:
                 logger.close()
         if self.group.is_writer:
-            plot_loss_curve(logger.path, self.out / "loss_curve.png")  # type: ignore[union-attr]
+            plot_loss_curve(self.out / METRICS_FILE, self.out / "loss_curve.png")
         return result

@@ -25,7 +25,6 @@ class StepStats:
     grad_norm: float
     lr: float
     num_tokens: int
-    num_micro_batches: int
     metrics: Mapping[str, float] = field(default_factory=dict)
 
 
@@ -43,9 +42,6 @@ class EngineWorker:
         self.engine.initialize()
         return self.engine.parallel
 
-    def parallel(self) -> ParallelInfo:
-        return self.engine.parallel
-
     def train_step(self, shard: Batch, loss: str) -> StepStats:
         engine = self.engine
         with engine.train_mode():
@@ -58,7 +54,6 @@ class EngineWorker:
             grad_norm=grad_norm,
             lr=lr,
             num_tokens=result.num_tokens,
-            num_micro_batches=result.num_micro_batches,
             metrics=dict(result.metrics),
         )
 
