@@ -3,7 +3,13 @@ import math
 import pytest
 
 from drivetrain.api import FinishReason, Prompt, SamplingParams
-from drivetrain.api.testing import FakeEngine, FakeEngineConfig, FakeRollout, FakeRolloutConfig
+from drivetrain.api.testing import (
+    FakeEngine,
+    FakeEngineConfig,
+    FakeRollout,
+    FakeRolloutConfig,
+    fake_model,
+)
 from drivetrain.api.testing.fake_rollout import processed_log_probs
 
 
@@ -27,7 +33,11 @@ def test_greedy_and_seeded_sampling_are_reproducible():
     r = rollout()
     greedy = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
     assert r.generate(prompts, greedy) == r.generate(prompts, greedy)
-    assert all(lp == 0.0 for lp in r.generate(prompts, greedy)[0].log_probs)
+    # greedy reports the unscaled distribution's log-prob of its argmax, like vLLM
+    first = r.generate(prompts, greedy)[0]
+    logits = fake_model.next_token_logits(r.weights, 1)
+    assert first.token_ids[0] == max(range(len(logits)), key=logits.__getitem__)
+    assert first.log_probs[0] == pytest.approx(max(fake_model.log_softmax(logits)))
     sampled = SamplingParams(max_new_tokens=6, seed=7)
     assert r.generate(prompts, sampled) == r.generate(prompts, sampled)
 

@@ -26,6 +26,7 @@ class SamplingParams:
     ``top_k <= 0`` and ``top_p == 1`` disable those filters. Generation stops at
     ``max_new_tokens``, at any of ``stop_token_ids`` (kept in the output), at the model's EOS
     unless ``ignore_eos``, or at any of ``stop`` strings (output cut after the string).
+    Greedy decoding reports log-probs of the unscaled distribution (temperature 1), as vLLM does.
     """
 
     n: int = 1
@@ -48,6 +49,10 @@ class SamplingParams:
             problems.append(f"top_p={self.top_p} must be in (0, 1]")
         if self.max_new_tokens < 1:
             problems.append(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        if any(not s for s in self.stop):
+            problems.append("stop strings must be non-empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            problems.append(f"stop_token_ids {self.stop_token_ids} must be >= 0")
         if problems:
             raise ValueError("invalid sampling params: " + "; ".join(problems))
 

@@ -30,9 +30,8 @@ class FakeRolloutConfig(RolloutConfig):
 
 def processed_log_probs(logits: Sequence[float], params: SamplingParams) -> list[float]:
     """Log-probs after temperature, top-k and top-p; filtered tokens get ``-inf``."""
-    if params.greedy:
-        best = max(range(len(logits)), key=logits.__getitem__)
-        return [0.0 if i == best else -math.inf for i in range(len(logits))]
+    if params.greedy:  # the unscaled distribution; sampling picks its argmax
+        return fake_model.log_softmax(list(logits))
     logp = fake_model.log_softmax([x / params.temperature for x in logits])
     order = sorted(range(len(logp)), key=lambda i: -logp[i])
     keep = order[: params.top_k] if params.top_k > 0 else order
@@ -98,7 +97,10 @@ class FakeRollout(Rollout):
         reason = FinishReason.LENGTH
         for _ in range(params.max_new_tokens):
             logp = processed_log_probs(fake_model.next_token_logits(self.weights, prev), params)
-            token = rng.choices(range(len(logp)), weights=[math.exp(x) for x in logp])[0]
+            if params.greedy:
+                token = max(range(len(logp)), key=logp.__getitem__)
+            else:
+                token = rng.choices(range(len(logp)), weights=[math.exp(x) for x in logp])[0]
             tokens.append(token)
             log_probs.append(logp[token])
             prev = token

@@ -1,0 +1,44 @@
+import pytest
+
+from drivetrain.api import Completion, FinishReason, Layout
+from drivetrain.api.columns import INPUT_IDS, LOSS_MASK, RESPONSE_MASK, ROLLOUT_LOG_PROBS
+from drivetrain.api.rollout_batch import FINISH_REASON, PROMPT_INDEX, completions_to_batch
+
+
+def completion(index, prompt, tokens, version=3):
+    logps = tuple(-0.5 * (i + 1) for i in range(len(tokens)))
+    return Completion(index, prompt, tokens, logps, FinishReason.STOP, version)
+
+
+COMPLETIONS = [completion(0, (5, 6), (7,)), completion(1, (8,), (9, 10, 11))]
+
+
+def test_padded_batch_aligns_log_probs_with_generated_tokens():
+    batch = completions_to_batch(COMPLETIONS, pad_token_id=0)
+    assert batch.layout is Layout.PADDED and batch.seq_lens == (3, 4)
+    assert batch[INPUT_IDS] == [[5, 6, 7, 0], [8, 9, 10, 11]]
+    assert batch[RESPONSE_MASK] == [[0, 0, 1, 0], [0, 1, 1, 1]]
+    assert batch[LOSS_MASK] == batch[RESPONSE_MASK]
+    assert batch[ROLLOUT_LOG_PROBS] == [[0.0, 0.0, -0.5, 0.0], [0.0, -0.5, -1.0, -1.5]]
+    assert batch[PROMPT_INDEX] == [0, 1] and batch[FINISH_REASON] == ["stop", "stop"]
+    assert batch.meta.weight_version == 3
+
+
+def test_packed_batch_concatenates_and_equals_packing_the_padded_one():
+    packed = completions_to_batch(COMPLETIONS, pad_token_id=0, packed=True)
+    assert packed.layout is Layout.PACKED
+    assert packed[INPUT_IDS] == [5, 6, 7, 8, 9, 10, 11]
+    assert (
+        packed[INPUT_IDS]
+        == completions_to_batch(COMPLETIONS, pad_token_id=0).to_packed()[INPUT_IDS]
+    )
+
+
+def test_mixed_versions_leave_meta_version_unset_and_bad_completions_fail():
+    mixed = [COMPLETIONS[0], completion(1, (8,), (9,), version=4)]
+    assert completions_to_batch(mixed, pad_token_id=0).meta.weight_version is None
+    bad = Completion(0, (1,), (2, 3), (-1.0,), FinishReason.LENGTH, 0)
+    with pytest.raises(ValueError, match="2 tokens but 1 log-probs"):
+        completions_to_batch([bad], pad_token_id=0)
+    with pytest.raises(ValueError, match="no completions"):
+        completions_to_batch([], pad_token_id=0)
