@@ -40,8 +40,11 @@ def build_llama_model(
     return Path(path)
 
 
-def build_tiny_chat_model(path: str | Path, *, hidden: int = 32, seed: int = 0) -> Path:
-    """A 2-layer model with the character tokenizer and chat template, for tests."""
+def build_tiny_chat_model(
+    path: str | Path, *, hidden: int = 32, heads: int = 4, seed: int = 0
+) -> Path:
+    """A 2-layer model with the character tokenizer and chat template, for tests. vLLM's CPU
+    attention needs ``hidden // heads`` >= 32."""
     from drivetrain.trainer.builtin.char_tokenizer import build_char_tokenizer
 
     build_char_tokenizer(path)
@@ -53,7 +56,7 @@ def build_tiny_chat_model(path: str | Path, *, hidden: int = 32, seed: int = 0) 
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
         max_position_embeddings=256,
     )

@@ -1,0 +1,121 @@
+"""Configuration of the rollout backends (light: imports only ``drivetrain.api``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from drivetrain.api.config import LoraConfig, RolloutConfig
+from drivetrain.api.errors import ConfigError
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class BackendConfig(RolloutConfig):
+    """Knobs every drivetrain rollout backend has on top of the api's ``RolloutConfig``.
+
+    ``python`` names the interpreter of another Python environment (one made by
+    ``python -m drivetrain.rollout.env``): the backend then runs there as a server process and
+    only plain data and weight bytes cross over, so that environment may pin its own torch and
+    transformers. Empty: the backend runs in this process.
+    """
+
+    python: str = ""
+    start_timeout_s: float = 600.0
+    env: tuple[str, ...] = ()  # extra "NAME=value" environment variables for the server process
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.device not in DEVICES:
+            raise ConfigError(f"rollout.device={self.device!r} must be one of {DEVICES}")
+        if self.start_timeout_s <= 0:
+            raise ConfigError(f"rollout.start_timeout_s={self.start_timeout_s} must be > 0")
+        bad = [item for item in self.env if "=" not in item or item.startswith("=")]
+        if bad:
+            raise ConfigError(f"rollout.env entries must be NAME=value, got {bad}")
+
+
+CACHES = ("dynamic", "static")
+
+
+@dataclass(frozen=True)
+class HFRolloutConfig(BackendConfig):
+    """transformers ``generate``. ``cache``: the KV-cache kind (``dynamic`` measured fastest on
+    CPU, see ``benchmarks/rollout.py``); ``max_batch_size``: sequences per ``generate`` call;
+    ``num_threads``: torch intra-op threads for this process (0 leaves torch's choice)."""
+
+    cache: str = "dynamic"
+    max_batch_size: int = 64
+    num_threads: int = 0
+    attn_implementation: str = "sdpa"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.cache not in CACHES:
+            raise ConfigError(f"rollout.cache={self.cache!r} must be one of {CACHES}")
+        if self.max_batch_size < 1 or self.num_threads < 0:
+            raise ConfigError("rollout.max_batch_size must be >= 1 and num_threads >= 0")
+
+
+@dataclass(frozen=True)
+class VLLMRolloutConfig(BackendConfig):
+    """vLLM's offline engine.
+
+    ``multiprocessing=False`` keeps vLLM's engine core in this process (uni executor at
+    tensor-parallel size 1), so new weights are handed over as tensors through vLLM's
+    ``reload_weights``; with separate worker processes (GPU, tensor parallel) weights go
+    through vLLM's weight-transfer engine (``weight_transfer``: ``ipc`` or ``nccl``).
+    ``kv_cache_space_gib`` sets ``VLLM_CPU_KVCACHE_SPACE`` on CPU.
+    """
+
+    gpu_memory_utilization: float = 0.5
+    kv_cache_space_gib: int = 2
+    max_num_seqs: int = 256
+    enforce_eager: bool = True
+    enable_prefix_caching: bool = True
+    enable_sleep_mode: bool = True
+    multiprocessing: bool = False
+    weight_transfer: str = "ipc"
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    max_loras: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError("rollout.gpu_memory_utilization must be in (0, 1]")
+        if self.kv_cache_space_gib < 1 or self.max_num_seqs < 1:
+            raise ConfigError("rollout.kv_cache_space_gib and max_num_seqs must be >= 1")
+        if self.weight_transfer not in ("ipc", "nccl"):
+            raise ConfigError(
+                f"rollout.weight_transfer={self.weight_transfer!r} must be 'ipc' or 'nccl'"
+            )
+
+
+@dataclass(frozen=True)
+class SGLangRolloutConfig(BackendConfig):
+    """SGLang's offline ``Engine`` (CUDA only).
+
+    ``enable_memory_saver`` lets ``sleep`` release weights and KV cache
+    (``release_memory_occupation``); ``weights_cpu_backup`` keeps a host copy of the weights
+    while asleep, so ``sleep(level=1)`` frees them too and ``wake_up`` restores them (SGLang
+    >= 0.5.3; without it level 1 frees the KV cache only). ``deterministic_inference`` makes
+    SGLang honour per-request seeds (``SamplingParams.seed``); it costs throughput.
+    New weights go over in CUDA tensor buckets of at most ``weight_bucket_bytes``.
+    """
+
+    mem_fraction_static: float = 0.5
+    enable_memory_saver: bool = True
+    weights_cpu_backup: bool = True
+    deterministic_inference: bool = False
+    disable_cuda_graph: bool = False
+    attention_backend: str = ""
+    log_level: str = "error"
+    weight_bucket_bytes: int = 512 * 1024 * 1024
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 < self.mem_fraction_static <= 1:
+            raise ConfigError("rollout.mem_fraction_static must be in (0, 1]")
+        if self.weight_bucket_bytes < 1:
+            raise ConfigError("rollout.weight_bucket_bytes must be >= 1")

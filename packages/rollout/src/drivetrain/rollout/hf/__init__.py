@@ -1,0 +1,1 @@
+"""The ``hf`` rollout: transformers ``generate``."""

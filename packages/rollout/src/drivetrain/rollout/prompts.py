@@ -1,0 +1,63 @@
+"""Prompts in (token ids or chat messages), checked against the context before generating."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from drivetrain.api.rollout import Prompt, SamplingParams
+
+
+def render_prompts(prompts: Sequence[Prompt], tokenizer: Any, vocab_size: int) -> list[list[int]]:
+    """Token ids of every prompt; chat ``messages`` go through the tokenizer's chat template
+    with the generation prompt added. Raises ``ValueError`` for ids outside the vocabulary."""
+    if not prompts:
+        raise ValueError("no prompts to generate from")
+    rendered = []
+    for i, prompt in enumerate(prompts):
+        if prompt.messages:
+            if getattr(tokenizer, "chat_template", None) is None:
+                raise ValueError(
+                    f"prompt {i} is chat messages but the tokenizer has no chat template"
+                )
+            ids = tokenizer.apply_chat_template(
+                [dict(m) for m in prompt.messages],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        else:
+            ids = list(prompt.token_ids)
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt {i}: token ids {bad[:5]} outside the vocabulary ({vocab_size})"
+            )
+        if not ids:
+            raise ValueError(f"prompt {i} renders to no tokens")
+        rendered.append(ids)
+    return rendered
+
+
+def new_token_budgets(
+    prompt_ids: Sequence[Sequence[int]], params: SamplingParams, max_model_len: int
+) -> list[int]:
+    """How many tokens each prompt may generate: ``max_new_tokens``, cut at the context length
+    (such a completion finishes with ``length``). A prompt that leaves no room is an error."""
+    budgets = []
+    for i, ids in enumerate(prompt_ids):
+        room = max_model_len - len(ids)
+        if room < 1:
+            raise ValueError(
+                f"prompt {i} has {len(ids)} tokens; the context (max_model_len={max_model_len}) "
+                "leaves no room to generate"
+            )
+        budgets.append(min(params.max_new_tokens, room))
+    return budgets
+
+
+def check_stop_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    bad = [t for t in params.stop_token_ids if t >= vocab_size]
+    if bad:
+        raise ValueError(f"stop_token_ids {bad} outside the vocabulary ({vocab_size})")

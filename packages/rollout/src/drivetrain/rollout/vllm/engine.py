@@ -1,0 +1,221 @@
+"""The ``vllm`` rollout engine: vLLM's ``LLM`` in this process.
+
+Weights: with vLLM's engine core in this process (``multiprocessing=False``, the default, which
+needs tensor-parallel size 1) new weights go in as tensors through vLLM's public
+``reload_weights`` worker method (``collective_rpc``), which runs the model's own
+``load_weights`` and vLLM's post-load processing; calling ``model.load_weights`` directly would
+skip the latter. The prefix cache is reset afterwards (its KV was computed with the old
+weights). LoRA adapters are written as a peft directory and loaded as a new ``LoRARequest``.
+With worker processes (tensor parallel, ``multiprocessing=True``) weights cannot cross vLLM's
+RPC as tensors: they are delivered by a ckpt-engine transport into vLLM's weight-transfer
+engine instead.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from drivetrain.api.engine import NamedTensor
+from drivetrain.api.rollout import Completion, FinishReason, Prompt, Rollout, SamplingParams
+from drivetrain.rollout.checkpoint_names import checkpoint_shapes
+from drivetrain.rollout.config import VLLMRolloutConfig
+from drivetrain.rollout.devices import model_dir
+from drivetrain.rollout.lora_adapters import adapter_config, is_adapter_weight, write_adapter
+from drivetrain.rollout.prompts import check_stop_token_ids, new_token_budgets, render_prompts
+from drivetrain.rollout.weights import stage_weights
+
+
+def _configure_environment(config: VLLMRolloutConfig) -> None:
+    """vLLM reads these when it is imported and when its engine starts: set them first."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if config.multiprocessing else "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_space_gib))
+    for item in config.env:
+        name, _, value = item.partition("=")
+        os.environ[name] = value
+
+
+FINISH_REASONS = {
+    "stop": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "abort": FinishReason.ABORT,
+}
+
+
+class VLLMEngine(Rollout):
+    config: VLLMRolloutConfig
+
+    def __init__(self, config: VLLMRolloutConfig) -> None:
+        super().__init__(config)
+        path = model_dir(config.model_path)
+        if config.tensor_parallel_size > 1 and not config.multiprocessing:
+            raise ValueError(
+                "rollout.tensor_parallel_size > 1 needs vLLM worker processes: set "
+                "rollout.multiprocessing=true"
+            )
+        _configure_environment(config)
+        import vllm
+        from vllm.platforms import current_platform
+
+        self.vllm = vllm
+        self.on_cpu = current_platform.is_cpu()
+        kwargs: dict[str, Any] = dict(
+            model=str(path),
+            tokenizer=str(path),
+            dtype=config.dtype,
+            max_model_len=config.max_model_len,
+            tensor_parallel_size=config.tensor_parallel_size,
+            seed=config.seed,
+            enforce_eager=config.enforce_eager,
+            enable_prefix_caching=config.enable_prefix_caching,
+            max_num_seqs=config.max_num_seqs,
+            # sampled log-probs after temperature/top-k/top-p: what the trainer recomputes
+            logprobs_mode="processed_logprobs",
+            distributed_executor_backend="mp" if config.multiprocessing else "uni",
+        )
+        if not self.on_cpu:
+            kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = config.enable_sleep_mode
+            if config.multiprocessing:
+                from vllm.config import WeightTransferConfig
+
+                kwargs["weight_transfer_config"] = WeightTransferConfig(
+                    backend=config.weight_transfer
+                )
+        if config.lora.enabled:
+            kwargs.update(
+                enable_lora=True, max_lora_rank=config.lora.rank, max_loras=config.max_loras
+            )
+        self.llm = vllm.LLM(**kwargs)
+        self.tokenizer = self.llm.get_tokenizer()
+        self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+        self._shapes = checkpoint_shapes(path)
+        self._version = 0
+        self._lora_request: Any = None
+        self._lora_root = Path(tempfile.mkdtemp(prefix="drivetrain-vllm-lora-"))
+        self._asleep = False
+        self._weights_discarded = False
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    # ---- generation ---------------------------------------------------------------------
+    def sampling_params(self, params: SamplingParams, budget: int) -> Any:
+        return self.vllm.SamplingParams(
+            n=params.n,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k if params.top_k > 0 else 0,
+            max_tokens=budget,
+            stop=list(params.stop) or None,
+            stop_token_ids=list(params.stop_token_ids) or None,
+            ignore_eos=params.ignore_eos,
+            seed=params.seed,
+            logprobs=0,  # the sampled token's log-prob only
+            include_stop_str_in_output=True,
+        )
+
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
+        if self._asleep:
+            raise RuntimeError("the vllm rollout is asleep; call wake_up() first")
+        if self._weights_discarded:
+            raise RuntimeError("sleep(level=2) discarded the weights; send new weights first")
+        prompt_ids = render_prompts(prompts, self.tokenizer, self.vocab_size)
+        budgets = new_token_budgets(prompt_ids, params, self.max_model_len)
+        check_stop_token_ids(params, self.vocab_size)
+        from vllm.inputs import TokensPrompt
+
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids],
+            [self.sampling_params(params, budget) for budget in budgets],
+            lora_request=self._lora_request,
+            use_tqdm=False,
+        )
+        completions = []
+        for index, (ids, output) in enumerate(zip(prompt_ids, outputs, strict=True)):
+            for sample in output.outputs:
+                completions.append(
+                    Completion(
+                        prompt_index=index,
+                        prompt_ids=tuple(ids),
+                        token_ids=tuple(sample.token_ids),
+                        log_probs=_sampled_log_probs(sample.token_ids, sample.logprobs),
+                        finish_reason=FINISH_REASONS.get(sample.finish_reason, FinishReason.LENGTH),
+                        weight_version=self._version,
+                        text=sample.text,
+                    )
+                )
+        return completions
+
+    # ---- weights ------------------------------------------------------------------------
+    def update_weights(self, weights: Iterable[NamedTensor], *, version: int) -> None:
+        if self.config.multiprocessing:
+            raise RuntimeError(
+                "vLLM runs worker processes (multiprocessing=true): weights reach them through a "
+                "ckpt-engine transport into vLLM's weight-transfer engine, not update_weights()"
+            )
+        items = list(weights)
+        adapter = [(n, t) for n, t in items if is_adapter_weight(n)]
+        if adapter:
+            if len(adapter) != len(items) or not self.config.lora.enabled:
+                raise KeyError(
+                    "LoRA adapter weights need rollout.lora.rank > 0 and a stream of adapter "
+                    "weights only"
+                )
+            self._load_adapter(adapter, version)
+        else:
+            staged = stage_weights(items, self._shapes)
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(staged)})
+            self._weights_discarded = False
+        self.llm.reset_prefix_cache()  # its KV was computed with the old weights
+        self._version = version
+
+    def _load_adapter(self, tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
+        from vllm.lora.request import LoRARequest
+
+        config = adapter_config(self.config.lora, self.config.model_path)
+        directory = write_adapter(self._lora_root, version, tensors, config)
+        previous = self._lora_request
+        # a new id makes vLLM load the new adapter; the old one is evicted
+        new_id = 1 if previous is None else previous.lora_int_id + 1
+        self._lora_request = LoRARequest(f"policy-v{version}", new_id, str(directory))
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+
+    # ---- memory -------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> bool:
+        super().sleep(level)
+        if self.on_cpu or not self.config.enable_sleep_mode:
+            return False  # vLLM's CPU backend ignores sleep: nothing is freed
+        self.llm.sleep(level=level)
+        self._asleep = True
+        self._weights_discarded = level == 2
+        return True
+
+    def wake_up(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    def shutdown(self) -> None:
+        engine = getattr(self, "llm", None)
+        if engine is not None:
+            shutdown = getattr(engine.llm_engine, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+            self.llm = None  # type: ignore[assignment]
+
+
+def _sampled_log_probs(token_ids: Sequence[int], logprobs: Any) -> tuple[float, ...]:
+    if logprobs is None:
+        raise RuntimeError("vLLM returned no log-probs; was logprobs=0 dropped?")
+    return tuple(
+        float(step[token].logprob) for token, step in zip(token_ids, logprobs, strict=True)
+    )

