@@ -134,3 +134,26 @@ def test_lora_adapter_updates_equal_the_merged_model(model_dir, tmp_path):
             assert list(c.token_ids) == transformers_greedy(again, c)
     finally:
         vllm.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_worker_processes_and_tensor_parallel_take_new_weights(
+    model_dir, tmp_path, tensor_parallel_size
+):
+    """vLLM with worker processes (tensor parallel over gloo on CPU) matches transformers
+    before and after a weight update (handed over through a directory)."""
+    engine = fsdp_engine(model_dir)
+    hf = rollouts.load("hf")(HFRolloutConfig(model_path=str(model_dir), max_model_len=256))
+    train_step(engine, hf.generate(CHAT_PROMPTS, SAMPLED))
+    workers = start_vllm(model_dir, multiprocessing=True, tensor_parallel_size=tensor_parallel_size)
+    try:
+        for c in workers.generate(CHAT_PROMPTS, GREEDY):
+            assert list(c.token_ids) == transformers_greedy(model_dir, c)
+        workers.update_weights(engine.export_weights(), version=1)
+        trained = save_engine_weights(engine, model_dir, tmp_path / "trained")
+        for c in workers.generate(CHAT_PROMPTS, GREEDY):
+            assert c.weight_version == 1
+            assert list(c.token_ids) == transformers_greedy(trained, c)
+    finally:
+        workers.shutdown()

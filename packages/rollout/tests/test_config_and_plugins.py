@@ -29,9 +29,9 @@ def test_bad_config_values_are_named(overrides, message):
         HFRolloutConfig(**overrides)
 
 
-def test_vllm_config_refuses_unknown_weight_transfer():
-    with pytest.raises(ConfigError, match="weight_transfer"):
-        VLLMRolloutConfig(weight_transfer="carrier-pigeon")
+def test_vllm_config_checks_its_ranges():
+    with pytest.raises(ConfigError, match="gpu_memory_utilization"):
+        VLLMRolloutConfig(gpu_memory_utilization=1.5)
 
 
 @pytest.mark.parametrize("backend", ["vllm", "sglang"])
@@ -69,3 +69,12 @@ def test_sampling_params_are_validated_before_any_backend():
         SamplingParams(stop=("",))
     with pytest.raises(ValueError, match="exactly one"):
         Prompt()
+
+
+def test_cpu_tensor_parallel_workers_split_the_cores(monkeypatch):
+    from drivetrain.rollout.vllm import engine
+
+    monkeypatch.setattr(engine.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
+    assert engine.cpu_binding(2) == "0,1|2,3"
+    with pytest.raises(ValueError, match="need at least 8 cores"):
+        engine.cpu_binding(8)

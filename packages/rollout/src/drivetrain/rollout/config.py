@@ -63,8 +63,8 @@ class VLLMRolloutConfig(BackendConfig):
 
     ``multiprocessing=False`` keeps vLLM's engine core in this process (uni executor at
     tensor-parallel size 1), so new weights are handed over as tensors through vLLM's
-    ``reload_weights``; with separate worker processes (GPU, tensor parallel) weights go
-    through vLLM's weight-transfer engine (``weight_transfer``: ``ipc`` or ``nccl``).
+    ``reload_weights``; with worker processes (``multiprocessing=True``, required for tensor
+    parallel) they are handed over through a directory (see ``vllm/engine.py``).
     ``kv_cache_space_gib`` sets ``VLLM_CPU_KVCACHE_SPACE`` on CPU.
     """
 
@@ -75,7 +75,6 @@ class VLLMRolloutConfig(BackendConfig):
     enable_prefix_caching: bool = True
     enable_sleep_mode: bool = True
     multiprocessing: bool = False
-    weight_transfer: str = "ipc"
     lora: LoraConfig = field(default_factory=LoraConfig)
     max_loras: int = 1
 
@@ -85,10 +84,6 @@ class VLLMRolloutConfig(BackendConfig):
             raise ConfigError("rollout.gpu_memory_utilization must be in (0, 1]")
         if self.kv_cache_space_gib < 1 or self.max_num_seqs < 1:
             raise ConfigError("rollout.kv_cache_space_gib and max_num_seqs must be >= 1")
-        if self.weight_transfer not in ("ipc", "nccl"):
-            raise ConfigError(
-                f"rollout.weight_transfer={self.weight_transfer!r} must be 'ipc' or 'nccl'"
-            )
 
 
 @dataclass(frozen=True)

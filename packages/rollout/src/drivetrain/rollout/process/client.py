@@ -78,6 +78,11 @@ class RolloutProcess(Rollout):
             self.info: dict[str, Any] = self._call(
                 "start", backend, config, timeout=deadline - time.monotonic()
             )
+        except Exception as exc:
+            if not isinstance(exc, RolloutProcessError):  # those carry the log already
+                exc.add_note(f"rollout process log {self.log_path}:\n{self._log_tail()}")
+            self._finalizer()
+            raise
         except BaseException:
             self._finalizer()
             raise

@@ -33,7 +33,6 @@ from drivetrain.api.rollout import Completion, Prompt, Rollout, SamplingParams
 from drivetrain.rollout.checkpoint_names import checkpoint_shapes
 from drivetrain.rollout.config import SGLangRolloutConfig
 from drivetrain.rollout.devices import model_dir
-from drivetrain.rollout.lora_adapters import adapter_config, is_adapter_weight, write_adapter
 from drivetrain.rollout.prompts import check_stop_token_ids, new_token_budgets, render_prompts
 from drivetrain.rollout.sglang.requests import (
     check_result,
@@ -46,6 +45,7 @@ from drivetrain.rollout.sglang.requests import (
     request_seeds,
     weight_buckets,
 )
+from drivetrain.rollout.weight_dirs import adapter_config, is_adapter_weight, write_adapter
 from drivetrain.rollout.weights import stage_weights
 
 NO_CUDA = "SGLang needs a CUDA GPU; on CPU use the hf or vllm rollout"
