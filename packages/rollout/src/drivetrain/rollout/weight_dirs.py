@@ -24,6 +24,21 @@ def is_adapter_weight(name: str) -> bool:
     return any(marker in name for marker in LORA_MARKERS)
 
 
+def adapter_update(
+    items: Sequence[tuple[str, torch.Tensor]], lora_enabled: bool
+) -> Sequence[tuple[str, torch.Tensor]] | None:
+    """The stream itself if it is a LoRA adapter update (peft names only), ``None`` for a plain
+    weight update; ``KeyError`` for adapter weights the engine cannot take."""
+    adapter = [item for item in items if is_adapter_weight(item[0])]
+    if not adapter:
+        return None
+    if len(adapter) != len(items) or not lora_enabled:
+        raise KeyError(
+            "LoRA adapter weights need rollout.lora.rank > 0 and a stream of adapter weights only"
+        )
+    return adapter
+
+
 def adapter_config(lora: LoraConfig, base_model: str) -> dict[str, object]:
     targets = list(lora.target_modules)
     return {

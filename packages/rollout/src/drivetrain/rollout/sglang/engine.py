@@ -45,7 +45,7 @@ from drivetrain.rollout.sglang.requests import (
     request_seeds,
     weight_buckets,
 )
-from drivetrain.rollout.weight_dirs import adapter_config, is_adapter_weight, write_adapter
+from drivetrain.rollout.weight_dirs import adapter_config, adapter_update, write_adapter
 from drivetrain.rollout.weights import stage_weights
 
 NO_CUDA = "SGLang needs a CUDA GPU; on CPU use the hf or vllm rollout"
@@ -200,14 +200,9 @@ class SGLangEngine(Rollout):
     def update_weights(self, weights: Iterable[NamedTensor], *, version: int) -> None:
         self._check_awake("update_weights")
         items = list(weights)
-        adapter = [(n, t) for n, t in items if is_adapter_weight(n)]
-        if adapter:
-            if len(adapter) != len(items) or not self.config.lora.enabled:
-                raise KeyError(
-                    "LoRA adapter weights need rollout.lora.rank > 0 and a stream of adapter "
-                    "weights only"
-                )
-            self._load_adapter(adapter, version)
+        adapter = adapter_update(items, self.config.lora.enabled)
+        if adapter is not None:
+            self._load_adapter(list(adapter), version)
         else:
             self._send(stage_weights(items, self._shapes))
             self._weights_discarded = False

@@ -31,7 +31,7 @@ from drivetrain.rollout.devices import model_dir
 from drivetrain.rollout.prompts import check_stop_token_ids, new_token_budgets, render_prompts
 from drivetrain.rollout.weight_dirs import (
     adapter_config,
-    is_adapter_weight,
+    adapter_update,
     write_adapter,
     write_weights_dir,
 )
@@ -174,14 +174,9 @@ class VLLMEngine(Rollout):
     # ---- weights ------------------------------------------------------------------------
     def update_weights(self, weights: Iterable[NamedTensor], *, version: int) -> None:
         items = list(weights)
-        adapter = [(n, t) for n, t in items if is_adapter_weight(n)]
-        if adapter:
-            if len(adapter) != len(items) or not self.config.lora.enabled:
-                raise KeyError(
-                    "LoRA adapter weights need rollout.lora.rank > 0 and a stream of adapter "
-                    "weights only"
-                )
-            self._load_adapter(adapter, version)
+        adapter = adapter_update(items, self.config.lora.enabled)
+        if adapter is not None:
+            self._load_adapter(list(adapter), version)
         else:
             staged = stage_weights(items, self._shapes)
             if self.config.multiprocessing:
