@@ -1,0 +1,157 @@
+"""Atomic checkpoints with ``megatron.core.dist_checkpointing``.
+
+Layout of a checkpoint directory::
+
+    (dist_checkpointing files)   model chunks + optimizer, as sharded tensors: loadable at
+                                 another tensor/pipeline layout
+    extra_rank{r}.pt             RNG states of rank r
+    drivetrain.json              written last: step, layout, engine
+
+All ranks write into ``.<name>.<id>.partial`` beside ``path``; rank 0 renames it to ``path``
+after everyone finished, so ``path`` is complete or absent even if a process dies mid-write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from drivetrain.api import CheckpointInfo
+from drivetrain.api.atomic_dir import publish, staging_path
+
+MARKER = "drivetrain.json"
+
+
+def _sharded_state(engine: Any, *, loading: bool) -> dict[str, Any]:
+    model = {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(engine.model)}
+    # "fully_reshardable": a distributed optimizer's state saved per parameter, so it loads
+    # at another tensor/pipeline/data-parallel layout
+    optimizer = engine.optimizer.sharded_state_dict(
+        model, is_loading=loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
+    )
+    return {**model, "optimizer": optimizer}
+
+
+def _distributed_optimizers(optimizer: Any) -> list[Any]:
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [p for p in parts if hasattr(p, "_set_main_param_and_optimizer_states")]
+
+
+@contextlib.contextmanager
+def _adam_step_kept(optimizer: Any) -> Iterator[None]:
+    """Work around megatron-core 0.16's fully-reshardable load with torch's Adam (used without
+    TransformerEngine/Apex): it copies every per-parameter optimizer state into place, "step"
+    included, but the checkpoint carries "step" only in the param groups (restored just before),
+    so the copy raises ``KeyError: 'step'``. Each parameter is handed its own restored step."""
+    patched = []
+    for inner in _distributed_optimizers(optimizer):
+        original = inner._set_main_param_and_optimizer_states
+
+        def with_step(
+            model_param: Any, tensors: dict, inner: Any = inner, original: Any = original
+        ) -> Any:
+            group, order = inner.model_param_group_index_map[model_param]
+            main = inner.optimizer.param_groups[group]["params"][order]
+            state = inner.optimizer.state.get(main, {})
+            if "step" in state and "step" not in tensors:
+                tensors = {**tensors, "step": state["step"]}
+            return original(model_param, tensors)
+
+        inner._set_main_param_and_optimizer_states = with_step
+        patched.append(inner)
+    try:
+        yield
+    finally:
+        for inner in patched:
+            del inner._set_main_param_and_optimizer_states  # back to the class's method
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def save(path: str, *, step: int, engine: Any) -> CheckpointInfo:
+    from megatron.core import dist_checkpointing
+
+    target = Path(path).absolute()
+    rank = dist.get_rank()
+    name = [staging_path(target).name if rank == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    staging = target.parent / str(name[0])
+    if rank == 0:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state(engine, loading=False), str(staging))
+    torch.save({"rng": _rng_state(), "step": engine.step}, staging / f"extra_rank{rank}.pt")
+    dist.barrier()
+    if rank == 0:
+        cfg = engine.config
+        layout = {
+            "tp": cfg.tensor_parallel,
+            "pp": cfg.pipeline_parallel,
+            "vpp": cfg.virtual_pipeline,
+        }
+        (staging / MARKER).write_text(json.dumps({"step": step, "engine": "megatron", **layout}))
+        publish(staging, target)
+    dist.barrier()
+    return CheckpointInfo(str(target), step)
+
+
+def _give_fresh_adam_state(optimizer: Any) -> None:
+    """Loading needs a template of the optimizer state, and megatron-core 0.16's distributed
+    optimizer reads one "step" from torch's Adam state (it asserts there is exactly one): an
+    optimizer that never stepped has neither, so create zero moments and step 0."""
+    for inner in _distributed_optimizers(optimizer):
+        inner.init_state_fn(inner.optimizer, inner.config)
+        for state in inner.optimizer.state.values():
+            state.setdefault("step", torch.tensor(0.0))
+
+
+def _unshare_adam_steps(optimizer: Any) -> None:
+    """megatron-core 0.16 restores torch Adam's per-parameter "step" as *one* tensor shared by
+    every parameter's state; Adam increments it in place once per parameter, so the next step's
+    bias correction would use a step count of (number of parameters + 1). Give each its own."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_optimizer = getattr(inner, "optimizer", None)
+        for state in getattr(torch_optimizer, "state", {}).values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].detach().clone()
+
+
+def load(path: str, *, engine: Any) -> CheckpointInfo:
+    from megatron.core import dist_checkpointing
+
+    source = Path(path)
+    marker = source / MARKER
+    if not marker.is_file():
+        raise FileNotFoundError(f"{path} is not a complete drivetrain checkpoint (no {MARKER})")
+    meta = json.loads(marker.read_text())
+    _give_fresh_adam_state(engine.optimizer)
+    state = dist_checkpointing.load(_sharded_state(engine, loading=True), str(source))
+    for i, chunk in enumerate(engine.model):
+        chunk.module.load_state_dict(state[f"model{i}"])
+    with _adam_step_kept(engine.optimizer):
+        engine.optimizer.load_state_dict(state["optimizer"])
+    _unshare_adam_steps(engine.optimizer)
+    extra_file = source / f"extra_rank{dist.get_rank()}.pt"
+    if extra_file.is_file():  # absent when loading at a larger world size: RNG stays seeded
+        extra = torch.load(extra_file, weights_only=False)
+        random.setstate(extra["rng"]["python"])
+        torch.set_rng_state(extra["rng"]["torch"])
+        engine.step = extra["step"]
+    else:
+        engine.step = meta["step"]
+    return CheckpointInfo(str(source), int(meta["step"]))

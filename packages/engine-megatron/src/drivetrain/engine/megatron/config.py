@@ -1,0 +1,37 @@
+"""The Megatron engine's configuration (no torch import: the trainer reads it to validate runs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from drivetrain.api import ConfigError, EngineConfig
+
+
+@dataclass(frozen=True)
+class MegatronConfig(EngineConfig):
+    """Knobs of drivetrain's Megatron-Core engine.
+
+    The world is ``tensor_parallel * pipeline_parallel * data_parallel`` (data parallel is what
+    is left). ``virtual_pipeline``: model chunks per pipeline stage (interleaved schedule;
+    needs ``pipeline_parallel > 1``). ``sequence_parallel`` splits activations outside attention
+    and MLP along the sequence over the tensor-parallel group. ``distributed_optimizer`` shards
+    optimizer state (ZeRO-1) over data-parallel ranks. ``model.gradient_checkpointing`` turns on
+    full activation recompute.
+    """
+
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    virtual_pipeline: int = 1
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel", "pipeline_parallel", "virtual_pipeline"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.virtual_pipeline > 1 and self.pipeline_parallel < 2:
+            raise ConfigError("virtual_pipeline > 1 needs pipeline_parallel >= 2")
+        if self.sequence_parallel and self.tensor_parallel < 2:
+            raise ConfigError("sequence_parallel needs tensor_parallel >= 2")
+        if self.model.lora.enabled:
+            raise ConfigError("the megatron engine has no LoRA yet: use engine fsdp2 for LoRA")

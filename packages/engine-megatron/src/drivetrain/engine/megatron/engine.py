@@ -1,0 +1,385 @@
+"""The ``megatron`` engine: Megatron-Core ``GPTModel`` chunks under megatron's DDP, its
+optimizer (optionally distributed), and its pipeline schedules, behind the api's Engine.
+
+Loss normalisation follows the api's global-token contract, whatever the micro-batch count,
+pipeline or data-parallel size: the loss function already divides by the mini-batch's global
+token count, so megatron is told not to divide again (``calculate_per_token_loss``: the
+schedule keeps each micro-batch's loss as returned and DDP *sums* gradients over data-parallel
+ranks) and our ``finalize_model_grads`` hook never rescales by a token count.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from drivetrain.api import (
+    Batch,
+    BatchError,
+    CheckpointInfo,
+    EngineConfig,
+    EngineStateError,
+    LossContext,
+    LossFn,
+    NamedTensor,
+    OutputSpec,
+    ParallelInfo,
+    StepResult,
+)
+from drivetrain.api.batch import restore_order
+from drivetrain.api.columns import ENTROPY, LOG_PROBS, LOSS_MASK, VALUES
+from drivetrain.api.modes import ModalEngine
+from drivetrain.api.partition import fixed_size_partition
+from drivetrain.api.schedule import lr_multiplier
+from drivetrain.engine.megatron import checkpoint
+from drivetrain.engine.megatron.config import MegatronConfig
+from drivetrain.engine.megatron.packing import align_to_inputs, flat_column, pack_row, to_layout
+from drivetrain.engine.megatron.parallel import init_parallel
+from drivetrain.engine.megatron.token_outputs import vocab_parallel_outputs
+
+
+def _as_megatron_config(config: EngineConfig) -> MegatronConfig:
+    if isinstance(config, MegatronConfig):
+        return config
+    return MegatronConfig(**{k: getattr(config, k) for k in vars(config)})
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class MegatronEngine(ModalEngine):
+    config: MegatronConfig
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(_as_megatron_config(config))
+        self.model: list[Any] = []
+
+    # ---- life cycle ---------------------------------------------------------------------
+    def initialize(self) -> None:
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from transformers import AutoConfig
+
+        from drivetrain.engine.megatron.convert import load_hf_weights
+        from drivetrain.engine.megatron.model import build_model, transformer_config
+
+        cfg = self.config
+        self.device = _resolve_device(cfg.device)
+        init_parallel(
+            tensor_parallel=cfg.tensor_parallel,
+            pipeline_parallel=cfg.pipeline_parallel,
+            virtual_pipeline=cfg.virtual_pipeline if cfg.virtual_pipeline > 1 else None,
+            context_parallel=1,
+            expert_parallel=1,
+            device=self.device.type,
+            seed=cfg.seed,
+        )
+        self.ps = ps
+        self.hf_config = AutoConfig.from_pretrained(cfg.model.path)
+        tcfg = transformer_config(
+            self.hf_config,
+            dtype=getattr(torch, cfg.model.dtype),
+            tensor_parallel=cfg.tensor_parallel,
+            pipeline_parallel=cfg.pipeline_parallel,
+            virtual_pipeline=cfg.virtual_pipeline if cfg.virtual_pipeline > 1 else None,
+            context_parallel=1,
+            sequence_parallel=cfg.sequence_parallel,
+            recompute=cfg.model.gradient_checkpointing,
+            device=self.device.type,
+        )
+        # see the module docstring: our losses are normalised already, megatron must not rescale
+        tcfg.calculate_per_token_loss = True
+        tcfg.variable_seq_lengths = True  # packed rows differ in length between micro-batches
+        tcfg.finalize_model_grads_func = lambda chunks, num_tokens=None, **_: finalize_model_grads(
+            chunks
+        )
+        self.tcfg = tcfg
+        chunks = build_model(self.hf_config, tcfg, value_head=cfg.model.value_head)
+        for chunk in chunks:
+            chunk.to(self.device)
+        load_hf_weights(chunks, cfg.model.path, self.hf_config, tcfg)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=cfg.distributed_optimizer,
+        )
+        self.model = [
+            DistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=chunk)
+            for chunk in chunks
+        ]
+        o = cfg.optim
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=o.lr,
+                min_lr=o.lr * o.min_lr_ratio,
+                weight_decay=o.weight_decay,
+                adam_beta1=o.betas[0],
+                adam_beta2=o.betas[1],
+                adam_eps=o.eps,
+                clip_grad=o.clip_grad or 0.0,
+                bf16=cfg.model.dtype == "bfloat16",
+                fp16=cfg.model.dtype == "float16",
+                params_dtype=getattr(torch, cfg.model.dtype),
+                use_distributed_optimizer=cfg.distributed_optimizer,
+            ),
+            self.model,
+        )
+        self.step = 0
+        self._set_lr()
+        self._place(None)
+
+    def _initialized(self) -> bool:
+        return bool(self.model)
+
+    def close(self) -> None:
+        """Drop the model and megatron's model-parallel groups; the process group stays (it
+        belongs to the launcher, and other engines of this process may use it)."""
+        if self.model:
+            self.model = []
+            self.optimizer = None
+            self.ps.destroy_model_parallel()
+
+    @property
+    def parallel(self) -> ParallelInfo:
+        ps, cfg = self.ps, self.config
+        last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+        return ParallelInfo(
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            dp_rank=ps.get_data_parallel_rank(),
+            dp_size=ps.get_data_parallel_world_size(),
+            is_output_rank=last_stage and ps.get_tensor_model_parallel_rank() == 0,
+            sizes={
+                "tp": cfg.tensor_parallel,
+                "pp": cfg.pipeline_parallel,
+                "vpp": cfg.virtual_pipeline,
+            },
+        )
+
+    def _place(self, mode: str | None) -> None:
+        for chunk in self.model:
+            chunk.train(mode == "train")
+
+    def to(self, device: str, *, model: bool = True, optimizer: bool = True) -> None:
+        if device not in ("cpu", "device"):
+            raise ValueError(f"device must be 'cpu' or 'device', got {device!r}")
+        if self.device.type == "cpu":
+            return  # nothing to move: the compute device is the host
+        raise EngineStateError("offload between phases is not implemented for megatron on GPU yet")
+
+    # ---- data ---------------------------------------------------------------------------
+    def _micro_batches(self, batch: Batch) -> list[list[int]]:
+        """Index groups; every data-parallel rank gets the same count (empty groups pad short
+        shards), because the pipeline schedule's collectives must line up."""
+        spec = self.config.micro_batch
+        if spec.max_tokens is not None:
+            parts = batch.token_budget_parts(spec.max_tokens)
+        else:
+            parts = fixed_size_partition(len(batch), spec.micro_batch_size or 1)
+        count = torch.tensor([len(parts)], device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        return parts + [[] for _ in range(int(count) - len(parts))]
+
+    def _rows(self, batch: Batch, parts: list[list[int]]) -> list[tuple[Batch | None, Any]]:
+        multiple = self.config.tensor_parallel if self.config.sequence_parallel else 1
+        rows = []
+        for indices in parts:
+            micro = batch.select(indices) if indices else None
+            empty = Batch.from_columns(
+                {"input_ids": torch.zeros(1, 1, dtype=torch.long), LOSS_MASK: torch.zeros(1, 1)},
+                seq_lens=[1],
+            )
+            rows.append((micro, pack_row(micro or empty, self.device, multiple)))
+        return rows
+
+    # ---- compute ------------------------------------------------------------------------
+    def _outputs(
+        self, output: torch.Tensor, row: Any, micro: Batch, spec: OutputSpec
+    ) -> dict[str, torch.Tensor]:
+        """Requested per-token columns from the last stage's output ``[1, T, V/tp]``."""
+        if spec.values != self.config.model.value_head:
+            kind = "value-head" if self.config.model.value_head else "causal LM"
+            raise EngineStateError(f"a {kind} engine cannot compute {spec.names}")
+        if spec.values:
+            values = output[0, :, 0].float()
+            flat = values[: row.num_tokens]
+            return {VALUES: to_layout(flat, micro)}
+        log_probs, entropy = vocab_parallel_outputs(
+            output[0],
+            row.targets,
+            vocab_size=self.hf_config.vocab_size,
+            temperature=spec.temperature,
+            want_entropy=spec.entropy,
+        )
+        out = {LOG_PROBS: log_probs, ENTROPY: entropy}
+        return {
+            name: to_layout(align_to_inputs(out[name], row), micro)
+            for name in (LOG_PROBS, ENTROPY)
+            if name in spec.names
+        }
+
+    def _schedule(
+        self,
+        rows: list[tuple[Batch | None, Any]],
+        on_output: Any,
+        *,
+        forward_only: bool,
+    ) -> list[Any]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator: Iterator[Any], model: Any) -> tuple[torch.Tensor, Any]:
+            micro, row = next(data_iterator)
+            output = model(row.input_ids, row.position_ids, row.attention_mask)
+            return output, partial(on_output, micro, row)
+
+        vp = self.config.virtual_pipeline
+        iterators: Any = [iter(rows) for _ in range(vp)] if vp > 1 else iter(rows)
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators,
+            model=self.model if vp > 1 else self.model[0],
+            num_microbatches=len(rows),
+            seq_length=max(r.input_ids.shape[1] for _, r in rows),
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
+
+    def forward_backward(
+        self, batch: Batch, loss_fn: LossFn, *, outputs: OutputSpec | None = None
+    ) -> StepResult:
+        self._require("train", "forward_backward")
+        value_head = self.config.model.value_head
+        spec = outputs or (OutputSpec(log_probs=False, values=True) if value_head else OutputSpec())
+        dp_group = self.ps.get_data_parallel_group()
+        counts = torch.tensor(
+            [float(flat_column(batch, LOSS_MASK).sum()) if len(batch) else 0.0, float(len(batch))],
+            dtype=torch.float64,
+            device=self.device,
+        )
+        dist.all_reduce(counts, group=dp_group)
+        global_tokens, global_seqs = int(counts[0]), int(counts[1])
+        if global_tokens == 0:
+            raise BatchError("the mini-batch has no tokens with loss_mask == 1")
+        parts = self._micro_batches(batch)
+        dp_size = self.ps.get_data_parallel_world_size()
+        index = iter(range(len(parts)))
+
+        def on_output(micro: Batch | None, row: Any, output: torch.Tensor) -> tuple[Any, ...]:
+            k = next(index)
+            if micro is None:  # an empty micro-batch of a short shard: zero loss, zero grads
+                return output.sum() * 0.0, torch.tensor(0), {"loss": 0.0}
+            ctx = LossContext(global_tokens, global_seqs, dp_size, k, len(parts))
+            loss, metrics = loss_fn(self._outputs(output, row, micro, spec), micro, ctx)
+            report = {"loss": float(loss.detach()), **{n: float(v) for n, v in metrics.items()}}
+            return loss, torch.tensor(1), report
+
+        reports = self._schedule(self._rows(batch, parts), on_output, forward_only=False)
+        loss, metrics = self._sum_reports(reports)
+        return StepResult(loss, metrics, len(parts), global_tokens)
+
+    def _sum_reports(self, reports: list[Mapping[str, float]]) -> tuple[float, dict[str, float]]:
+        """Totals over micro-batches and data-parallel ranks, the same on every rank (only the
+        output ranks, one per data-parallel rank, computed losses)."""
+        totals: dict[str, float] = {}
+        if self.parallel.is_output_rank:
+            for report in reports:
+                for name, value in report.items():
+                    totals[name] = totals.get(name, 0.0) + float(value)
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (self.parallel.is_output_rank, totals))
+        summed: dict[str, float] = {}
+        for is_output, values in gathered:
+            if is_output:
+                for name, value in values.items():
+                    summed[name] = summed.get(name, 0.0) + value
+        loss = summed.pop("loss", 0.0)
+        return loss, summed
+
+    def infer(self, batch: Batch, outputs: OutputSpec) -> Batch | None:
+        self._require("eval", "infer")
+        parts = self._micro_batches(batch)
+        pieces, groups = [], []
+
+        def on_output(micro: Batch | None, row: Any, output: torch.Tensor) -> tuple[Any, ...]:
+            if micro is not None:
+                computed = {
+                    k: v.detach().cpu()
+                    for k, v in self._outputs(output, row, micro, outputs).items()
+                }
+                pieces.append(
+                    Batch(computed, micro.seq_lens, frozenset(computed), micro.layout, batch.meta)
+                )
+            return output.sum() * 0.0, torch.tensor(0), {}
+
+        with torch.no_grad():
+            self._schedule(self._rows(batch, parts), on_output, forward_only=True)
+        groups = [p for p in parts if p]
+        if not self.parallel.is_output_rank:
+            return None
+        if not pieces:
+            empty = {name: torch.zeros(0) for name in outputs.names}
+            return Batch(empty, (), frozenset(empty), batch.layout, batch.meta)
+        return restore_order(pieces, groups)
+
+    # ---- optimizer ----------------------------------------------------------------------
+    def _set_lr(self) -> None:
+        lr = self.config.optim.lr * lr_multiplier(self.step, self.config.optim)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self._lr = lr
+
+    def optimizer_zero_grad(self) -> None:
+        self._require("train", "optimizer_zero_grad")
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def optimizer_step(self) -> float:
+        self._require("train", "optimizer_step")
+        # the norm before clipping, also when clipping is off (megatron then reports none);
+        # a non-finite norm skips the update and leaves the weights as they are
+        found_inf = self.optimizer.prepare_grads()
+        norm = float("inf") if found_inf else float(self.optimizer.get_grad_norm())
+        if not math.isfinite(norm):
+            for chunk in self.model:
+                chunk.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            return norm
+        self.optimizer.step()
+        return norm
+
+    def lr_scheduler_step(self) -> float:
+        self._require("train", "lr_scheduler_step")
+        self.step += 1
+        self._set_lr()
+        return self._lr
+
+    # ---- weights and checkpoints --------------------------------------------------------
+    def export_weights(self, *, adapter_only: bool = False) -> Iterator[NamedTensor]:
+        from drivetrain.engine.megatron.convert import export_hf_weights
+
+        if adapter_only:
+            raise EngineStateError("the megatron engine has no LoRA adapter")
+        return export_hf_weights([chunk.module for chunk in self.model], self.hf_config, self.tcfg)
+
+    def save_checkpoint(self, path: str, *, step: int) -> CheckpointInfo:
+        return checkpoint.save(path, step=step, engine=self)
+
+    def load_checkpoint(self, path: str) -> CheckpointInfo:
+        info = checkpoint.load(path, engine=self)
+        self._set_lr()
+        return info

@@ -1,0 +1,270 @@
+"""Megatron-Core ``GPTModel`` built from a Hugging Face config (Llama / Qwen2 / Qwen3 dense).
+
+The mapping is explicit per family: a config field we do not translate is refused rather than
+silently dropped, so a model that would not match its HF logits never trains.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+#: HF ``model_type`` -> what differs from the Llama baseline.
+FAMILIES: dict[str, dict[str, bool]] = {
+    "llama": {"qkv_bias": False, "qk_norm": False},
+    "qwen2": {"qkv_bias": True, "qk_norm": False},
+    "qwen3": {"qkv_bias": False, "qk_norm": True},
+}
+#: rope types that only change ``inv_freq`` (no attention scaling, no length-dependence)
+_ROPE_TYPES = ("default", "linear", "llama3")
+_VOCAB_MULTIPLE = 128
+
+
+def family(hf_config: Any) -> dict[str, bool]:
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in FAMILIES:
+        raise ValueError(
+            f"model_type={model_type!r} has no Megatron converter; supported: "
+            f"{', '.join(sorted(FAMILIES))}"
+        )
+    return FAMILIES[model_type]
+
+
+def padded_vocab_size(vocab_size: int, tensor_parallel: int) -> int:
+    """Vocab rows rounded up to a multiple of 128*TP: equal vocab shards with aligned sizes.
+
+    The padding rows are ours: zero on load, dropped on export."""
+    multiple = _VOCAB_MULTIPLE * tensor_parallel
+    return -(-vocab_size // multiple) * multiple
+
+
+def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """This TP rank's vocab-parallel logits with the padding columns at the dtype's minimum.
+
+    Padding rows of the output layer are zero, so their logits are 0, not -inf: left in, they
+    change softmax, log-probs, entropy and the loss (and differently per TP size). Use before
+    any of those; the minimum (not -inf) keeps ``p * log p`` finite."""
+    from megatron.core import parallel_state
+
+    shard = logits.shape[-1]
+    start = parallel_state.get_tensor_model_parallel_rank() * shard
+    real = max(0, min(shard, vocab_size - start))
+    if real == shard:
+        return logits
+    padding = torch.arange(shard, device=logits.device) >= real
+    return logits.masked_fill(padding, torch.finfo(logits.dtype).min)
+
+
+def head_dim(hf_config: Any) -> int:
+    return getattr(hf_config, "head_dim", None) or (
+        hf_config.hidden_size // hf_config.num_attention_heads
+    )
+
+
+def _rope_parameters(hf_config: Any) -> dict[str, Any]:
+    rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+    legacy = getattr(hf_config, "rope_scaling", None) or {}  # transformers < 5
+    rope = {**legacy, **rope}
+    rope.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+    if rope["rope_type"] not in _ROPE_TYPES:
+        raise ValueError(
+            f"rope_type={rope['rope_type']!r} is not supported by the Megatron engine; "
+            f"supported: {', '.join(_ROPE_TYPES)}"
+        )
+    return rope
+
+
+def _check_supported(hf_config: Any, flags: dict[str, bool]) -> None:
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={hf_config.hidden_act!r}: only SwiGLU (silu) is supported")
+    if getattr(hf_config, "mlp_bias", False) or (
+        not flags["qkv_bias"] and getattr(hf_config, "attention_bias", False)
+    ):
+        raise ValueError("attention_bias / mlp_bias are not supported by the Megatron converter")
+    if getattr(hf_config, "use_sliding_window", False):
+        raise ValueError("sliding-window attention is not supported by the Megatron engine")
+
+
+def transformer_config(
+    hf_config: Any,
+    *,
+    dtype: torch.dtype,
+    tensor_parallel: int,
+    pipeline_parallel: int,
+    virtual_pipeline: int | None,
+    context_parallel: int,
+    sequence_parallel: bool,
+    recompute: bool,
+    device: str,
+) -> Any:
+    """The ``TransformerConfig`` equivalent of ``hf_config`` under the given parallel layout.
+
+    On CPU every fusion flag is off (the fused kernels are CUDA-only or compile slowly) and
+    weights are initialised on the host (``use_cpu_initialization``)."""
+    from megatron.core.transformer import TransformerConfig
+
+    flags = family(hf_config)
+    _check_supported(hf_config, flags)
+    _rope_parameters(hf_config)  # refuse unsupported rope early
+    on_cpu = device.split(":")[0] == "cpu"
+    if context_parallel > 1 and on_cpu:
+        raise ValueError("context_parallel > 1 needs TransformerEngine attention (CUDA only)")
+    kwargs: dict[str, Any] = {}
+    if recompute:  # whole layers, one at a time: the lowest-memory setting
+        kwargs.update(recompute_granularity="full", recompute_method="uniform",
+                      recompute_num_layers=1)  # fmt: skip
+    return TransformerConfig(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_query_groups=getattr(hf_config, "num_key_value_heads", None)
+        or hf_config.num_attention_heads,
+        kv_channels=head_dim(hf_config),
+        ffn_hidden_size=hf_config.intermediate_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=flags["qkv_bias"],
+        qk_layernorm=flags["qk_norm"],
+        hidden_dropout=0.0,
+        attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
+        attention_softmax_in_fp32=True,
+        apply_query_key_layer_scaling=False,
+        init_method_std=getattr(hf_config, "initializer_range", 0.02),
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+        virtual_pipeline_model_parallel_size=virtual_pipeline,
+        context_parallel_size=context_parallel,
+        sequence_parallel=sequence_parallel and tensor_parallel > 1,
+        use_cpu_initialization=on_cpu,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        cross_entropy_loss_fusion=False,
+        **kwargs,
+    )
+
+
+class RMSNorm(nn.RMSNorm):
+    """``torch.nn.RMSNorm`` behind megatron's norm constructor, usable with sequence parallel.
+
+    megatron's torch fallback (``WrappedTorchNorm``, used without TransformerEngine/Apex)
+    refuses sequence parallel. Under SP each TP rank normalises its own slice of the sequence,
+    so the weight is marked ``sequence_parallel`` and ``finalize_model_grads`` sums its
+    gradient over the TP group (q/k norms are summed by name there already)."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
+
+
+def _layer_spec(qk_norm: bool) -> Any:
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
+    spec.submodules.input_layernorm = RMSNorm
+    spec.submodules.pre_mlp_layernorm = RMSNorm
+    if qk_norm:
+        spec.submodules.self_attention.submodules.q_layernorm = RMSNorm
+        spec.submodules.self_attention.submodules.k_layernorm = RMSNorm
+    return spec
+
+
+class ValueHead(nn.Module):
+    """A critic's scalar head in place of ``GPTModel.output_layer``: ``nn.Linear(hidden, 1)``,
+    replicated on every TP rank (one output cannot be split over the vocab-parallel dim).
+
+    Exported as HF ``score`` (``AutoModelForTokenClassification`` with ``num_labels=1``)."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.score = nn.Linear(hidden_size, 1, bias=True, dtype=dtype)
+        self.sequence_parallel = sequence_parallel
+
+    def forward(
+        self, hidden: torch.Tensor, weight: torch.Tensor | None = None, **_: Any
+    ) -> tuple[torch.Tensor, None]:
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            # every TP rank computes the full-sequence value and the same loss: the backward
+            # only needs this rank's slice, not a reduce-scatter (which would count it TP times)
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+        return self.score(hidden), None
+
+
+def _override_inv_freq(model: Any, hf_config: Any) -> None:
+    """Use HF's own rope init for the inverse frequencies (exact for scaled rope types)."""
+    rope = _rope_parameters(hf_config)
+    if rope["rope_type"] == "default" or not hasattr(model, "rotary_pos_emb"):
+        return
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf_config, "cpu")
+    if attention_scaling != 1.0:
+        raise ValueError(f"rope_type={rope['rope_type']!r} with attention scaling is unsupported")
+    current = model.rotary_pos_emb.inv_freq
+    model.rotary_pos_emb.inv_freq = inv_freq.to(device=current.device, dtype=current.dtype)
+
+
+def build_model(hf_config: Any, tcfg: Any, *, value_head: bool = False) -> list[Any]:
+    """This rank's model chunks: one ``GPTModel`` per virtual pipeline stage (one without VP).
+
+    Each chunk holds the layers megatron assigns to (pipeline rank, virtual stage); only the
+    first chunk of the first stage embeds and only the last of the last stage has the head."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    flags = family(hf_config)
+    rope = _rope_parameters(hf_config)
+    layer = _layer_spec(flags["qk_norm"])
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False)) and not value_head
+    vocab = padded_vocab_size(hf_config.vocab_size, tcfg.tensor_model_parallel_size)
+    vp = tcfg.virtual_pipeline_model_parallel_size
+    chunks = []
+    for stage in range(vp or 1):
+        vp_stage = stage if vp else None
+        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        model = GPTModel(
+            config=tcfg,
+            transformer_layer_spec=TransformerBlockSubmodules(
+                layer_specs=[layer] * get_num_layers_to_build(tcfg, vp_stage=vp_stage),
+                layer_norm=RMSNorm,
+            ),
+            vocab_size=vocab,
+            max_sequence_length=hf_config.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(
+                ignore_virtual=False, vp_stage=vp_stage
+            ),
+            post_process=post,
+            parallel_output=True,
+            share_embeddings_and_output_weights=tied,
+            position_embedding_type="rope",
+            rotary_base=rope["rope_theta"],
+            vp_stage=vp_stage,
+        )
+        _override_inv_freq(model, hf_config)
+        model.value_head = value_head  # known on every stage: the exporter's names depend on it
+        if post and value_head:
+            model.output_layer = ValueHead(
+                tcfg.hidden_size, tcfg.params_dtype, tcfg.sequence_parallel
+            )
+        chunks.append(model)
+    return chunks

@@ -1,0 +1,81 @@
+"""A micro-batch as one packed token row for Megatron's ``GPTModel``.
+
+Samples go back to back with position ids restarting at 0; a block-diagonal causal mask keeps
+attention inside each sample (megatron-core's local attention takes an explicit boolean mask,
+True = masked; TransformerEngine's ``thd`` format is the GPU path for long rows). The row is
+padded to a multiple of the tensor-parallel size for sequence parallel. Outputs come back
+aligned with ``input_ids`` (position ``t``: about token ``t``, 0 at each sample's first token)
+in the micro-batch's own layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+
+from drivetrain.api import Batch, Layout
+from drivetrain.api.columns import INPUT_IDS
+
+
+@dataclass(frozen=True)
+class PackedRow:
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T]
+    attention_mask: torch.Tensor  # [1, 1, T, T] bool, True where attention is not allowed
+    targets: torch.Tensor  # [T] the next token after each position (0 where there is none)
+    offsets: tuple[int, ...]  # sample offsets, then the padding tail's
+    num_tokens: int  # real tokens
+
+
+def flat_column(batch: Batch, name: str) -> torch.Tensor:
+    """A token column as one flat tensor of the samples' real tokens."""
+    value = batch[name]
+    if batch.layout is Layout.PACKED:
+        return value
+    if not len(batch):
+        return value[:0, 0]
+    return torch.cat([value[i, :n] for i, n in enumerate(batch.seq_lens)])
+
+
+def pack_row(batch: Batch, device: torch.device, multiple: int = 1) -> PackedRow:
+    ids = flat_column(batch, INPUT_IDS).to(device=device, dtype=torch.long)
+    lens = [n for n in batch.seq_lens if n]
+    real = sum(lens)
+    pad = (-real) % multiple if real else multiple
+    if pad:
+        ids = torch.cat([ids, ids.new_zeros(pad)])
+        lens.append(pad)
+    total = ids.shape[0]
+    positions = torch.cat([torch.arange(n, device=device) for n in lens])
+    segment = torch.repeat_interleave(
+        torch.arange(len(lens), device=device), torch.tensor(lens, device=device)
+    )
+    index = torch.arange(total, device=device)
+    allowed = (segment[:, None] == segment[None, :]) & (index[None, :] <= index[:, None])
+    offsets = tuple(accumulate(lens, initial=0))
+    targets = torch.cat([ids[1:], ids.new_zeros(1)])
+    return PackedRow(ids[None], positions[None], ~allowed[None, None], targets, offsets, real)
+
+
+def align_to_inputs(next_values: torch.Tensor, row: PackedRow) -> torch.Tensor:
+    """Values per position about the *next* token ``[T]`` -> values per token
+    (``out[t] = next_values[t-1]``), 0 at every sample's first token; real tokens only."""
+    shifted = torch.cat([next_values.new_zeros(1), next_values[:-1]])[: row.num_tokens]
+    starts = torch.tensor(row.offsets[:-1], device=shifted.device)
+    keep = torch.ones_like(shifted)
+    keep[starts[starts < row.num_tokens]] = 0
+    return shifted * keep
+
+
+def to_layout(flat: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """A flat per-token tensor in ``batch``'s layout (padded: right-padded to the width of
+    ``batch["input_ids"]``)."""
+    if batch.layout is Layout.PACKED:
+        return flat
+    width = batch[INPUT_IDS].shape[1]
+    out = flat.new_zeros(len(batch), width)
+    lens = torch.tensor(batch.seq_lens, device=flat.device)
+    out[torch.arange(width, device=flat.device)[None, :] < lens[:, None]] = flat
+    return out

@@ -1,0 +1,25 @@
+"""Entry-point declaration of the ``megatron`` engine (light: imports only ``drivetrain.api``)."""
+
+from drivetrain.api.plugin import PluginSpec
+
+MEGATRON = PluginSpec(
+    name="megatron",
+    factory="drivetrain.engine.megatron.engine:MegatronEngine",
+    config="drivetrain.engine.megatron.config:MegatronConfig",
+    api=">=0.1,<0.2",
+    capabilities=frozenset(
+        {
+            "data_parallel",
+            "tensor_parallel",
+            "pipeline_parallel",
+            "sequence_parallel",
+            "packed",
+            "dynamic_batch",
+            "resharding_checkpoint",
+            "device:cpu",
+            "device:cuda",
+        }
+    ),
+    install_hint="pip install drivetrain-engine-megatron",
+    description="Megatron-Core GPTModel: TP, PP, SP, DDP + distributed optimizer",
+)

@@ -1,0 +1,107 @@
+"""Tiny local models and the conformance harness for the megatron engine (no hub access)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from drivetrain.api import Batch, MicroBatchConfig, ModelConfig, OptimConfig
+from drivetrain.engine.megatron.config import MegatronConfig
+from drivetrain.engine.megatron.engine import MegatronEngine
+
+VOCAB = 64
+
+
+def build_tiny_model(
+    path: str, *, family: str = "qwen2", seed: int = 0, tie: bool = True, layers: int = 4
+) -> str:
+    """A small random model saved as a Hugging Face directory (fp32); head_dim 16."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    config_class = Qwen2Config if family == "qwen2" else LlamaConfig
+    config = config_class(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path)
+    return path
+
+
+def optim(lr: float = 1e-2, eps: float = 1e-8) -> OptimConfig:
+    return OptimConfig(lr=lr, eps=eps, weight_decay=0.0, clip_grad=None)
+
+
+@dataclass
+class MegatronHarness:
+    """The conformance kit's harness. Use it with a Llama model: Qwen2's k_proj bias cancels in
+    the softmax, so its gradient is pure rounding noise that Adam's normalisation turns into
+    visible, order-dependent updates in any engine (the kit compares weights after a step)."""
+
+    model_dir: str
+    overrides: dict[str, Any] = field(default_factory=dict)
+    vocab_size: int = VOCAB
+    atol: float = 1e-5
+    rtol: float = 1e-5
+    packed: bool = True
+
+    def config(self, micro_batch: MicroBatchConfig) -> MegatronConfig:
+        return MegatronConfig(
+            model=ModelConfig(path=self.model_dir),
+            # Adam's first step moves every weight by lr * g / (|g| + eps), so a weight whose
+            # gradient is ~0 moves by up to lr/eps times the gradient's fp32 rounding noise.
+            # That noise depends on the reduction order (micro-batches, tensor-parallel
+            # all-reduces): measured here, 1 vs 4 micro-batches differ by <= 5e-8 in the
+            # gradients (max 0.24), which eps 1e-8 would amplify to 5e-2 in a weight. eps 1e-4
+            # bounds it below the kit's 1e-5; losses and gradient norms are unaffected.
+            optim=optim(eps=1e-4),
+            micro_batch=micro_batch,
+            device="cpu",
+            **self.overrides,
+        )
+
+    def make_engine(self, micro_batch: MicroBatchConfig) -> MegatronEngine:
+        engine = MegatronEngine(self.config(micro_batch))
+        engine.initialize()
+        return engine
+
+    def make_batch(
+        self, sequences: Sequence[Sequence[int]], loss_mask: Sequence[Sequence[int]]
+    ) -> Batch:
+        width = max(len(s) for s in sequences)
+        ids = torch.zeros(len(sequences), width, dtype=torch.long)
+        mask = torch.zeros(len(sequences), width)
+        for i, (s, m) in enumerate(zip(sequences, loss_mask, strict=True)):
+            ids[i, : len(s)] = torch.tensor(s)
+            mask[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
+        return Batch.from_columns(
+            {"input_ids": ids, "loss_mask": mask}, seq_lens=[len(s) for s in sequences]
+        )
+
+    def to_list(self, value: Any) -> Any:
+        return value.tolist() if isinstance(value, torch.Tensor) else value
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+
+    def reference_weights(self) -> Mapping[str, Any]:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        return {name: p.detach() for name, p in model.named_parameters()}
