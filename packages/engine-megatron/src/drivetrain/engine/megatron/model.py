@@ -41,23 +41,6 @@ def padded_vocab_size(vocab_size: int, tensor_parallel: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """This TP rank's vocab-parallel logits with the padding columns at the dtype's minimum.
-
-    Padding rows of the output layer are zero, so their logits are 0, not -inf: left in, they
-    change softmax, log-probs, entropy and the loss (and differently per TP size). Use before
-    any of those; the minimum (not -inf) keeps ``p * log p`` finite."""
-    from megatron.core import parallel_state
-
-    shard = logits.shape[-1]
-    start = parallel_state.get_tensor_model_parallel_rank() * shard
-    real = max(0, min(shard, vocab_size - start))
-    if real == shard:
-        return logits
-    padding = torch.arange(shard, device=logits.device) >= real
-    return logits.masked_fill(padding, torch.finfo(logits.dtype).min)
-
-
 def head_dim(hf_config: Any) -> int:
     return getattr(hf_config, "head_dim", None) or (
         hf_config.hidden_size // hf_config.num_attention_heads
