@@ -2,6 +2,8 @@
 greedy tokens equal transformers ``generate``, sampled log-probs equal engine-fsdp's, and new
 weights streamed from an engine equal a fresh vLLM started from them."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -100,7 +102,7 @@ def test_new_weights_from_an_engine_equal_a_fresh_vllm(vllm, model_dir, tmp_path
             c.token_ids for c in after
         ]
         assert fresh.generate(CHAT_PROMPTS, SAMPLED) == [
-            type(c)(**{**c.__dict__, "weight_version": 0}) for c in sampled
+            dataclasses.replace(c, weight_version=0) for c in sampled
         ]
     finally:
         fresh.shutdown()

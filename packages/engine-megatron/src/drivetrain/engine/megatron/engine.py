@@ -195,14 +195,16 @@ class MegatronEngine(ModalEngine):
         return parts + [[] for _ in range(int(count) - len(parts))]
 
     def _rows(self, batch: Batch, parts: list[list[int]]) -> list[tuple[Batch | None, Any]]:
+        """Each micro-batch with its packed row; an empty group (a short shard) runs a one-token
+        loss-free row so the schedule's collectives line up."""
         multiple = self.config.tensor_parallel if self.config.sequence_parallel else 1
+        empty = Batch.from_columns(
+            {"input_ids": torch.zeros(1, 1, dtype=torch.long), LOSS_MASK: torch.zeros(1, 1)},
+            seq_lens=[1],
+        )
         rows = []
         for indices in parts:
             micro = batch.select(indices) if indices else None
-            empty = Batch.from_columns(
-                {"input_ids": torch.zeros(1, 1, dtype=torch.long), LOSS_MASK: torch.zeros(1, 1)},
-                seq_lens=[1],
-            )
             rows.append((micro, pack_row(micro or empty, self.device, multiple)))
         return rows
 
@@ -312,7 +314,7 @@ class MegatronEngine(ModalEngine):
     def infer(self, batch: Batch, outputs: OutputSpec) -> Batch | None:
         self._require("eval", "infer")
         parts = self._micro_batches(batch)
-        pieces, groups = [], []
+        pieces = []
 
         def on_output(micro: Batch | None, row: Any, output: torch.Tensor) -> tuple[Any, ...]:
             if micro is not None:
