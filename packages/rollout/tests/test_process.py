@@ -72,3 +72,14 @@ def test_an_interpreter_that_never_connects_fails_fast(tmp_path):
     assert false
     with pytest.raises(RolloutProcessError, match="exited before connecting"):
         RolloutProcess("fake", CONFIG, BackendConfig(python=false, start_timeout_s=30))
+
+
+def test_a_hung_server_times_out_instead_of_blocking():
+    launch = BackendConfig(python=sys.executable, start_timeout_s=60, request_timeout_s=2)
+    remote = RolloutProcess("fake", CONFIG, launch)
+    os.killpg(remote.process.pid, signal.SIGSTOP)  # alive, but never answers
+    start = time.monotonic()
+    with pytest.raises(RolloutProcessError, match="did not answer within 2 s"):
+        remote.generate(PROMPTS, SamplingParams())
+    assert time.monotonic() - start < 15
+    remote.shutdown()

@@ -22,14 +22,15 @@ class BackendConfig(RolloutConfig):
 
     python: str = ""
     start_timeout_s: float = 600.0
+    request_timeout_s: float = 3600.0  # a server process that answers no request this long fails
     env: tuple[str, ...] = ()  # extra "NAME=value" environment variables for the server process
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.device not in DEVICES:
             raise ConfigError(f"rollout.device={self.device!r} must be one of {DEVICES}")
-        if self.start_timeout_s <= 0:
-            raise ConfigError(f"rollout.start_timeout_s={self.start_timeout_s} must be > 0")
+        if self.start_timeout_s <= 0 or self.request_timeout_s <= 0:
+            raise ConfigError("rollout.start_timeout_s and request_timeout_s must be > 0")
         bad = [item for item in self.env if "=" not in item or item.startswith("=")]
         if bad:
             raise ConfigError(f"rollout.env entries must be NAME=value, got {bad}")

@@ -53,6 +53,7 @@ class RolloutProcess(Rollout):
                 f"environment with: python -m drivetrain.rollout.env {backend} <dir>"
             )
         self.backend = backend
+        self.request_timeout_s = launch.request_timeout_s
         authkey = secrets.token_bytes(32)
         listener = Listener(("127.0.0.1", 0), authkey=authkey)
         fd, log_name = tempfile.mkstemp(prefix=f"drivetrain-{backend}-", suffix=".log")
@@ -141,7 +142,7 @@ class RolloutProcess(Rollout):
             self.conn.send((method, args))
         except (BrokenPipeError, ConnectionResetError) as exc:
             raise self._died(f"dropped the connection ({exc})") from exc
-        return self._reply(timeout)
+        return self._reply(self.request_timeout_s if timeout is None else timeout)
 
     # ---- the rollout contract -----------------------------------------------------------
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
@@ -162,10 +163,10 @@ class RolloutProcess(Rollout):
             if self.process.poll() is None:
                 self.conn.send(("abort",))
                 with contextlib.suppress(Exception):
-                    self._reply(None)
+                    self._reply(self.request_timeout_s)
             raise
         self.conn.send(("end",))
-        self._reply(None)
+        self._reply(self.request_timeout_s)
 
     @property
     def weight_version(self) -> int:
