@@ -168,11 +168,18 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class WeightSyncConfig:
-    """What every weight-sync transport is configured with."""
+    """What every weight-sync transport is configured with.
+
+    ``device`` is where buckets live and which collective backend moves them ("auto": the
+    accelerator if there is one, else the CPU). ``verify`` makes both ends hash every byte they
+    move (names, dtypes, shapes and data) and refuse a stream whose hashes differ; it costs a
+    pass over the weights at each end.
+    """
 
     bucket_bytes: int = 256 * 1024 * 1024
     timeout_s: float = 300.0
     device: str = "auto"
+    verify: bool = False
 
     def __post_init__(self) -> None:
         _check_positive("weight_sync", "bucket_bytes", self.bucket_bytes)

@@ -15,8 +15,18 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from drivetrain.api.config import RolloutConfig
+from drivetrain.api.config import RolloutConfig, WeightSyncConfig
 from drivetrain.api.engine import NamedTensor
+from drivetrain.api.weight_sync import (
+    SyncStats,
+    Topology,
+    TransportRole,
+    WeightSyncError,
+    iterate_blocking,
+)
+
+#: Parts of a rollout's accelerator memory that sleep/wake_up handle separately.
+MEMORY_TAGS = frozenset({"weights", "kv_cache"})
 
 
 @dataclass(frozen=True)
@@ -138,9 +148,62 @@ class Rollout(abc.ABC):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         return False
 
-    def wake_up(self) -> None:
-        """Undo :meth:`sleep`; a no-op when sleep freed nothing."""
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Undo :meth:`sleep`; a no-op when sleep freed nothing. ``tags`` restores only part of
+        the memory: ``("weights",)`` before a weight update, ``("kv_cache",)`` after it (as vLLM
+        and SGLang do for colocated training), ``None`` everything."""
+        if tags is not None and not set(tags) <= MEMORY_TAGS:
+            raise ValueError(f"unknown memory tags {sorted(set(tags) - MEMORY_TAGS)}")
         return None
+
+    # ---- weight sync ----------------------------------------------------------------------
+    def pause_generation(self, *, abort: bool = False) -> int:
+        """Hold new requests and wait until none is in flight (before a weight update);
+        ``abort`` ends in-flight requests early (finish reason ``ABORT``) where the backend can.
+        Returns how many requests were aborted. Backends that serve one call at a time, with
+        nothing in flight between calls, need not override it."""
+        return 0
+
+    def resume_generation(self) -> None:
+        """Undo :meth:`pause_generation`."""
+        return None
+
+    def connect_weight_sync(
+        self,
+        transport: str,
+        config: WeightSyncConfig,
+        *,
+        rank: int,
+        topology: Topology,
+        endpoint: Mapping[str, Any],
+    ) -> None:
+        """Join a weight-sync transport (a ``drivetrain.ckpt_engines`` plugin) as receiver
+        ``rank``, in the process that holds the weights; reused until
+        :meth:`disconnect_weight_sync`. Backends living in another process forward the call."""
+        from drivetrain.api.registry import ckpt_engines
+
+        self.disconnect_weight_sync()
+        receiver = ckpt_engines.load(transport)(config)
+        receiver.connect(TransportRole.RECEIVER, rank, topology, endpoint)
+        self._weight_receiver = receiver
+
+    def receive_weights(self, version: int) -> SyncStats:
+        """Receive one sync from the connected transport into :meth:`update_weights` (all or
+        nothing: a failed or unverified stream leaves the old weights in use)."""
+        receiver = getattr(self, "_weight_receiver", None)
+        if receiver is None:
+            raise WeightSyncError("receive_weights before connect_weight_sync")
+        receiver.last_stats = None
+        self.update_weights(iterate_blocking(receiver.receive()), version=version)
+        if receiver.last_stats is None:
+            raise WeightSyncError("the transport ended its stream without its statistics")
+        return receiver.last_stats
+
+    def disconnect_weight_sync(self) -> None:
+        receiver = getattr(self, "_weight_receiver", None)
+        if receiver is not None:
+            self._weight_receiver = None
+            receiver.finalize()
 
     def shutdown(self) -> None:
         """Release processes and memory; the object is unusable afterwards."""

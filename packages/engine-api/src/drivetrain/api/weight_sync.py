@@ -20,14 +20,18 @@ raise :class:`WeightSyncError` within ``timeout_s`` when a peer disappears inste
 from __future__ import annotations
 
 import abc
+import asyncio
+import contextlib
 import enum
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from drivetrain.api.config import WeightSyncConfig
 from drivetrain.api.engine import NamedTensor
 from drivetrain.api.errors import DrivetrainError
+
+T = TypeVar("T")
 
 
 class WeightSyncError(DrivetrainError):
@@ -73,13 +77,18 @@ class Topology:
 
 @dataclass(frozen=True)
 class SyncStats:
-    """What one sync moved and how long it took, as seen by the reporting side."""
+    """What one sync moved and how long it took, as seen by the reporting side.
+
+    ``digest`` is the hash of every name, dtype, shape and byte moved when the transport's
+    ``verify`` is on (equal at both ends, or the receiver refused the stream), else ``None``.
+    """
 
     version: int
     num_tensors: int
     num_buckets: int
     bytes: int
     seconds: float
+    digest: str | None = None
 
     @property
     def gb_per_s(self) -> float:
@@ -90,9 +99,12 @@ class WeightTransport(abc.ABC):
     """Base class of every weight-sync transport (entry-point group ``drivetrain.ckpt_engines``)."""
 
     config: WeightSyncConfig
+    #: Set by a receiver once :meth:`receive` has yielded a whole, verified stream.
+    last_stats: SyncStats | None
 
     def __init__(self, config: WeightSyncConfig) -> None:
         self.config = config
+        self.last_stats = None
 
     @abc.abstractmethod
     def prepare(self) -> Mapping[str, Any]:
@@ -115,8 +127,39 @@ class WeightTransport(abc.ABC):
     @abc.abstractmethod
     def receive(self) -> AsyncIterator[NamedTensor]:
         """Yield the tensors of one sync, in the sender's order, as full tensors with the
-        sender's names, shapes and dtypes, ending when the sender's stream ends."""
+        sender's names, shapes and dtypes, ending when the sender's stream ends. Yielded tensors
+        belong to the consumer. Raises :class:`WeightSyncError` before the end if the stream is
+        incomplete or fails verification, so an all-or-nothing consumer applies nothing."""
 
     @abc.abstractmethod
     def finalize(self) -> None:
         """Leave the group and free buffers; idempotent."""
+
+
+def iterate_blocking(stream: AsyncIterator[T]) -> Iterator[T]:
+    """Drive an async iterator from synchronous code (e.g. :meth:`WeightTransport.receive`
+    into :meth:`Rollout.update_weights`), one item at a time, on a private event loop.
+
+    Must not be called from a thread that is already running an event loop.
+    """
+    loop = asyncio.new_event_loop()
+    try:
+        while True:
+            try:
+                yield loop.run_until_complete(anext(stream))
+            except StopAsyncIteration:
+                return
+    finally:
+        with contextlib.suppress(Exception):
+            loop.run_until_complete(stream.aclose())  # type: ignore[attr-defined]
+        loop.close()
+
+
+async def drain(weights: Iterable[NamedTensor]) -> int:
+    """Consume a weight stream without sending it (engine ranks that take part in the export's
+    collectives but do not send), in a worker thread; returns the number of tensors."""
+
+    def consume() -> int:
+        return sum(1 for _ in weights)
+
+    return await asyncio.to_thread(consume)

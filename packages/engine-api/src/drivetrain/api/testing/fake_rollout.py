@@ -129,5 +129,7 @@ class FakeRollout(Rollout):
         self.asleep = True
         return False  # pure Python: nothing on an accelerator to free
 
-    def wake_up(self) -> None:
-        self.asleep = False
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        super().wake_up(tags)
+        if tags is None or "kv_cache" in tags:
+            self.asleep = False

@@ -1,4 +1,4 @@
-"""Entry-point declarations of the fake engine and rollout (``--engine fake``)."""
+"""Entry-point declarations of the fake engine, rollout and transport (``--engine fake``)."""
 
 from drivetrain.api.plugin import PluginSpec
 
@@ -18,4 +18,13 @@ FAKE_ROLLOUT = PluginSpec(
     api=">=0.1,<0.2",
     capabilities=frozenset({"device:cpu"}),
     description="pure-Python bigram rollout for orchestration tests (no torch)",
+)
+
+FAKE_TRANSPORT = PluginSpec(
+    name="fake",
+    factory="drivetrain.api.testing.fake_transport:FakeTransport",
+    config="drivetrain.api.testing.fake_transport:FakeTransportConfig",
+    api=">=0.1,<0.2",
+    capabilities=frozenset({"device:cpu"}),
+    description="pure-Python in-process weight sync for orchestration tests (no torch)",
 )

@@ -1,0 +1,197 @@
+"""Packing a weight stream into fixed-size byte buckets, and rejoining it on the other side.
+
+A bucket is a flat ``uint8`` buffer of ``bucket_bytes``. Tensors are copied in whole, each at a
+64-byte aligned offset (so a slice can be viewed as any dtype and copies stay fast); a tensor
+that does not fit in the room left starts a new bucket, and only a tensor larger than a whole
+bucket is split into pieces across consecutive buckets. Each bucket travels with its pieces'
+metadata (name, shape, dtype, which byte range of the tensor, where in the bucket), sent ahead
+of the bytes, so the receiver needs nothing else to rebuild the stream.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from drivetrain.api.engine import NamedTensor
+from drivetrain.api.weight_sync import WeightSyncError
+
+ALIGN = 64
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise WeightSyncError(f"unknown dtype {name!r} in a weight-sync bucket")
+    return dtype
+
+
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat ``uint8`` tensor (a view when already contiguous)."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Bytes ``[start, stop)`` of tensor ``name`` (``total`` bytes), at ``offset`` in a bucket."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    total: int
+    start: int
+    stop: int
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def first(self) -> bool:
+        return self.start == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stop == self.total
+
+    def to_wire(self) -> list[Any]:
+        return [
+            self.name,
+            list(self.shape),
+            self.dtype,
+            self.total,
+            self.start,
+            self.stop,
+            self.offset,
+        ]
+
+    @classmethod
+    def from_wire(cls, row: list[Any]) -> Piece:
+        name, shape, dtype, total, start, stop, offset = row
+        return cls(name, tuple(shape), dtype, total, start, stop, offset)
+
+
+Bucket = list[tuple[Piece, torch.Tensor]]  # each piece with its source tensor's byte view
+
+
+def _aligned(position: int) -> int:
+    return -(-position // ALIGN) * ALIGN
+
+
+def plan_buckets(weights: Iterable[NamedTensor], bucket_bytes: int) -> Iterator[Bucket]:
+    """Group the stream into buckets of at most ``bucket_bytes`` (see the module doc)."""
+    current: Bucket = []
+    used = 0
+    for name, tensor in weights:
+        data = byte_view(tensor)
+        total = data.numel()
+        meta = (name, tuple(tensor.shape), dtype_name(tensor.dtype), total)
+        offset = _aligned(used) if used else 0
+        if current and total <= bucket_bytes and offset + total > bucket_bytes:
+            yield current  # it fits in a fresh bucket: do not split it
+            current, used, offset = [], 0, 0
+        start = 0
+        while True:
+            room = bucket_bytes - offset
+            # a sliver at the end of a used bucket is not worth a piece: start a fresh one
+            if offset and (room <= 0 or (room < total - start and room < ALIGN)):
+                yield current
+                current, used, offset = [], 0, 0
+                continue
+            stop = min(total, start + room)
+            current.append((Piece(*meta, start, stop, offset), data))
+            used = offset + (stop - start)
+            start = stop
+            if start >= total:
+                break
+            offset = _aligned(used)
+    if current:
+        yield current
+
+
+def pack(bucket: Bucket, buffer: torch.Tensor) -> int:
+    """Copy the bucket's pieces into ``buffer``; returns the bytes used."""
+    used = 0
+    for piece, data in bucket:
+        end = piece.offset + piece.nbytes
+        buffer[piece.offset : end].copy_(data[piece.start : piece.stop], non_blocking=True)
+        used = end
+    return used
+
+
+class Reassembler:
+    """Rebuilds full tensors from pieces on the receiving side. Tensors are copied out of the
+    bucket (which the sender reuses), onto ``device``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._partial: tuple[Piece, torch.Tensor] | None = None
+        self.completed = 0
+
+    def add(self, piece: Piece, data: torch.Tensor) -> NamedTensor | None:
+        """Take one piece (``data``: its bytes in the bucket); the tensor once it is whole."""
+        if piece.first:
+            if self._partial is not None:
+                raise WeightSyncError(f"tensor {self._partial[0].name!r} ended incomplete")
+            if piece.last:
+                return self._finish(piece, data.to(self.device, copy=True))
+            storage = torch.empty(piece.total, dtype=torch.uint8, device=self.device)
+            self._partial = (piece, storage)
+        elif self._partial is None or self._partial[0].name != piece.name:
+            raise WeightSyncError(f"piece of {piece.name!r} arrived without its beginning")
+        storage = self._partial[1]
+        storage[piece.start : piece.stop].copy_(data)
+        if not piece.last:
+            return None
+        self._partial = None
+        return self._finish(piece, storage)
+
+    def _finish(self, piece: Piece, storage: torch.Tensor) -> NamedTensor:
+        self.completed += 1
+        dtype = dtype_from_name(piece.dtype)
+        return piece.name, storage.view(dtype).reshape(piece.shape)
+
+    def check_complete(self) -> None:
+        if self._partial is not None:
+            raise WeightSyncError(f"the stream ended inside tensor {self._partial[0].name!r}")
+
+
+class StreamDigest:
+    """A hash of every name, dtype, shape and byte in stream order, identical whether it is
+    fed whole tensors or pieces (verification at both ends, and in tests)."""
+
+    def __init__(self) -> None:
+        self._hash = hashlib.sha256()
+
+    def update(self, piece: Piece, data: torch.Tensor) -> None:
+        if piece.first:
+            self._hash.update(f"{piece.name}|{piece.dtype}|{list(piece.shape)}|".encode())
+        if piece.nbytes:
+            self._hash.update(memoryview(data.detach().cpu().numpy()))
+
+    def update_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        data = byte_view(tensor)
+        piece = Piece(
+            name, tuple(tensor.shape), dtype_name(tensor.dtype), data.numel(), 0, data.numel(), 0
+        )
+        self.update(piece, data)
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+
+def digest_of(weights: Iterable[NamedTensor]) -> str:
+    """The :class:`StreamDigest` of a whole stream (what a verified sync reports)."""
+    digest = StreamDigest()
+    for name, tensor in weights:
+        digest.update_tensor(name, tensor)
+    return digest.hexdigest()

@@ -1,0 +1,76 @@
+"""The control channel of the colocated transport: authenticated loopback connections from
+every receiver to the sender, with deadlines on every wait (a dead or hung peer raises
+:class:`WeightSyncError` instead of blocking)."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from multiprocessing.connection import Client, Connection, Listener
+from typing import Any
+
+from drivetrain.api.weight_sync import WeightSyncError
+
+
+def listen(host: str) -> tuple[Listener, dict[str, Any]]:
+    authkey = secrets.token_bytes(16)
+    listener = Listener((host, 0), authkey=authkey)
+    address = listener.address
+    return listener, {"address": [address[0], address[1]], "authkey": authkey.hex()}
+
+
+def accept(listener: Listener, count: int, timeout_s: float) -> list[Connection]:
+    """Accept ``count`` receivers within ``timeout_s`` (``Listener.accept`` has no timeout, so
+    it runs in a thread and the listener is closed to end it)."""
+    accepted: list[Connection] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            while len(accepted) < count:
+                accepted.append(listener.accept())
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="weight-sync-accept", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive() or failure:
+        listener.close()
+        for conn in accepted:
+            conn.close()
+        why = failure[0] if failure else f"timed out after {timeout_s:.0f} s"
+        raise WeightSyncError(f"only {len(accepted)} of {count} receivers connected: {why}")
+    return accepted
+
+
+def connect(endpoint: dict[str, Any], timeout_s: float) -> Connection:
+    host, port = endpoint["address"]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return Client((host, int(port)), authkey=bytes.fromhex(endpoint["authkey"]))
+        except (ConnectionRefusedError, FileNotFoundError) as exc:
+            if time.monotonic() > deadline:
+                raise WeightSyncError(
+                    f"cannot reach the weight-sync sender at {host}:{port}: {exc}"
+                ) from exc
+            time.sleep(0.05)  # the listener exists from prepare(); only a restart races here
+
+
+def receive(conn: Connection, timeout_s: float, peer: str) -> Any:
+    """The next message from ``peer``, or :class:`WeightSyncError` if it is gone or silent."""
+    try:
+        if not conn.poll(timeout_s):
+            raise WeightSyncError(f"{peer} sent nothing for {timeout_s:.0f} s")
+        return conn.recv()
+    except (EOFError, OSError) as exc:
+        raise WeightSyncError(f"{peer} disconnected ({type(exc).__name__})") from exc
+
+
+def send(conn: Connection, message: Any, peer: str) -> None:
+    try:
+        conn.send(message)
+    except (OSError, EOFError) as exc:
+        raise WeightSyncError(f"{peer} disconnected ({type(exc).__name__})") from exc

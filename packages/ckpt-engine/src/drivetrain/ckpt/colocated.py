@@ -1,0 +1,236 @@
+"""``colocated``: trainer and rollout on one machine (one GPU, or the CPU) — no collective.
+
+The sender owns two bucket buffers that every receiver maps into its own address space: POSIX
+shared memory on the CPU, CUDA IPC handles on a GPU. A bucket's metadata goes over a small
+authenticated loopback channel; each receiver copies its tensors out and says the buffer is
+free again, while the sender already packs the next bucket into the other buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from multiprocessing import connection as mpc
+from multiprocessing.connection import Connection, Listener
+from typing import Any
+
+import torch
+
+from drivetrain.api.engine import NamedTensor
+from drivetrain.api.weight_sync import (
+    SyncStats,
+    Topology,
+    TransportRole,
+    WeightSyncError,
+    WeightTransport,
+)
+from drivetrain.ckpt import channel
+from drivetrain.ckpt.config import ColocatedConfig
+from drivetrain.ckpt.devices import resolve_device
+from drivetrain.ckpt.pipeline import iterate_in_thread, receive_stream, send_stream
+from drivetrain.ckpt.shared_buffers import CudaIpcBuffers, SharedMemoryBuffers
+
+
+class _Sender:
+    def __init__(self, buffers: list[torch.Tensor], conns: dict[int, Connection], timeout: float):
+        self.buffers = buffers
+        self.conns = conns
+        self.timeout = timeout
+        self.outstanding: dict[int, set[int]] = {0: set(), 1: set()}
+        self.broken = False
+
+    def _broadcast(self, message: Any) -> None:
+        for rank, conn in self.conns.items():
+            try:
+                channel.send(conn, message, f"receiver {rank}")
+            except WeightSyncError:
+                self.broken = True
+                raise
+
+    def _collect(self, done: Callable[[list[Any]], bool]) -> list[Any]:
+        """Read receivers' messages (in any order) until ``done(replies)``, where replies are
+        the messages other than buffer releases; a silent or dead receiver raises."""
+        replies: list[Any] = []
+        by_conn = {conn: rank for rank, conn in self.conns.items()}
+        while not done(replies):
+            ready = mpc.wait(list(by_conn), timeout=self.timeout)
+            if not ready:
+                self.broken = True
+                raise WeightSyncError(f"receivers sent nothing for {self.timeout:.0f} s")
+            for conn in ready:
+                rank = by_conn[conn]  # type: ignore[index]
+                try:
+                    message = conn.recv()  # type: ignore[union-attr]
+                except (EOFError, OSError) as exc:
+                    self.broken = True
+                    raise WeightSyncError(f"receiver {rank} disconnected mid-sync") from exc
+                if message[0] == "free":
+                    self.outstanding[message[1]].discard(rank)
+                else:
+                    replies.append((rank, message))
+        return replies
+
+    def post(self, index: int, header: dict[str, Any]) -> None:
+        self.outstanding[index] = set(self.conns)
+        self._broadcast(("bucket", index, header))
+
+    def wait(self, index: int) -> None:
+        self._collect(lambda _: not self.outstanding[index])
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        self._broadcast(("end", summary))
+        replies = self._collect(lambda got: len(got) >= len(self.conns))
+        rejected = [f"receiver {rank}: {m[2]}" for rank, m in replies if not m[1]]
+        if rejected:
+            raise WeightSyncError("receivers rejected the stream: " + "; ".join(rejected))
+
+    def abort(self, reason: str) -> None:
+        for conn in self.conns.values():
+            try:
+                conn.send(("abort", reason))
+            except Exception:
+                self.broken = True  # that receiver is gone; the others still hear it
+
+
+class _Receiver:
+    def __init__(self, buffers: list[torch.Tensor], conn: Connection, timeout: float) -> None:
+        self.buffers = buffers
+        self.conn = conn
+        self.timeout = timeout
+
+    def next(self) -> tuple[str, dict[str, Any], int]:
+        message = channel.receive(self.conn, self.timeout, "the sender")
+        if message[0] == "bucket":
+            return "bucket", message[2], message[1]
+        if message[0] == "end":
+            return "end", message[1], -1
+        if message[0] == "abort":
+            raise WeightSyncError(f"the sender aborted the sync: {message[1]}")
+        raise WeightSyncError(f"unexpected message {message[0]!r} from the sender")
+
+    def release(self, index: int) -> None:
+        channel.send(self.conn, ("free", index), "the sender")
+
+    def confirm(self, ok: bool, detail: str) -> None:
+        channel.send(self.conn, ("done", ok, detail), "the sender")
+
+
+class ColocatedTransport(WeightTransport):
+    config: ColocatedConfig
+
+    def __init__(self, config: ColocatedConfig) -> None:
+        super().__init__(config)
+        self.device = torch.device("cpu")
+        self.shared: SharedMemoryBuffers | CudaIpcBuffers | None = None
+        self._listener: Listener | None = None
+        self.conns: dict[int, Connection] = {}
+        self.conn: Connection | None = None
+        self.role: TransportRole | None = None
+        self._owner = False  # the sender created the buffers and unlinks them
+
+    def _new_buffers(self, device: torch.device) -> SharedMemoryBuffers | CudaIpcBuffers:
+        if device.type == "cpu":
+            return SharedMemoryBuffers.create(self.config.bucket_bytes)
+        if device.type == "cuda":
+            return CudaIpcBuffers.create(self.config.bucket_bytes, device)
+        raise WeightSyncError(
+            f"colocated sync shares memory on cpu (shared memory) or cuda (IPC), not on "
+            f"{device.type!r}; use the broadcast transport there"
+        )
+
+    def prepare(self) -> Mapping[str, Any]:
+        self.device = resolve_device(self.config.device)
+        self.shared = self._new_buffers(self.device)
+        self._owner = True
+        self._listener, endpoint = channel.listen(self.config.host)
+        return {**endpoint, **self.shared.describe(), "pid": os.getpid()}
+
+    def connect(
+        self, role: TransportRole, rank: int, topology: Topology, endpoint: Mapping[str, Any]
+    ) -> None:
+        timeout = self.config.timeout_s
+        if role is TransportRole.SENDER:
+            if self._listener is None or self.shared is None:
+                raise WeightSyncError("the sender must call prepare() before connect()")
+            conns = channel.accept(self._listener, len(topology.receivers), timeout)
+            hello = {channel.receive(c, timeout, "a receiver")["rank"]: c for c in conns}
+            if sorted(hello) != sorted(topology.receivers):
+                raise WeightSyncError(f"receivers {sorted(hello)} != {topology.receivers}")
+            for peer, conn in hello.items():
+                channel.send(conn, self.shared.handles(), f"receiver {peer}")
+            for peer, conn in hello.items():
+                reply = channel.receive(conn, timeout, f"receiver {peer}")
+                if reply != "attached":
+                    raise WeightSyncError(f"receiver {peer} could not map the buffers: {reply}")
+            self.conns = hello
+        else:
+            if rank not in topology.receivers:
+                raise WeightSyncError(f"rank {rank} is not a receiver in {topology}")
+            conn = channel.connect(dict(endpoint), timeout)
+            channel.send(conn, {"rank": rank, "pid": os.getpid()}, "the sender")
+            handles = channel.receive(conn, timeout, "the sender")
+            try:
+                self.shared = (
+                    SharedMemoryBuffers.attach(endpoint)
+                    if endpoint["kind"] == "shm"
+                    else CudaIpcBuffers.attach(endpoint, handles)
+                )
+            except Exception as exc:
+                channel.send(conn, f"{type(exc).__name__}: {exc}", "the sender")
+                raise WeightSyncError(f"cannot map the sender's buffers: {exc}") from exc
+            channel.send(conn, "attached", "the sender")
+            self.device = self.shared.buffers[0].device
+            self.conn = conn
+        self.role = role
+
+    async def send(self, weights: Iterable[NamedTensor], *, version: int) -> SyncStats:
+        if self.role is not TransportRole.SENDER or not self.conns or self.shared is None:
+            raise WeightSyncError("not connected as the sender (or a receiver failed: reconnect)")
+        link = _Sender(self.shared.buffers, self.conns, self.config.timeout_s)
+        try:
+            return await asyncio.to_thread(
+                send_stream,
+                link,
+                weights,
+                version=version,
+                device=self.device,
+                verify=self.config.verify,
+            )
+        finally:
+            if link.broken:
+                self._close_conns()
+
+    def receive(self) -> AsyncIterator[NamedTensor]:
+        if self.role is not TransportRole.RECEIVER or self.conn is None or self.shared is None:
+            raise WeightSyncError("not connected as a receiver")
+        link = _Receiver(self.shared.buffers, self.conn, self.config.timeout_s)
+        stream = receive_stream(
+            link,
+            device=self.device,
+            verify=self.config.verify,
+            timeout_s=self.config.timeout_s,
+            on_stats=self._record,
+        )
+        return iterate_in_thread(stream)
+
+    def _record(self, stats: SyncStats) -> None:
+        self.last_stats = stats
+
+    def _close_conns(self) -> None:
+        for conn in self.conns.values():
+            conn.close()
+        self.conns = {}
+
+    def finalize(self) -> None:
+        self._close_conns()
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        if self.shared is not None:
+            self.shared.close(owner=self._owner)
+            self.shared = None
+        self.role = None

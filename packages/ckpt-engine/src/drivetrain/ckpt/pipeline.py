@@ -1,0 +1,221 @@
+"""The double-buffered send and receive loops every bucket transport shares.
+
+A transport supplies a *link*: two bucket buffers and how to move one to the receivers. The
+sender packs bucket N+1 into one buffer while bucket N is still moving out of the other; the
+receiver's link runs in a background thread, filling one buffer while the consumer copies
+tensors out of the other. Errors, timeouts and aborts surface as :class:`WeightSyncError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from typing import Any, Protocol
+
+import torch
+
+from drivetrain.api.engine import NamedTensor
+from drivetrain.api.weight_sync import SyncStats, WeightSyncError
+from drivetrain.ckpt.buckets import Piece, Reassembler, StreamDigest, pack, plan_buckets
+from drivetrain.ckpt.devices import synchronize
+
+
+class SenderLink(Protocol):
+    buffers: list[torch.Tensor]
+
+    def post(self, index: int, header: dict[str, Any]) -> None:
+        """Start moving ``buffers[index]`` (header first) to every receiver."""
+
+    def wait(self, index: int) -> None:
+        """Return once every receiver is done with ``buffers[index]``."""
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        """Send the end of the stream; return once every receiver confirmed all of it."""
+
+    def abort(self, reason: str) -> None:
+        """Tell the receivers the stream failed (best effort)."""
+
+
+class ReceiverLink(Protocol):
+    buffers: list[torch.Tensor]
+
+    def next(self) -> tuple[str, dict[str, Any], int]:
+        """Block for the next message: ``("bucket", header, buffer_index)`` once its bytes
+        are in ``buffers[buffer_index]``, or ``("end", summary, -1)``."""
+
+    def release(self, index: int) -> None:
+        """The consumer is done with ``buffers[index]``."""
+
+    def confirm(self, ok: bool, detail: str) -> None:
+        """Report the whole stream received and verified (or not) to the sender."""
+
+
+def send_stream(
+    link: SenderLink,
+    weights: Iterable[NamedTensor],
+    *,
+    version: int,
+    device: torch.device,
+    verify: bool,
+) -> SyncStats:
+    start = time.perf_counter()
+    digest = StreamDigest() if verify else None
+    bucket_bytes = link.buffers[0].numel()
+    in_flight = [False, False]
+    index = num_tensors = num_buckets = total_bytes = 0
+    try:
+        for bucket in plan_buckets(weights, bucket_bytes):
+            if in_flight[index]:
+                link.wait(index)
+            buffer = link.buffers[index]
+            used = pack(bucket, buffer)
+            synchronize(device)
+            pieces = [piece for piece, _ in bucket]
+            if digest is not None:
+                for piece in pieces:
+                    digest.update(piece, buffer[piece.offset : piece.offset + piece.nbytes])
+            link.post(index, {"pieces": [p.to_wire() for p in pieces], "nbytes": used})
+            in_flight[index] = True
+            index ^= 1
+            num_buckets += 1
+            num_tensors += sum(piece.last for piece in pieces)
+            total_bytes += sum(piece.nbytes for piece in pieces)
+        for i in (0, 1):
+            if in_flight[i]:
+                link.wait(i)
+        summary = {
+            "version": version,
+            "num_tensors": num_tensors,
+            "num_buckets": num_buckets,
+            "bytes": total_bytes,
+            "digest": digest.hexdigest() if digest is not None else None,
+        }
+        link.finish(summary)
+    except WeightSyncError as exc:
+        link.abort(str(exc))
+        raise
+    except BaseException as exc:
+        link.abort(f"{type(exc).__name__}: {exc}")
+        if isinstance(exc, Exception):
+            raise WeightSyncError(f"sending version {version} failed: {exc}") from exc
+        raise
+    return SyncStats(
+        version,
+        num_tensors,
+        num_buckets,
+        total_bytes,
+        time.perf_counter() - start,
+        summary["digest"],
+    )
+
+
+_END = object()
+
+
+def _read_ahead(link: ReceiverLink, out: queue.Queue[Any], stop: threading.Event) -> None:
+    try:
+        while not stop.is_set():
+            message = link.next()
+            out.put(message)
+            if message[0] == "end":
+                return
+    except BaseException as exc:  # handed to the consumer, raised there
+        out.put(exc)
+
+
+def receive_stream(
+    link: ReceiverLink,
+    *,
+    device: torch.device,
+    verify: bool,
+    timeout_s: float,
+    on_stats: Callable[[SyncStats], None],
+) -> Iterator[NamedTensor]:
+    """Yield one sync's tensors; ``on_stats`` gets its statistics after the end was verified.
+    Raises :class:`WeightSyncError` (before the end) on abort, timeout, or a mismatch."""
+    start = time.perf_counter()
+    messages: queue.Queue[Any] = queue.Queue()
+    stop = threading.Event()
+    reader = threading.Thread(
+        target=_read_ahead, args=(link, messages, stop), name="weight-sync-recv", daemon=True
+    )
+    reader.start()
+    rebuild = Reassembler(device)
+    digest = StreamDigest() if verify else None
+    num_buckets = total_bytes = 0
+    try:
+        while True:
+            try:
+                message = messages.get(timeout=timeout_s)
+            except queue.Empty:
+                raise WeightSyncError(f"no weight-sync data for {timeout_s:.0f} s") from None
+            if isinstance(message, BaseException):
+                if isinstance(message, WeightSyncError):
+                    raise message
+                raise WeightSyncError(f"receiving failed: {message}") from message
+            kind, header, index = message
+            if kind == "end":
+                break
+            buffer = link.buffers[index]
+            synchronize(device)
+            for row in header["pieces"]:
+                piece = Piece.from_wire(row)
+                data = buffer[piece.offset : piece.offset + piece.nbytes]
+                if digest is not None:
+                    digest.update(piece, data)
+                total_bytes += piece.nbytes
+                tensor = rebuild.add(piece, data)
+                if tensor is not None:
+                    yield tensor
+            synchronize(device)  # copies out of the buffer are done before it is reused
+            link.release(index)
+            num_buckets += 1
+        rebuild.check_complete()
+        mine = {
+            "num_tensors": rebuild.completed,
+            "num_buckets": num_buckets,
+            "bytes": total_bytes,
+            "digest": digest.hexdigest() if digest is not None else None,
+        }
+        wrong = {k: (v, header.get(k)) for k, v in mine.items() if v != header.get(k)}
+        if verify and header.get("digest") is None:
+            wrong["digest"] = (mine["digest"], "not sent (the sender does not verify)")
+        if not verify:
+            wrong.pop("digest", None)
+        if wrong:
+            detail = ", ".join(f"{k}: received {a}, sent {b}" for k, (a, b) in wrong.items())
+            link.confirm(False, detail)
+            raise WeightSyncError(f"weight stream version {header['version']} differs: {detail}")
+        link.confirm(True, "")
+        seconds = time.perf_counter() - start
+        on_stats(
+            SyncStats(
+                header["version"],
+                rebuild.completed,
+                num_buckets,
+                total_bytes,
+                seconds,
+                mine["digest"],
+            )
+        )
+    finally:
+        stop.set()
+
+
+async def iterate_in_thread(items: Iterator[NamedTensor]) -> AsyncIterator[NamedTensor]:
+    """An async view of a blocking iterator: each step runs in a worker thread, so the event
+    loop (and the trainer's other work) keeps running while bytes arrive."""
+    done = object()
+    try:
+        while True:
+            item = await asyncio.to_thread(next, items, done)
+            if item is done:
+                return
+            yield item  # type: ignore[misc]
+    finally:
+        close = getattr(items, "close", None)
+        if close is not None:
+            close()

@@ -1,0 +1,179 @@
+"""Every transport, one sender (this process) and two receiver processes on the CPU: the
+received streams are bitwise the sent ones over two syncs of one connection; a receiver that
+dies mid-sync makes the sender fail within the timeout and no other receiver report success;
+a failing source aborts the sync everywhere; an unsupported device is refused by name."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from drivetrain.api.config import WeightSyncConfig
+from drivetrain.api.registry import ckpt_engines
+from drivetrain.api.weight_sync import Topology, TransportRole, WeightSyncError
+from drivetrain.ckpt.buckets import digest_of
+from weights_for_tests import make_weights
+
+pytestmark = pytest.mark.distributed
+WORKER = Path(__file__).with_name("transport_worker.py")
+TRANSPORTS = ["broadcast", "colocated", "disk"]
+
+
+def make_transport(name: str, **overrides):
+    config_class = ckpt_engines.load_config_class(name, WeightSyncConfig)
+    config = {"bucket_bytes": 4096, "timeout_s": 20.0, "verify": True, **overrides}
+    return ckpt_engines.load(name)(config_class(**config)), config
+
+
+class Receivers:
+    """Receiver processes, each with its own result file."""
+
+    def __init__(self, tmp_path, name, config, endpoint, topology, versions, die_after=None):
+        self.procs, self.outs = [], []
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        for rank in topology.receivers:
+            out = tmp_path / f"rank{rank}.jsonl"
+            spec = tmp_path / f"rank{rank}.json"
+            spec.write_text(
+                json.dumps(
+                    {
+                        "transport": name,
+                        "config": config,
+                        "rank": rank,
+                        "senders": list(topology.senders),
+                        "receivers": list(topology.receivers),
+                        "endpoint": dict(endpoint),
+                        "versions": versions,
+                        "die_after": die_after if rank == topology.receivers[-1] else None,
+                        "out": str(out),
+                    }
+                )
+            )
+            self.outs.append(out)
+            self.procs.append(subprocess.Popen([sys.executable, str(WORKER), str(spec)], env=env))
+
+    def results(self, timeout=60):
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            proc.wait(timeout=max(1, deadline - time.monotonic()))
+        return [
+            [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+            for out in self.outs
+        ], [p.returncode for p in self.procs]
+
+    def kill(self):
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def connect_sender(sender, endpoint, topology):
+    sender.connect(TransportRole.SENDER, 0, topology, endpoint)
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_two_syncs_arrive_bitwise_equal(tmp_path, name):
+    sender, config = make_transport(name)
+    topology = Topology.one_sender(2)
+    endpoint = sender.prepare()
+    receivers = Receivers(tmp_path, name, config, endpoint, topology, versions=[1, 2])
+    try:
+        connect_sender(sender, endpoint, topology)
+        sent = {}
+        for version in (1, 2):
+            weights = make_weights(version)
+            stats = asyncio.run(sender.send(iter(weights), version=version))
+            sent[version] = digest_of(weights)
+            assert stats.digest == sent[version]
+            assert stats.num_tensors == len(weights) and stats.version == version
+            assert stats.bytes == sum(t.numel() * t.element_size() for _, t in weights)
+            if name != "disk":
+                assert stats.num_buckets > 84000 // 4096  # the big tensor was split
+        results, codes = receivers.results()
+    finally:
+        receivers.kill()
+        sender.finalize()
+    assert codes == [0, 0]
+    for per_rank in results:
+        assert [r["version"] for r in per_rank] == [1, 2]
+        for r in per_rank:
+            assert r["digest"] == sent[r["version"]] == r["reported_digest"]
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_receiver_dying_mid_sync_fails_the_sender_not_silently(tmp_path, name):
+    sender, config = make_transport(name, timeout_s=10.0)
+    topology = Topology.one_sender(2)
+    endpoint = sender.prepare()
+    receivers = Receivers(tmp_path, name, config, endpoint, topology, versions=[1], die_after=3)
+    try:
+        connect_sender(sender, endpoint, topology)
+        start = time.monotonic()
+        with pytest.raises(WeightSyncError):
+            asyncio.run(sender.send(iter(make_weights(1)), version=1))
+        assert time.monotonic() - start < 10.0 + 15.0  # the timeout, not a hang
+        results, codes = receivers.results()
+    finally:
+        receivers.kill()
+        sender.finalize()
+    assert codes[1] == 17  # the one that died
+    survivor = results[0]
+    # the other receiver either raised or, for disk (which reads a complete published
+    # version), received it whole; it never reports a partial stream as success
+    if name == "disk":
+        assert survivor and survivor[0].get("digest") == digest_of(make_weights(1))
+    else:
+        assert survivor and "error" in survivor[0], survivor
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_failing_source_aborts_every_receiver(tmp_path, name):
+    sender, config = make_transport(name)
+    topology = Topology.one_sender(2)
+    endpoint = sender.prepare()
+    receivers = Receivers(tmp_path, name, config, endpoint, topology, versions=[1])
+
+    def broken_export():
+        yield from make_weights(1)[:10]
+        raise RuntimeError("export failed on the trainer")
+
+    try:
+        connect_sender(sender, endpoint, topology)
+        with pytest.raises(WeightSyncError, match="export failed"):
+            asyncio.run(sender.send(broken_export(), version=1))
+        results, codes = receivers.results()
+    finally:
+        receivers.kill()
+        sender.finalize()
+    assert codes == [0, 0]
+    for per_rank in results:
+        assert len(per_rank) == 1 and "export failed" in per_rank[0]["error"]
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+@pytest.mark.parametrize("device", ["xpu", "tpu", "banana"])
+def test_unsupported_device_is_refused_by_name(name, device):
+    transport, _ = make_transport(name, device=device)
+    with pytest.raises(
+        WeightSyncError, match=r"cpu \(gloo\).*cuda \(nccl\).*npu \(hccl\)|not a device"
+    ):
+        transport.prepare() if name != "disk" else transport.connect(
+            TransportRole.SENDER, 0, Topology.one_sender(1), transport.prepare()
+        )
+    transport.finalize()
+
+
+def test_cuda_device_without_cuda_is_refused():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is present")
+    transport, _ = make_transport("broadcast", device="cuda")
+    with pytest.raises(WeightSyncError, match="CUDA is not available"):
+        transport.prepare()

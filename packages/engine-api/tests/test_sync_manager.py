@@ -1,0 +1,107 @@
+"""The weight-sync sequence with the pure-Python engine, rollout and transport: weights and
+version arrive, the phases run in order (KV cache released around the transfer when asked),
+generation resumes even after a failure, and a failed sync leaves the old weights in use."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from drivetrain.api import Prompt, SamplingParams
+from drivetrain.api.registry import ckpt_engines
+from drivetrain.api.sync_manager import WeightSyncManager, connect_rollouts, engine_sender
+from drivetrain.api.testing import FakeEngine, FakeEngineConfig, FakeRollout, FakeRolloutConfig
+from drivetrain.api.testing.fake_transport import FakeTransportConfig
+from drivetrain.api.weight_sync import WeightSyncError
+
+
+class RecordingRollout(FakeRollout):
+    def __init__(self, config, log):
+        super().__init__(config)
+        self.log = log
+
+    def pause_generation(self, *, abort=False):
+        self.log.append(("pause", abort))
+        return 2 if abort else 0
+
+    def resume_generation(self):
+        self.log.append(("resume",))
+
+    def sleep(self, level=1):
+        self.log.append(("sleep", level))
+        return super().sleep(level)
+
+    def wake_up(self, tags=None):
+        self.log.append(("wake_up", tuple(tags) if tags else None))
+        super().wake_up(tags)
+
+    def update_weights(self, weights, *, version):
+        self.log.append(("update", version))
+        super().update_weights(weights, version=version)
+
+
+def setup(log, n=2, **config):
+    engine = FakeEngine(FakeEngineConfig(vocab_size=8, seed=3))
+    engine.initialize()
+    rollouts = [RecordingRollout(FakeRolloutConfig(vocab_size=8), log) for _ in range(n)]
+    sender = ckpt_engines.load("fake")(FakeTransportConfig(**config))
+    asyncio.run(connect_rollouts(sender, "fake", rollouts))
+    return engine, rollouts, sender
+
+
+def greedy(rollout):
+    params = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+    return [c.token_ids for c in rollout.generate([Prompt(token_ids=(2,))], params)]
+
+
+def test_sync_moves_weights_and_version_in_order():
+    log = []
+    engine, rollouts, sender = setup(log)
+    manager = WeightSyncManager(
+        engine_sender(engine.export_weights, sender), rollouts, release_kv_cache=True
+    )
+    report = asyncio.run(manager.sync(7))
+    fresh = FakeRollout(FakeRolloutConfig(vocab_size=8, seed=3))
+    for rollout in rollouts:
+        assert rollout.weight_version == 7
+        assert greedy(rollout) == greedy(fresh)
+    assert report.version == 7 and len(report.received) == 2
+    assert all(r.digest == report.sent.digest for r in report.received)
+    assert set(report.phases) == {"pause", "transfer", "resume"}
+    assert report.metrics()["weight_sync/version"] == 7.0
+    per_rollout = [entry for entry in log if entry != ("update", 7)]
+    assert per_rollout == [
+        ("pause", False), ("pause", False),
+        ("sleep", 1), ("sleep", 1),
+        ("wake_up", ("weights",)), ("wake_up", ("weights",)),
+        ("wake_up", ("kv_cache",)), ("wake_up", ("kv_cache",)),
+        ("resume",), ("resume",),
+    ]  # fmt: skip
+    assert log.count(("update", 7)) == 2
+
+
+def test_failed_sync_resumes_generation_and_keeps_old_weights():
+    log = []
+    engine, rollouts, sender = setup(log, fail_after=1, timeout_s=5)
+    before = [greedy(r) for r in rollouts]
+    manager = WeightSyncManager(
+        engine_sender(engine.export_weights, sender), rollouts, abort_inflight=True
+    )
+    with pytest.raises(WeightSyncError, match="fake failure after 1 tensors"):
+        asyncio.run(manager.sync(1))
+    assert [greedy(r) for r in rollouts] == before
+    assert all(r.weight_version == 0 for r in rollouts)
+    assert log[-2:] == [("resume",), ("resume",)]
+    assert ("pause", True) in log
+
+
+def test_non_sending_ranks_drain_the_export():
+    engine = FakeEngine(FakeEngineConfig(vocab_size=8, seed=3))
+    engine.initialize()
+    assert asyncio.run(engine_sender(engine.export_weights, None)(1)) is None
+
+
+def test_receive_before_connect_is_an_error():
+    with pytest.raises(WeightSyncError, match="before connect_weight_sync"):
+        FakeRollout(FakeRolloutConfig()).receive_weights(1)
