@@ -36,7 +36,7 @@ def round_trip(weights, bucket_bytes):
             digest.update(piece, data)
             tensor = rebuild.add(piece, data)
             if tensor is not None:
-                out.append(tensor)
+                out.append((tensor[0], tensor[1].clone()))  # a view of the reused buffer
     rebuild.check_complete()
     return out, buckets, digest.hexdigest()
 

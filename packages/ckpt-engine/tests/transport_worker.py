@@ -34,7 +34,7 @@ def main(spec_path: str) -> None:
                 for name, tensor in iterate_blocking(transport.receive()):
                     if spec["die_after"] is not None and len(received) == spec["die_after"]:
                         os._exit(17)
-                    received.append((name, tensor))
+                    received.append((name, tensor.clone()))  # views: valid until next
             except WeightSyncError as exc:
                 out.write(json.dumps({"error": str(exc)}) + "\n")
                 break

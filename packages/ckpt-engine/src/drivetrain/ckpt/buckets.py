@@ -129,8 +129,10 @@ def pack(bucket: Bucket, buffer: torch.Tensor) -> int:
 
 
 class Reassembler:
-    """Rebuilds full tensors from pieces on the receiving side. Tensors are copied out of the
-    bucket (which the sender reuses), onto ``device``."""
+    """Rebuilds full tensors from pieces on the receiving side. A tensor that arrived whole is
+    a view of the bucket (valid until the consumer moves past the bucket, as the stream
+    contract says: consumers copy what they keep, and copying once is the cost of a sync);
+    one that arrived in pieces is rejoined in new memory on ``device``."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -143,7 +145,7 @@ class Reassembler:
             if self._partial is not None:
                 raise WeightSyncError(f"tensor {self._partial[0].name!r} ended incomplete")
             if piece.last:
-                return self._finish(piece, data.to(self.device, copy=True))
+                return self._finish(piece, data)
             storage = torch.empty(piece.total, dtype=torch.uint8, device=self.device)
             self._partial = (piece, storage)
         elif self._partial is None or self._partial[0].name != piece.name:

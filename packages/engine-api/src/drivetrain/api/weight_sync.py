@@ -127,8 +127,9 @@ class WeightTransport(abc.ABC):
     @abc.abstractmethod
     def receive(self) -> AsyncIterator[NamedTensor]:
         """Yield the tensors of one sync, in the sender's order, as full tensors with the
-        sender's names, shapes and dtypes, ending when the sender's stream ends. Yielded tensors
-        belong to the consumer. Raises :class:`WeightSyncError` before the end if the stream is
+        sender's names, shapes and dtypes, ending when the sender's stream ends. A yielded
+        tensor may be a view of the transport's buffers, valid until the next one is requested
+        (as with an engine's export): consumers copy what they keep. Raises :class:`WeightSyncError` before the end if the stream is
         incomplete or fails verification, so an all-or-nothing consumer applies nothing."""
 
     @abc.abstractmethod
@@ -152,6 +153,7 @@ def iterate_blocking(stream: AsyncIterator[T]) -> Iterator[T]:
     finally:
         with contextlib.suppress(Exception):
             loop.run_until_complete(stream.aclose())  # type: ignore[attr-defined]
+        loop.run_until_complete(loop.shutdown_default_executor())  # no idle threads left
         loop.close()
 
 

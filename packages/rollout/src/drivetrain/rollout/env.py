@@ -71,16 +71,19 @@ def workspace_root() -> Path | None:
 
 
 def drivetrain_requirements() -> list[str]:
+    """drivetrain's packages for the backend's environment: the api, the rollout package and
+    the weight-sync transports (a rollout there receives weights through them)."""
     root = workspace_root()
+    folders = ("engine-api", "rollout", "ckpt-engine")
     if root is not None:
-        return [
-            "-e",
-            str(root / "packages" / "engine-api"),
-            "-e",
-            str(root / "packages" / "rollout"),
-        ]
-    names = ("drivetrain-engine-api", "drivetrain-rollout")
-    return [f"{name}=={importlib.metadata.version(name)}" for name in names]
+        return [arg for folder in folders for arg in ("-e", str(root / "packages" / folder))]
+    pinned = []
+    for name in (f"drivetrain-{folder}" for folder in folders):
+        try:
+            pinned.append(f"{name}=={importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            continue  # not installed here: the backend environment goes without it too
+    return pinned
 
 
 def create(backend: str, path: Path, *, find_links: list[str], python: str) -> Path:

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
-from typing import ClassVar
+from typing import Any, ClassVar
 
+from drivetrain.api.config import WeightSyncConfig
 from drivetrain.api.engine import NamedTensor
 from drivetrain.api.rollout import Completion, Prompt, Rollout, SamplingParams
+from drivetrain.api.weight_sync import SyncStats, Topology
 from drivetrain.rollout import plugin
 from drivetrain.rollout.config import (
     BackendConfig,
@@ -56,7 +59,13 @@ def load_engine_class(backend: str) -> type[Rollout]:
 
 
 class BackendRollout(Rollout):
-    """Delegates to the backend's engine, here or in a server process."""
+    """Delegates to the backend's engine, here or in a server process.
+
+    It also gates generation for weight sync: :meth:`pause_generation` holds new ``generate``
+    calls and waits for running ones (our engines run each call to completion, so there is
+    nothing to abort between calls; an in-flight call finishes on the old weights and reports
+    the old version).
+    """
 
     backend: ClassVar[str]
     config_class: ClassVar[type[BackendConfig]]
@@ -66,6 +75,9 @@ class BackendRollout(Rollout):
             fields = {k: getattr(config, k) for k in vars(config)}
             config = self.config_class(**fields)
         super().__init__(config)
+        self._gate = threading.Condition()
+        self._running = 0
+        self._paused = False
         if config.python:
             from drivetrain.rollout.process.client import RolloutProcess
 
@@ -74,10 +86,48 @@ class BackendRollout(Rollout):
             self.impl = load_engine_class(self.backend)(config)
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
-        return self.impl.generate(prompts, params)
+        with self._gate:
+            self._gate.wait_for(lambda: not self._paused)
+            self._running += 1
+        try:
+            return self.impl.generate(prompts, params)
+        finally:
+            with self._gate:
+                self._running -= 1
+                self._gate.notify_all()
+
+    def pause_generation(self, *, abort: bool = False) -> int:
+        with self._gate:
+            self._paused = True
+            self._gate.wait_for(lambda: self._running == 0)
+        return 0
+
+    def resume_generation(self) -> None:
+        with self._gate:
+            self._paused = False
+            self._gate.notify_all()
 
     def update_weights(self, weights: Iterable[NamedTensor], *, version: int) -> None:
         self.impl.update_weights(weights, version=version)
+
+    def connect_weight_sync(
+        self,
+        transport: str,
+        config: WeightSyncConfig,
+        *,
+        rank: int,
+        topology: Topology,
+        endpoint: Mapping[str, Any],
+    ) -> None:
+        self.impl.connect_weight_sync(
+            transport, config, rank=rank, topology=topology, endpoint=endpoint
+        )
+
+    def receive_weights(self, version: int) -> SyncStats:
+        return self.impl.receive_weights(version)
+
+    def disconnect_weight_sync(self) -> None:
+        self.impl.disconnect_weight_sync()
 
     @property
     def weight_version(self) -> int:
@@ -87,8 +137,9 @@ class BackendRollout(Rollout):
         super().sleep(level)  # validates the level
         return self.impl.sleep(level)
 
-    def wake_up(self) -> None:
-        self.impl.wake_up()
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        super().wake_up(tags)  # validates the tags
+        self.impl.wake_up(tags)
 
     def shutdown(self) -> None:
         self.impl.shutdown()

@@ -18,13 +18,15 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any
 
+from drivetrain.api.config import WeightSyncConfig
 from drivetrain.api.engine import NamedTensor
 from drivetrain.api.rollout import Completion, Prompt, Rollout, SamplingParams
+from drivetrain.api.weight_sync import SyncStats, Topology
 from drivetrain.rollout.config import BackendConfig
 from drivetrain.rollout.errors import RolloutProcessError
 from drivetrain.rollout.process.protocol import ADDRESS_ENV, AUTHKEY_ENV, remote_error
@@ -176,8 +178,27 @@ class RolloutProcess(Rollout):
         super().sleep(level)
         return self._call("sleep", level)
 
-    def wake_up(self) -> None:
-        self._call("wake_up")
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        self._call("wake_up", None if tags is None else tuple(tags))
+
+    # ---- weight sync: the receiving end lives in the server, next to the weights ------------
+    def connect_weight_sync(
+        self,
+        transport: str,
+        config: WeightSyncConfig,
+        *,
+        rank: int,
+        topology: Topology,
+        endpoint: Mapping[str, Any],
+    ) -> None:
+        self._call("connect_weight_sync", transport, config, rank, topology, dict(endpoint))
+
+    def receive_weights(self, version: int) -> SyncStats:
+        return self._call("receive_weights", version)
+
+    def disconnect_weight_sync(self) -> None:
+        if self.process.poll() is None:
+            self._call("disconnect_weight_sync")
 
     def shutdown(self) -> None:
         if self.process.poll() is None:

@@ -63,9 +63,17 @@ def serve(conn: Connection) -> None:
                 _receive_weights(conn, rollout, *args)
             elif method == "weight_version":
                 result = rollout.weight_version
-            elif method in ("generate", "sleep", "wake_up"):
+            elif method in ("generate", "sleep", "wake_up", "receive_weights"):
                 result = getattr(rollout, method)(*args)
+            elif method == "connect_weight_sync":
+                transport, config, rank, topology, endpoint = args
+                rollout.connect_weight_sync(
+                    transport, config, rank=rank, topology=topology, endpoint=endpoint
+                )
+            elif method == "disconnect_weight_sync":
+                rollout.disconnect_weight_sync()
             elif method == "shutdown":
+                rollout.disconnect_weight_sync()
                 rollout.shutdown()
                 conn.send(("ok", None))
                 break

@@ -323,11 +323,28 @@ class SGLangEngine(Rollout):
         self._weights_discarded = self._weights_discarded or level == 2
         return True
 
-    def wake_up(self) -> None:
-        if self._asleep:
-            result = self._live_engine().resume_memory_occupation(tags=self._released_tags)
-            check_result(result, "resume_memory_occupation")
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        super().wake_up(tags)
+        if not self._asleep:
+            return
+        if tags is None:
+            resume = self._released_tags  # None: everything that was released
+        else:
+            # SGLang's None released everything it tracks; CUDA graphs come back with the KV
+            # cache (they hold its buffers' addresses)
+            remaining = self._released_tags or ["weights", "kv_cache", "cuda_graph"]
+            resume = [
+                t for t in remaining if t in tags or (t == "cuda_graph" and "kv_cache" in tags)
+            ]
+            if not resume:
+                return
+        result = self._live_engine().resume_memory_occupation(tags=resume)
+        check_result(result, "resume_memory_occupation")
+        if resume is None or tags is None:
             self._asleep = False
+            return
+        self._released_tags = [t for t in remaining if t not in resume]
+        self._asleep = bool(self._released_tags)
 
     def shutdown(self) -> None:
         engine = getattr(self, "engine", None)

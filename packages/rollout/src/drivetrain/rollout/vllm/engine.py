@@ -24,7 +24,14 @@ from typing import Any
 import torch
 
 from drivetrain.api.engine import NamedTensor
-from drivetrain.api.rollout import Completion, FinishReason, Prompt, Rollout, SamplingParams
+from drivetrain.api.rollout import (
+    MEMORY_TAGS,
+    Completion,
+    FinishReason,
+    Prompt,
+    Rollout,
+    SamplingParams,
+)
 from drivetrain.rollout.checkpoint_names import checkpoint_shapes
 from drivetrain.rollout.config import VLLMRolloutConfig
 from drivetrain.rollout.devices import model_dir
@@ -117,6 +124,7 @@ class VLLMEngine(Rollout):
         self._lora_request: Any = None
         self._work_root = Path(tempfile.mkdtemp(prefix="drivetrain-vllm-"))
         self._asleep = False
+        self._woken: set[str] = set()  # memory tags restored since the last sleep
         self._weights_discarded = False
 
     @property
@@ -215,13 +223,21 @@ class VLLMEngine(Rollout):
             return False  # vLLM's CPU backend ignores sleep: nothing is freed
         self.llm.sleep(level=level)
         self._asleep = True
+        self._woken = set()
         self._weights_discarded = level == 2
         return True
 
-    def wake_up(self) -> None:
-        if self._asleep:
-            self.llm.wake_up()
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        super().wake_up(tags)
+        if not self._asleep:
+            return
+        wanted = set(MEMORY_TAGS if tags is None else tags) - self._woken
+        if wanted:
+            self.llm.wake_up(tags=sorted(wanted))
+            self._woken |= wanted
+        if self._woken >= MEMORY_TAGS:
             self._asleep = False
+            self._woken = set()
 
     def shutdown(self) -> None:
         engine = getattr(self, "llm", None)
