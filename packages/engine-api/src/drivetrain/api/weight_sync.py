@@ -129,8 +129,9 @@ class WeightTransport(abc.ABC):
         """Yield the tensors of one sync, in the sender's order, as full tensors with the
         sender's names, shapes and dtypes, ending when the sender's stream ends. A yielded
         tensor may be a view of the transport's buffers, valid until the next one is requested
-        (as with an engine's export): consumers copy what they keep. Raises :class:`WeightSyncError` before the end if the stream is
-        incomplete or fails verification, so an all-or-nothing consumer applies nothing."""
+        (as with an engine's export): consumers copy what they keep. Raises
+        :class:`WeightSyncError` before the end if the stream is incomplete or fails
+        verification, so an all-or-nothing consumer applies nothing."""
 
     @abc.abstractmethod
     def finalize(self) -> None:
