@@ -70,8 +70,7 @@ class MegatronHarness:
             # bounds it below the kit's 1e-5; losses and gradient norms are unaffected.
             optim=optim(eps=1e-4),
             micro_batch=micro_batch,
-            device="cpu",
-            **self.overrides,
+            **{"device": "cpu", **self.overrides},
         )
 
     def make_engine(self, micro_batch: MicroBatchConfig) -> MegatronEngine:

@@ -1,9 +1,9 @@
 """Worker: load HF checkpoints into Megatron chunks, forward a fixed batch, export.
 
-argv: OUT_DIR SPEC_JSON, SPEC = {"layouts": [{"name", "tp", "pp", "vp"}], "cases": [{"name",
-"hf_dir", "value_head"}], "tokens": [[int]]}. Per (layout, case) each rank reports the gathered
-logits (the last pipeline stage only) and a digest of its export stream; rank 0 also writes the
-export as an HF checkpoint directory OUT_DIR/<layout>-<case>.
+argv: OUT_DIR SPEC_JSON, SPEC = {"layouts": [{"name", "tp", "pp", "vp", "ep"?, "etp"?, "sp"?}],
+"cases": [{"name", "hf_dir", "value_head"}], "tokens": [[int]]}. Per (layout, case) each rank
+reports the gathered logits (the last pipeline stage only) and a digest of its export stream;
+rank 0 also writes the export as an HF checkpoint directory OUT_DIR/<layout>-<case>.
 """
 
 import json
@@ -65,7 +65,8 @@ def run_case(layout, case, tokens, out_dir):
     tcfg = transformer_config(
         hf_config, dtype=torch.float32, tensor_parallel=layout["tp"],
         pipeline_parallel=layout["pp"], virtual_pipeline=layout["vp"], context_parallel=1,
-        sequence_parallel=False, recompute=False, device="cpu",
+        sequence_parallel=layout.get("sp", False), recompute=False, device="cpu",
+        expert_parallel=layout.get("ep", 1), expert_tensor_parallel=layout.get("etp"),
     )  # fmt: skip
     value_head = case.get("value_head", False)
     models = build_model(hf_config, tcfg, value_head=value_head)
@@ -98,7 +99,8 @@ if __name__ == "__main__":  # megatron's checkpoint writer re-imports the entry 
     for layout in spec["layouts"]:
         init_parallel(
             tensor_parallel=layout["tp"], pipeline_parallel=layout["pp"],
-            virtual_pipeline=layout["vp"], context_parallel=1, expert_parallel=1,
+            virtual_pipeline=layout["vp"], context_parallel=1,
+            expert_parallel=layout.get("ep", 1), expert_tensor_parallel=layout.get("etp"),
             device="cpu", seed=1234,
         )  # fmt: skip
         for case in spec["cases"]:

@@ -17,6 +17,13 @@ class MegatronConfig(EngineConfig):
     and MLP along the sequence over the tensor-parallel group. ``distributed_optimizer`` shards
     optimizer state (ZeRO-1) over data-parallel ranks. ``model.gradient_checkpointing`` turns on
     full activation recompute.
+
+    ``context_parallel`` splits every sequence over that many ranks (load-balanced chunks; needs
+    TransformerEngine on CUDA, refused on CPU); the world is then
+    ``tensor_parallel * pipeline_parallel * context_parallel * data_parallel``.
+    ``expert_parallel`` (mixture-of-experts models) spreads the experts over that many ranks of
+    the data-parallel x context-parallel ranks; ``expert_tensor_parallel`` splits each expert
+    (default: ``tensor_parallel``, megatron's default).
     """
 
     tensor_parallel: int = 1
@@ -24,9 +31,16 @@ class MegatronConfig(EngineConfig):
     virtual_pipeline: int = 1
     sequence_parallel: bool = False
     distributed_optimizer: bool = True
+    context_parallel: int = 1
+    expert_parallel: int = 1
+    expert_tensor_parallel: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel", "pipeline_parallel", "virtual_pipeline"):
+        names = ("tensor_parallel", "pipeline_parallel", "virtual_pipeline", "context_parallel",
+                 "expert_parallel")  # fmt: skip
+        if self.expert_tensor_parallel is not None:
+            names += ("expert_tensor_parallel",)
+        for name in names:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if self.virtual_pipeline > 1 and self.pipeline_parallel < 2:
@@ -34,4 +48,6 @@ class MegatronConfig(EngineConfig):
         if self.sequence_parallel and self.tensor_parallel < 2:
             raise ConfigError("sequence_parallel needs tensor_parallel >= 2")
         if self.model.lora.enabled:
-            raise ConfigError("the megatron engine has no LoRA yet: use engine fsdp2 for LoRA")
+            raise ConfigError(
+                "the megatron engine has no LoRA (model.lora.enabled): use engine fsdp2 for LoRA"
+            )

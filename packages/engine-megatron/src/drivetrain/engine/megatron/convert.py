@@ -1,4 +1,6 @@
-"""Hugging Face <-> Megatron-Core weights for the Llama / Qwen2 / Qwen3 families, streaming.
+"""Hugging Face <-> Megatron-Core weights for the Llama / Qwen2 / Qwen3 families (and the
+attention / norm / embedding part of the MoE families; their sparse MLPs are in ``moe.py``),
+streaming.
 
 Layouts (local layer spec, ``TP`` ranks, ``g`` KV groups, ``q = heads / g`` query heads each):
 
@@ -23,6 +25,7 @@ import json
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 import torch
@@ -30,6 +33,12 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from drivetrain.engine.megatron.model import family, head_dim, padded_vocab_size
+from drivetrain.engine.megatron.moe import (
+    ExpertSlot,
+    iter_moe_export,
+    moe_export_items,
+    moe_layer_weights,
+)
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,7 @@ class _Shape:
     tp_rank: int
     qkv_bias: bool
     qk_norm: bool
+    moe: ExpertSlot | None  # None: dense MLPs
 
     @property
     def q_per_group(self) -> int:
@@ -70,6 +80,7 @@ def _shape(hf_config: Any, tcfg: Any) -> _Shape:
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         qkv_bias=flags["qkv_bias"],
         qk_norm=flags["qk_norm"],
+        moe=ExpertSlot(hf_config, tcfg) if flags["moe"] else None,
     )
 
 
@@ -114,6 +125,10 @@ class _Reader:
     def cols(self, name: str, start: int, stop: int) -> torch.Tensor:
         return self._where[name].get_slice(name)[:, start:stop]
 
+    def slice(self, name: str) -> Any:
+        """A lazily read tensor: index it to read only that part."""
+        return self._where[name].get_slice(name)
+
 
 def _tp_range(total: int, s: _Shape) -> tuple[int, int]:
     size = total // s.tp
@@ -142,7 +157,9 @@ def _vocab_shard(read: _Reader, name: str, s: _Shape) -> torch.Tensor:
     return shard
 
 
-def _layer_weights(read: _Reader, prefix: str, s: _Shape) -> dict[str, torch.Tensor]:
+def _layer_weights(
+    read: _Reader, prefix: str, s: _Shape, hf_config: Any
+) -> dict[str, torch.Tensor]:
     """Megatron layer parameter name -> this rank's shard, for HF layer ``prefix``."""
     attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
     f0, f1 = _tp_range(s.ffn, s)
@@ -152,14 +169,15 @@ def _layer_weights(read: _Reader, prefix: str, s: _Shape) -> dict[str, torch.Ten
         "pre_mlp_layernorm.weight": read.full(f"{prefix}.post_attention_layernorm.weight"),
         "self_attention.linear_qkv.weight": _qkv_shard(read, attn, "weight", s),
         "self_attention.linear_proj.weight": read.cols(f"{attn}.o_proj.weight", o0, o1),
-        "mlp.linear_fc1.weight": torch.cat(
-            [
-                read.rows(f"{mlp}.gate_proj.weight", f0, f1),
-                read.rows(f"{mlp}.up_proj.weight", f0, f1),
-            ]
-        ),
-        "mlp.linear_fc2.weight": read.cols(f"{mlp}.down_proj.weight", f0, f1),
     }
+    if s.moe is not None:
+        out.update(moe_layer_weights(read, prefix, hf_config, s.moe, s.tp, s.tp_rank))
+    else:
+        out["mlp.linear_fc1.weight"] = torch.cat(
+            [read.rows(f"{mlp}.gate_proj.weight", f0, f1),
+             read.rows(f"{mlp}.up_proj.weight", f0, f1)]
+        )  # fmt: skip
+        out["mlp.linear_fc2.weight"] = read.cols(f"{mlp}.down_proj.weight", f0, f1)
     if s.qkv_bias:
         out["self_attention.linear_qkv.bias"] = _qkv_shard(read, attn, "bias", s)
     if s.qk_norm:
@@ -176,7 +194,7 @@ def _chunk_weights(
         yield "embedding.word_embeddings.weight", _vocab_shard(read, "model.embed_tokens.weight", s)
     for index, layer in enumerate(chunk.decoder.layers):
         hf_layer = f"model.layers.{layer.layer_number - 1}"
-        for name, tensor in _layer_weights(read, hf_layer, s).items():
+        for name, tensor in _layer_weights(read, hf_layer, s, hf_config).items():
             yield f"decoder.layers.{index}.{name}", tensor
     if chunk.post_process:
         yield "decoder.final_layernorm.weight", read.full("model.norm.weight")
@@ -251,8 +269,9 @@ def _keep(full: torch.Tensor, _: _Shape) -> list[torch.Tensor]:
     return [full]
 
 
-def _layer_rules(s: _Shape) -> list[_Rule]:
-    """Per-layer rules in HF ``state_dict`` order."""
+def _layer_rules(s: _Shape) -> tuple[list[_Rule], list[_Rule]]:
+    """Per-layer rules in HF ``state_dict`` order: those before the MLP block, those after
+    (a dense MLP's rules are in the first list; a MoE block's tensors go in between)."""
     qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
     rules: list[_Rule] = [
         ("self_attention.linear_qkv.weight", tuple(f"{n}.weight" for n in qkv), 0, _split_qkv)
@@ -266,13 +285,17 @@ def _layer_rules(s: _Shape) -> list[_Rule]:
             ("self_attention.q_layernorm.weight", ("self_attn.q_norm.weight",), None, _keep),
             ("self_attention.k_layernorm.weight", ("self_attn.k_norm.weight",), None, _keep),
         ]
-    rules += [
-        ("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), 0, _split_fc1),
-        ("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), 1, _keep),
+    if s.moe is None:
+        rules += [
+            ("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), 0,
+             _split_fc1),
+            ("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), 1, _keep),
+        ]  # fmt: skip
+    norms: list[_Rule] = [
         ("input_layernorm.weight", ("input_layernorm.weight",), None, _keep),
         ("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), None, _keep),
     ]
-    return rules
+    return rules, norms
 
 
 def _hf_shapes(s: _Shape) -> dict[str, tuple[int, ...]]:
@@ -354,17 +377,36 @@ def export_hf_weights(
 
     yield "model.embed_tokens.weight", vocab("embedding.word_embeddings.weight", 0, first)
     shapes = _hf_shapes(s)
+    before, after = _layer_rules(s)
+    moe_items = [] if s.moe is None else moe_export_items(hf_config, s.moe, s.hidden, s.tp)
     for layer in range(tcfg.num_layers):
         rank, chunk, local = stages.owner[layer]
         mine = rank == stages.pp_rank
-        for suffix, hf_names, dim, to_hf in _layer_rules(s):
-            full = None
-            if mine:
-                tensor = chunks[chunk][f"decoder.layers.{local}.{suffix}"]
-                full = to_hf(tensor if dim is None else _gather_tp(tensor, dim, s), s)
-            names = [f"model.layers.{layer}.{n}" for n in hf_names]
-            shared = stages.share(rank, full, [shapes[n] for n in hf_names], dtype, device)
-            yield from zip(names, shared, strict=True)
+        prefix = f"decoder.layers.{local}."
+        params = (
+            {k[len(prefix) :]: v for k, v in chunks[chunk].items() if k.startswith(prefix)}
+            if mine
+            else None
+        )
+
+        def rule_items(rules: list[_Rule], params: Any = params, rank: int = rank) -> Iterator[
+            tuple[str, torch.Tensor]
+        ]:  # fmt: skip
+            for suffix, hf_names, dim, to_hf in rules:
+                full = None
+                if params is not None:
+                    tensor = params[suffix]
+                    full = to_hf(tensor if dim is None else _gather_tp(tensor, dim, s), s)
+                shared = stages.share(rank, full, [shapes[n] for n in hf_names], dtype, device)
+                yield from zip(hf_names, shared, strict=True)
+
+        def share(full: Any, shapes: Any, rank: int = rank) -> list[torch.Tensor]:
+            return stages.share(rank, full, shapes, dtype, device)
+
+        stream = chain(rule_items(before), iter_moe_export(moe_items, params, share),
+                       rule_items(after))  # fmt: skip
+        for suffix, tensor in stream:
+            yield f"model.layers.{layer}.{suffix}", tensor
     last_rank = stages.pp - 1
     mine = stages.pp_rank == last_rank
     norm = [last["decoder.final_layernorm.weight"]] if mine else None

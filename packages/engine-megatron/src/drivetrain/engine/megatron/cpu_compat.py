@@ -55,6 +55,8 @@ _HOST_MODULES = (
     "megatron.core.tensor_parallel.random",
     # get_default_causal_mask: torch.ones(sq, sq, device="cuda")
     "megatron.core.transformer.utils",
+    # Router.gating (MoE): moves a host router weight to current_device() on every forward
+    "megatron.core.transformer.moe.router",
     # RotaryEmbedding.get_emb moves inv_freq to current_device() on the first forward
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
     # forward_backward_{no_pipelining,pipelining_*}: total_num_tokens on device="cuda"

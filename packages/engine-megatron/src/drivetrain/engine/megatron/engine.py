@@ -10,6 +10,8 @@ ranks) and our ``finalize_model_grads`` hook never rescales by a token count.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 from collections.abc import Iterator, Mapping
 from functools import partial
@@ -38,9 +40,13 @@ from drivetrain.api.partition import fixed_size_partition
 from drivetrain.api.schedule import lr_multiplier
 from drivetrain.engine.megatron import checkpoint
 from drivetrain.engine.megatron.config import MegatronConfig
+from drivetrain.engine.megatron.context import gather_outputs, pack_row_cp
+from drivetrain.engine.megatron.offload import Offloader
 from drivetrain.engine.megatron.packing import align_to_inputs, flat_column, pack_row, to_layout
 from drivetrain.engine.megatron.parallel import init_parallel
 from drivetrain.engine.megatron.token_outputs import vocab_parallel_outputs
+
+log = logging.getLogger(__name__)
 
 
 def _as_megatron_config(config: EngineConfig) -> MegatronConfig:
@@ -82,8 +88,9 @@ class MegatronEngine(ModalEngine):
             tensor_parallel=cfg.tensor_parallel,
             pipeline_parallel=cfg.pipeline_parallel,
             virtual_pipeline=cfg.virtual_pipeline if cfg.virtual_pipeline > 1 else None,
-            context_parallel=1,
-            expert_parallel=1,
+            context_parallel=cfg.context_parallel,
+            expert_parallel=cfg.expert_parallel,
+            expert_tensor_parallel=cfg.expert_tensor_parallel,
             device=self.device.type,
             seed=cfg.seed,
         )
@@ -95,10 +102,12 @@ class MegatronEngine(ModalEngine):
             tensor_parallel=cfg.tensor_parallel,
             pipeline_parallel=cfg.pipeline_parallel,
             virtual_pipeline=cfg.virtual_pipeline if cfg.virtual_pipeline > 1 else None,
-            context_parallel=1,
+            context_parallel=cfg.context_parallel,
             sequence_parallel=cfg.sequence_parallel,
             recompute=cfg.model.gradient_checkpointing,
             device=self.device.type,
+            expert_parallel=cfg.expert_parallel,
+            expert_tensor_parallel=cfg.expert_tensor_parallel,
         )
         # see the module docstring: our losses are normalised already, megatron must not rescale
         tcfg.calculate_per_token_loss = True
@@ -138,6 +147,7 @@ class MegatronEngine(ModalEngine):
             ),
             self.model,
         )
+        self.offloader = Offloader(self.model, self.optimizer, self.device)
         self.step = 0
         self._set_lr()
         self._place(None)
@@ -162,24 +172,42 @@ class MegatronEngine(ModalEngine):
             world_size=dist.get_world_size(),
             dp_rank=ps.get_data_parallel_rank(),
             dp_size=ps.get_data_parallel_world_size(),
-            is_output_rank=last_stage and ps.get_tensor_model_parallel_rank() == 0,
+            is_output_rank=last_stage
+            and ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_context_parallel_rank() == 0,
             sizes={
                 "tp": cfg.tensor_parallel,
                 "pp": cfg.pipeline_parallel,
                 "vpp": cfg.virtual_pipeline,
+                "cp": cfg.context_parallel,
+                "ep": cfg.expert_parallel,
             },
         )
 
     def _place(self, mode: str | None) -> None:
+        if mode is None:  # idle: offload as configured
+            off = self.config.offload
+            self.to("cpu", model=off.params, optimizer=off.optimizer)
+            return
+        self.to("device", model=True, optimizer=mode == "train")
         for chunk in self.model:
             chunk.train(mode == "train")
 
     def to(self, device: str, *, model: bool = True, optimizer: bool = True) -> None:
+        """Parameters + gradient buffers (``model``) and optimizer state to host memory
+        (``"cpu"``) or back (``"device"``); see ``offload.py``. On a CPU engine the compute
+        device is the host: nothing moves (logged once)."""
         if device not in ("cpu", "device"):
             raise ValueError(f"device must be 'cpu' or 'device', got {device!r}")
         if self.device.type == "cpu":
-            return  # nothing to move: the compute device is the host
-        raise EngineStateError("offload between phases is not implemented for megatron on GPU yet")
+            if device == "cpu" and (model or optimizer) and not getattr(self, "_said_host", 0):
+                log.info("megatron engine on CPU: offload is a no-op (state already in host RAM)")
+                self._said_host = True
+            return
+        if device == "cpu":
+            self.offloader.offload(model=model, optimizer=optimizer)
+        else:
+            self.offloader.reload(model=model, optimizer=optimizer)
 
     # ---- data ---------------------------------------------------------------------------
     def _micro_batches(self, batch: Batch) -> list[list[int]]:
@@ -197,16 +225,54 @@ class MegatronEngine(ModalEngine):
     def _rows(self, batch: Batch, parts: list[list[int]]) -> list[tuple[Batch | None, Any]]:
         """Each micro-batch with its packed row; an empty group (a short shard) runs a one-token
         loss-free row so the schedule's collectives line up."""
-        multiple = self.config.tensor_parallel if self.config.sequence_parallel else 1
+        cfg = self.config
+        multiple = cfg.tensor_parallel if cfg.sequence_parallel else 1
         empty = Batch.from_columns(
             {"input_ids": torch.zeros(1, 1, dtype=torch.long), LOSS_MASK: torch.zeros(1, 1)},
             seq_lens=[1],
         )
-        rows = []
-        for indices in parts:
-            micro = batch.select(indices) if indices else None
-            rows.append((micro, pack_row(micro or empty, self.device, multiple)))
-        return rows
+        micros = [self._on_device(batch.select(indices)) if indices else None for indices in parts]
+        if cfg.context_parallel > 1:
+            rank = self.ps.get_context_parallel_rank()
+            return [
+                (micro, pack_row_cp(
+                    flat_column(micro or empty, "input_ids").to(self.device, torch.long),
+                    list((micro or empty).seq_lens), cp=cfg.context_parallel, rank=rank,
+                    multiple=multiple,
+                ))
+                for micro in micros
+            ]  # fmt: skip
+        lengths = [None] * len(micros)
+        if (
+            self.tcfg.num_moe_experts
+            and self.ps.get_expert_tensor_and_model_parallel_world_size() > 1
+        ):
+            lengths = self._common_lengths(micros, empty, multiple)
+        return [
+            (micro, pack_row(micro or empty, self.device, multiple, length=length))
+            for micro, length in zip(micros, lengths, strict=True)
+        ]
+
+    def _on_device(self, batch: Batch) -> Batch:
+        """The micro-batch's tensor columns on the compute device: the loss function combines
+        them with the model's outputs."""
+        moved = {
+            name: value.to(self.device)
+            for name, value in batch.columns.items()
+            if isinstance(value, torch.Tensor) and value.device != self.device
+        }
+        return batch.with_columns(**moved) if moved else batch
+
+    def _common_lengths(self, micros: list[Batch | None], empty: Batch, multiple: int) -> list[int]:
+        """megatron's all-gather token dispatcher needs the same token count on every rank of
+        the expert tensor x expert parallel group, which spans data-parallel ranks with rows of
+        different lengths: pad each micro-batch's row to the longest across ranks (the padding
+        is a separate, loss-free segment, and no token is ever dropped, so it changes nothing)."""
+        need = [sum((m or empty).seq_lens) for m in micros]
+        need = [n + ((-n) % multiple if n else multiple) for n in need]
+        longest = torch.tensor(need, dtype=torch.long, device=self.device)
+        dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+        return longest.tolist()
 
     # ---- compute ------------------------------------------------------------------------
     def _outputs(
@@ -217,9 +283,8 @@ class MegatronEngine(ModalEngine):
             kind = "value-head" if self.config.model.value_head else "causal LM"
             raise EngineStateError(f"a {kind} engine cannot compute {spec.names}")
         if spec.values:
-            values = output[0, :, 0].float()
-            flat = values[: row.num_tokens]
-            return {VALUES: to_layout(flat, micro)}
+            values = self._gather_cp(output[0, :, 0].float(), row)
+            return {VALUES: to_layout(values[: row.num_tokens], micro)}
         log_probs, entropy = vocab_parallel_outputs(
             output[0],
             row.targets,
@@ -227,12 +292,20 @@ class MegatronEngine(ModalEngine):
             temperature=spec.temperature,
             want_entropy=spec.entropy,
         )
-        out = {LOG_PROBS: log_probs, ENTROPY: entropy}
+        out = {LOG_PROBS: self._gather_cp(log_probs, row), ENTROPY: self._gather_cp(entropy, row)}
         return {
             name: to_layout(align_to_inputs(out[name], row), micro)
             for name in (LOG_PROBS, ENTROPY)
             if name in spec.names
         }
+
+    def _gather_cp(self, local: torch.Tensor, row: Any) -> torch.Tensor:
+        """Context parallel: this rank's per-token values -> the whole micro-batch's, in the
+        original order (every CP rank then computes the same loss; see ``context.py``)."""
+        if self.config.context_parallel == 1:
+            return local
+        group = self.ps.get_context_parallel_group()
+        return gather_outputs(local, list(row.lengths), list(row.padded), group)
 
     def _schedule(
         self,
@@ -245,7 +318,10 @@ class MegatronEngine(ModalEngine):
 
         def forward_step(data_iterator: Iterator[Any], model: Any) -> tuple[torch.Tensor, Any]:
             micro, row = next(data_iterator)
-            output = model(row.input_ids, row.position_ids, row.attention_mask)
+            extra = {}
+            if self.config.context_parallel > 1:  # TE's packed (thd) attention over CP ranks
+                extra["packed_seq_params"] = row.packed_seq_params
+            output = model(row.input_ids, row.position_ids, row.attention_mask, **extra)
             return output, partial(on_output, micro, row)
 
         vp = self.config.virtual_pipeline
@@ -255,7 +331,7 @@ class MegatronEngine(ModalEngine):
             data_iterator=iterators,
             model=self.model if vp > 1 else self.model[0],
             num_microbatches=len(rows),
-            seq_length=max(r.input_ids.shape[1] for _, r in rows),
+            seq_length=max(r.input_ids.shape[1] for _, r in rows),  # this rank's share under CP
             micro_batch_size=1,
             forward_only=forward_only,
         )
@@ -371,17 +447,37 @@ class MegatronEngine(ModalEngine):
         return self._lr
 
     # ---- weights and checkpoints --------------------------------------------------------
-    def export_weights(self, *, adapter_only: bool = False) -> Iterator[NamedTensor]:
-        from drivetrain.engine.megatron.convert import export_hf_weights
+    @contextlib.contextmanager
+    def _resident(self, *, optimizer: bool) -> Iterator[None]:
+        """State on the device for a call made outside the modes (export, checkpoints); back
+        where the offload config keeps it afterwards."""
+        if self._mode is not None:
+            yield
+            return
+        self.to("device", model=True, optimizer=optimizer)
+        try:
+            yield
+        finally:
+            self._place(None)
 
+    def export_weights(self, *, adapter_only: bool = False) -> Iterator[NamedTensor]:
         if adapter_only:
             raise EngineStateError("the megatron engine has no LoRA adapter")
-        return export_hf_weights([chunk.module for chunk in self.model], self.hf_config, self.tcfg)
+        return self._export()
+
+    def _export(self) -> Iterator[NamedTensor]:
+        from drivetrain.engine.megatron.convert import export_hf_weights
+
+        with self._resident(optimizer=False):
+            chunks = [chunk.module for chunk in self.model]
+            yield from export_hf_weights(chunks, self.hf_config, self.tcfg)
 
     def save_checkpoint(self, path: str, *, step: int) -> CheckpointInfo:
-        return checkpoint.save(path, step=step, engine=self)
+        with self._resident(optimizer=True):
+            return checkpoint.save(path, step=step, engine=self)
 
     def load_checkpoint(self, path: str) -> CheckpointInfo:
-        info = checkpoint.load(path, engine=self)
+        with self._resident(optimizer=True):
+            info = checkpoint.load(path, engine=self)
         self._set_lr()
         return info

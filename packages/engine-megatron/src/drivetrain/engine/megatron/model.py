@@ -1,4 +1,5 @@
-"""Megatron-Core ``GPTModel`` built from a Hugging Face config (Llama / Qwen2 / Qwen3 dense).
+"""Megatron-Core ``GPTModel`` built from a Hugging Face config (Llama / Qwen2 / Qwen3 dense,
+Qwen2-MoE / Qwen3-MoE / Mixtral mixture-of-experts).
 
 The mapping is explicit per family: a config field we do not translate is refused rather than
 silently dropped, so a model that would not match its HF logits never trains.
@@ -12,11 +13,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-#: HF ``model_type`` -> what differs from the Llama baseline.
+from drivetrain.engine.megatron.context import context_parallel_kwargs
+from drivetrain.engine.megatron.moe import moe_kwargs
+
+#: HF ``model_type`` -> what differs from the Llama baseline (``moe``: sparse MLP blocks;
+#: ``shared_expert``: Qwen2-MoE's sigmoid-gated shared expert beside the routed ones).
 FAMILIES: dict[str, dict[str, bool]] = {
-    "llama": {"qkv_bias": False, "qk_norm": False},
-    "qwen2": {"qkv_bias": True, "qk_norm": False},
-    "qwen3": {"qkv_bias": False, "qk_norm": True},
+    "llama": {"qkv_bias": False, "qk_norm": False, "moe": False, "shared_expert": False},
+    "qwen2": {"qkv_bias": True, "qk_norm": False, "moe": False, "shared_expert": False},
+    "qwen3": {"qkv_bias": False, "qk_norm": True, "moe": False, "shared_expert": False},
+    "qwen2_moe": {"qkv_bias": True, "qk_norm": False, "moe": True, "shared_expert": True},
+    "qwen3_moe": {"qkv_bias": False, "qk_norm": True, "moe": True, "shared_expert": False},
+    "mixtral": {"qkv_bias": False, "qk_norm": False, "moe": True, "shared_expert": False},
 }
 #: rope types that only change ``inv_freq`` (no attention scaling, no length-dependence)
 _ROPE_TYPES = ("default", "linear", "llama3")
@@ -83,6 +91,8 @@ def transformer_config(
     sequence_parallel: bool,
     recompute: bool,
     device: str,
+    expert_parallel: int = 1,
+    expert_tensor_parallel: int | None = None,
 ) -> Any:
     """The ``TransformerConfig`` equivalent of ``hf_config`` under the given parallel layout.
 
@@ -94,9 +104,15 @@ def transformer_config(
     _check_supported(hf_config, flags)
     _rope_parameters(hf_config)  # refuse unsupported rope early
     on_cpu = device.split(":")[0] == "cpu"
-    if context_parallel > 1 and on_cpu:
-        raise ValueError("context_parallel > 1 needs TransformerEngine attention (CUDA only)")
     kwargs: dict[str, Any] = {}
+    if context_parallel > 1:
+        kwargs.update(context_parallel_kwargs(on_cpu))
+    if flags["moe"]:
+        kwargs.update(moe_kwargs(hf_config, flags, tensor_parallel=tensor_parallel,
+                                 sequence_parallel=sequence_parallel))  # fmt: skip
+    elif expert_parallel > 1:
+        raise ValueError(f"expert_parallel={expert_parallel} needs a mixture-of-experts model, "
+                         f"{hf_config.model_type!r} is dense")  # fmt: skip
     if recompute:  # whole layers, one at a time: the lowest-memory setting
         kwargs.update(recompute_granularity="full", recompute_method="uniform",
                       recompute_num_layers=1)  # fmt: skip
@@ -128,6 +144,8 @@ def transformer_config(
         pipeline_model_parallel_size=pipeline_parallel,
         virtual_pipeline_model_parallel_size=virtual_pipeline,
         context_parallel_size=context_parallel,
+        expert_model_parallel_size=expert_parallel,
+        expert_tensor_parallel_size=expert_tensor_parallel,
         sequence_parallel=sequence_parallel and tensor_parallel > 1,
         use_cpu_initialization=on_cpu,
         gradient_accumulation_fusion=False,
@@ -154,10 +172,15 @@ class RMSNorm(nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
 
 
-def _layer_spec(qk_norm: bool) -> Any:
+def _layer_spec(qk_norm: bool, num_experts: int | None = None) -> Any:
+    """megatron's local (non-TransformerEngine) layer; MoE layers get ``SequentialMLP`` experts
+    (one plain MLP per local expert, no grouped GEMM: that kernel is CUDA-only)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(
+        num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_norm,
+        normalization="RMSNorm",
+    )  # fmt: skip
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm
     if qk_norm:
@@ -217,7 +240,14 @@ def build_model(hf_config: Any, tcfg: Any, *, value_head: bool = False) -> list[
 
     flags = family(hf_config)
     rope = _rope_parameters(hf_config)
-    layer = _layer_spec(flags["qk_norm"])
+    layer = _layer_spec(flags["qk_norm"], tcfg.num_moe_experts)
+    if tcfg.context_parallel_size > 1:
+        # megatron's local DotProductAttention refuses CP; TransformerEngine's runs the ring
+        # attention over the CP group on packed (thd) rows. It has no parameters, so the
+        # converters' names stay those of the local spec (transformer_config checked TE is here)
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+        layer.submodules.self_attention.submodules.core_attention = TEDotProductAttention
     tied = bool(getattr(hf_config, "tie_word_embeddings", False)) and not value_head
     vocab = padded_vocab_size(hf_config.vocab_size, tcfg.tensor_model_parallel_size)
     vp = tcfg.virtual_pipeline_model_parallel_size

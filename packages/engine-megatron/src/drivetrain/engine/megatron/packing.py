@@ -39,11 +39,19 @@ def flat_column(batch: Batch, name: str) -> torch.Tensor:
     return torch.cat([value[i, :n] for i, n in enumerate(batch.seq_lens)])
 
 
-def pack_row(batch: Batch, device: torch.device, multiple: int = 1) -> PackedRow:
+def pack_row(
+    batch: Batch, device: torch.device, multiple: int = 1, *, length: int | None = None
+) -> PackedRow:
+    """``length``: pad the row to exactly that many tokens (at least the real tokens rounded
+    up to ``multiple``); default: the real tokens rounded up to ``multiple``."""
     ids = flat_column(batch, INPUT_IDS).to(device=device, dtype=torch.long)
     lens = [n for n in batch.seq_lens if n]
     real = sum(lens)
     pad = (-real) % multiple if real else multiple
+    if length is not None:
+        if length < real + pad:
+            raise ValueError(f"row length {length} < {real + pad} tokens of the micro-batch")
+        pad = length - real
     if pad:
         ids = torch.cat([ids, ids.new_zeros(pad)])
         lens.append(pad)

@@ -41,10 +41,13 @@ def init_parallel(
     expert_parallel: int,
     device: str,
     seed: int,
+    expert_tensor_parallel: int | None = None,
 ) -> None:
     """Join the torchrun world and build megatron-core's TP/PP/CP/EP/DP groups.
 
-    Data parallel is what remains of the world. ``seed`` seeds megatron's RNG tracker: the same
+    Data parallel is what remains of the world. Experts have their own grid over the same
+    ranks: ``expert_tensor_parallel`` (default: ``tensor_parallel``) x ``expert_parallel`` x
+    pipeline x expert data parallel (the rest). ``seed`` seeds megatron's RNG tracker: the same
     stream on the ranks of a tensor-parallel group for replicated regions, a distinct one per
     TP rank for sharded ones (dropout inside TP regions, weight init)."""
     if device.split(":")[0] == "cpu":
@@ -72,6 +75,7 @@ def init_parallel(
         virtual_pipeline_model_parallel_size=virtual_pipeline,
         context_parallel_size=context_parallel,
         expert_model_parallel_size=expert_parallel,
+        expert_tensor_parallel_size=expert_tensor_parallel,
     )
     # host RNG: use_cpu_initialization draws full weights on the host and then splits them,
     # so every rank of a TP group must draw the same numbers

@@ -13,6 +13,9 @@ MEGATRON = PluginSpec(
             "tensor_parallel",
             "pipeline_parallel",
             "sequence_parallel",
+            "context_parallel",
+            "expert_parallel",
+            "offload",
             "packed",
             "dynamic_batch",
             "resharding_checkpoint",
@@ -21,5 +24,5 @@ MEGATRON = PluginSpec(
         }
     ),
     install_hint="pip install drivetrain-engine-megatron",
-    description="Megatron-Core GPTModel: TP, PP, SP, DDP + distributed optimizer",
+    description="Megatron-Core GPTModel: TP, PP, SP, CP, EP/MoE, DDP + distributed optimizer",
 )
