@@ -29,7 +29,8 @@ TRANSPORTS = ["broadcast", "colocated", "disk"]
 
 def make_transport(name: str, **overrides):
     config_class = ckpt_engines.load_config_class(name, WeightSyncConfig)
-    config = {"bucket_bytes": 4096, "timeout_s": 20.0, "verify": True, **overrides}
+    config = {"bucket_bytes": 4096, "timeout_s": 20.0, "verify": True, "device": "cpu"}
+    config.update(overrides)
     return ckpt_engines.load(name)(config_class(**config)), config
 
 

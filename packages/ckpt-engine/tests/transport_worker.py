@@ -15,7 +15,7 @@ import torch
 
 from drivetrain.api.config import WeightSyncConfig
 from drivetrain.api.registry import ckpt_engines
-from drivetrain.api.weight_sync import Topology, TransportRole, WeightSyncError, iterate_blocking
+from drivetrain.api.weight_sync import Topology, TransportRole, WeightSyncError
 from drivetrain.ckpt.buckets import digest_of
 
 
@@ -23,6 +23,9 @@ def main(spec_path: str) -> None:
     torch.set_num_threads(1)
     with open(spec_path) as f:
         spec = json.load(f)
+    on_gpu = spec["config"].get("device") == "cuda" and torch.cuda.device_count() > spec["rank"]
+    if on_gpu and spec["transport"] == "broadcast":  # NCCL: one GPU per rank
+        torch.cuda.set_device(spec["rank"])
     config_class = ckpt_engines.load_config_class(spec["transport"], WeightSyncConfig)
     transport = ckpt_engines.load(spec["transport"])(config_class(**spec["config"]))
     topology = Topology(tuple(spec["senders"]), tuple(spec["receivers"]))
@@ -31,7 +34,7 @@ def main(spec_path: str) -> None:
         for _ in spec["versions"]:
             received = []
             try:
-                for name, tensor in iterate_blocking(transport.receive()):
+                for name, tensor in transport.receive_blocking():
                     if spec["die_after"] is not None and len(received) == spec["die_after"]:
                         os._exit(17)
                     received.append((name, tensor.clone()))  # views: valid until next

@@ -31,3 +31,20 @@ def test_non_contiguous_tensors_are_sent_in_logical_order():
     tensor = torch.arange(12.0).reshape(3, 4).t()
     meta, data = tensor_to_bytes(tensor)
     assert torch.equal(tensor_from_bytes(meta, bytes(data)), tensor)
+
+
+def test_streams_that_reuse_one_buffer_are_copied_as_they_arrive():
+    """A transport may yield views of a buffer it overwrites for the next tensor."""
+    from drivetrain.rollout.weights import collect_weights
+
+    def reusing():
+        buffer = torch.zeros(3)
+        for value in (1.0, 2.0):
+            buffer.fill_(value)
+            yield f"w{int(value)}", buffer
+
+    for staged in (
+        collect_weights(reusing()),
+        stage_weights(reusing(), {"w1": (3,), "w2": (3,)}),
+    ):
+        assert [t.tolist() for _, t in staged] == [[1.0] * 3, [2.0] * 3]

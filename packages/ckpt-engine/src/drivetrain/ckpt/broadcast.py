@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -220,7 +220,7 @@ class BroadcastTransport(WeightTransport):
             if link.broken:
                 self._break()
 
-    def receive(self) -> AsyncIterator[NamedTensor]:
+    def receive_blocking(self) -> Iterator[NamedTensor]:
         self._require(TransportRole.RECEIVER)
         stream = receive_stream(
             _Receiver(self),
@@ -229,7 +229,10 @@ class BroadcastTransport(WeightTransport):
             timeout_s=self.config.timeout_s,
             on_stats=self._record,
         )
-        return iterate_in_thread(stream)
+        return stream
+
+    def receive(self) -> AsyncIterator[NamedTensor]:
+        return iterate_in_thread(self.receive_blocking())
 
     def _record(self, stats: SyncStats) -> None:
         self.last_stats = stats

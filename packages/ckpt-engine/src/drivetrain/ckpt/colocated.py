@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from multiprocessing import connection as mpc
 from multiprocessing.connection import Connection, Listener
 from typing import Any
@@ -54,7 +54,10 @@ class _Sender:
         replies: list[Any] = []
         by_conn = {conn: rank for rank, conn in self.conns.items()}
         while not done(replies):
-            ready = mpc.wait(list(by_conn), timeout=self.timeout)
+            # a receiver that already gave its final reply may close its end: not a failure
+            replied = {rank for rank, _ in replies}
+            waiting = [conn for conn, rank in by_conn.items() if rank not in replied]
+            ready = mpc.wait(waiting, timeout=self.timeout)
             if not ready:
                 self.broken = True
                 raise WeightSyncError(f"receivers sent nothing for {self.timeout:.0f} s")
@@ -201,7 +204,7 @@ class ColocatedTransport(WeightTransport):
             if link.broken:
                 self._close_conns()
 
-    def receive(self) -> AsyncIterator[NamedTensor]:
+    def receive_blocking(self) -> Iterator[NamedTensor]:
         if self.role is not TransportRole.RECEIVER or self.conn is None or self.shared is None:
             raise WeightSyncError("not connected as a receiver")
         link = _Receiver(self.shared.buffers, self.conn, self.config.timeout_s)
@@ -212,7 +215,10 @@ class ColocatedTransport(WeightTransport):
             timeout_s=self.config.timeout_s,
             on_stats=self._record,
         )
-        return iterate_in_thread(stream)
+        return stream
+
+    def receive(self) -> AsyncIterator[NamedTensor]:
+        return iterate_in_thread(self.receive_blocking())
 
     def _record(self, stats: SyncStats) -> None:
         self.last_stats = stats

@@ -28,10 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
-from drivetrain.api.atomic_dir import publish, remove_stale_staging, staging_path
+from drivetrain.api.atomic_dir import remove_stale_staging, staging_path
 from drivetrain.api.engine import NamedTensor
 from drivetrain.api.weight_sync import (
     SyncStats,
@@ -44,8 +42,9 @@ from drivetrain.ckpt.buckets import StreamDigest, byte_view
 from drivetrain.ckpt.config import DiskConfig
 from drivetrain.ckpt.devices import resolve_device
 from drivetrain.ckpt.pipeline import iterate_in_thread
+from drivetrain.ckpt.shard_files import aligned, read_shard, write_shard
 
-POLL_S = 0.02  # between looks at the directory; every wait also has a deadline
+POLL_S = 0.005  # between looks at the directory; every wait also has a deadline
 
 
 def _version_dir(root: Path, version: int) -> Path:
@@ -65,26 +64,6 @@ def _write_json(path: Path, data: Mapping[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:6]}.tmp")
     tmp.write_text(json.dumps(data))
     os.replace(tmp, path)
-
-
-def _shards(weights: Iterable[NamedTensor], limit: int) -> Iterator[dict[str, torch.Tensor]]:
-    shard: dict[str, torch.Tensor] = {}
-    size = 0
-    seen_storage: set[int] = set()
-    for name, tensor in weights:
-        nbytes = tensor.numel() * tensor.element_size()
-        if shard and size + nbytes > limit:
-            yield shard
-            shard, size, seen_storage = {}, 0, set()
-        tensor = tensor.detach().contiguous().cpu()
-        pointer = tensor.untyped_storage().data_ptr()
-        if pointer in seen_storage and tensor.numel():  # tied weights: safetensors refuses
-            tensor = tensor.clone()
-        seen_storage.add(tensor.untyped_storage().data_ptr())
-        shard[name] = tensor
-        size += nbytes
-    if shard:
-        yield shard
 
 
 class DiskTransport(WeightTransport):
@@ -125,6 +104,12 @@ class DiskTransport(WeightTransport):
         self.receivers = topology.receivers
         self.bucket_bytes = int(endpoint["bucket_bytes"])
         self.device = resolve_device(self.config.device)
+        # a handshake, as the other transports have: the sender learns at connect time that
+        # every receiver sees the directory, instead of at the first sync's timeout
+        if role is TransportRole.RECEIVER:
+            _write_json(root / "acks" / f"joined.rank{rank}.json", {"pid": os.getpid()})
+        else:
+            self._wait_for([root / "acks" / f"joined.rank{r}.json" for r in self.receivers], "join")
 
     # ---- sender ---------------------------------------------------------------------------
     async def send(self, weights: Iterable[NamedTensor], *, version: int) -> SyncStats:
@@ -142,7 +127,9 @@ class DiskTransport(WeightTransport):
         staging.mkdir()
         try:
             manifest = self._write(weights, staging, version)
-            publish(staging, target)
+            # atomic for readers (they see the whole version or none); no fsync: weights in
+            # flight need not survive a power loss, and ext4 would flush every shard for it
+            os.replace(staging, target)
         except BaseException as exc:
             shutil.rmtree(staging, ignore_errors=True)
             _write_json(self.root / f"v{version:08d}.aborted", {"reason": f"{exc}"})
@@ -161,19 +148,43 @@ class DiskTransport(WeightTransport):
         )
 
     def _write(self, weights: Iterable[NamedTensor], staging: Path, version: int) -> dict:
+        """Copy tensors into a bucket-sized buffer and write it as one shard whenever the next
+        tensor does not fit; a tensor larger than the buffer is written alone, straight from
+        its own memory."""
         digest = StreamDigest() if self.config.verify else None
+        buffer = torch.empty(self.bucket_bytes, dtype=torch.uint8)
         order: list[list[Any]] = []
-        total = 0
+        pending: list[tuple[str, torch.Tensor, int]] = []
+        used = total = 0
         shards = 0
-        for index, shard in enumerate(_shards(weights, self.bucket_bytes)):
-            file = f"shard-{index:05d}.safetensors"
-            save_file(shard, str(staging / file))
-            for name, tensor in shard.items():
-                order.append([name, file])
-                total += tensor.numel() * tensor.element_size()
-                if digest is not None:
-                    digest.update_tensor(name, tensor)
+
+        def flush(entries: list[tuple[str, torch.Tensor, int]], data: torch.Tensor) -> None:
+            nonlocal shards
+            file = f"shard-{shards:05d}.safetensors"
+            write_shard(staging / file, entries, data)
+            order.extend([name, file] for name, _, _ in entries)
             shards += 1
+
+        for name, tensor in weights:
+            data = byte_view(tensor.detach().to("cpu"))
+            if digest is not None:
+                digest.update_tensor(name, tensor)
+            total += data.numel()
+            if data.numel() > self.bucket_bytes:
+                if pending:  # keep the stream's order across shards
+                    flush(pending, buffer)
+                    pending, used = [], 0
+                flush([(name, tensor, 0)], data)
+                continue
+            offset = aligned(used) if used else 0
+            if offset + data.numel() > self.bucket_bytes:
+                flush(pending, buffer)
+                pending, offset = [], 0
+            buffer[offset : offset + data.numel()].copy_(data)
+            pending.append((name, tensor, offset))
+            used = offset + data.numel()
+        if pending:
+            flush(pending, buffer)
         manifest = {
             "version": version,
             "order": order,
@@ -185,24 +196,30 @@ class DiskTransport(WeightTransport):
         _write_json(staging / "manifest.json", manifest)
         return manifest
 
-    def _wait_for_acks(self, version: int) -> None:
-        assert self.root is not None
+    def _wait_for(self, paths: list[Path], what: str) -> None:
+        """Wait until every path exists (each receiver writes its own), or raise naming the
+        receivers that did not within ``timeout_s``."""
         deadline = time.monotonic() + self.config.timeout_s
-        pending = set(self.receivers)
-        verdicts: dict[int, dict] = {}
-        while pending:
-            for rank in sorted(pending):
-                path = self.root / "acks" / f"v{version:08d}.rank{rank}.json"
-                if path.is_file():
-                    verdicts[rank] = json.loads(path.read_text())
-                    pending.discard(rank)
-            if pending and time.monotonic() > deadline:
+        pending = dict(zip(paths, self.receivers, strict=True))
+        while True:
+            pending = {path: rank for path, rank in pending.items() if not path.is_file()}
+            if not pending:
+                return
+            if time.monotonic() > deadline:
                 raise WeightSyncError(
-                    f"receivers {sorted(pending)} did not confirm version {version} within "
+                    f"receivers {sorted(pending.values())} did not {what} within "
                     f"{self.config.timeout_s:.0f} s (dead, or not reading {self.root})"
                 )
-            if pending:
-                time.sleep(POLL_S)
+            time.sleep(POLL_S)
+
+    def _wait_for_acks(self, version: int) -> None:
+        assert self.root is not None
+        paths = [self.root / "acks" / f"v{version:08d}.rank{r}.json" for r in self.receivers]
+        self._wait_for(paths, f"confirm version {version}")
+        verdicts = {
+            rank: json.loads(path.read_text())
+            for path, rank in zip(paths, self.receivers, strict=True)
+        }
         rejected = {r: v["detail"] for r, v in verdicts.items() if not v["ok"]}
         if rejected:
             raise WeightSyncError(f"receivers rejected version {version}: {rejected}")
@@ -217,10 +234,13 @@ class DiskTransport(WeightTransport):
         remove_stale_staging(self.root)
 
     # ---- receiver -------------------------------------------------------------------------
-    def receive(self) -> AsyncIterator[NamedTensor]:
+    def receive_blocking(self) -> Iterator[NamedTensor]:
         if self.role is not TransportRole.RECEIVER or self.root is None:
             raise WeightSyncError("not connected as a receiver")
-        return iterate_in_thread(self._receive())
+        return self._receive()
+
+    def receive(self) -> AsyncIterator[NamedTensor]:
+        return iterate_in_thread(self.receive_blocking())
 
     def _next_version(self) -> int:
         assert self.root is not None
@@ -249,19 +269,17 @@ class DiskTransport(WeightTransport):
         manifest = json.loads((directory / "manifest.json").read_text())
         digest = StreamDigest() if self.config.verify else None
         total = 0
-        device = str(self.device)
-        handles: dict[str, Any] = {}
+        files: dict[str, list[str]] = {}
+        for name, file in manifest["order"]:
+            files.setdefault(file, []).append(name)
         try:
-            for name, file in manifest["order"]:
-                if file not in handles:
-                    handles.clear()  # shards are read in order: one open at a time
-                    handles[file] = safe_open(str(directory / file), framework="pt", device=device)
-                tensor = handles[file].get_tensor(name)
-                total += byte_view(tensor).numel()
-                if digest is not None:
-                    digest.update_tensor(name, tensor)
-                yield name, tensor
-        except (OSError, KeyError, RuntimeError) as exc:
+            for file, names in files.items():  # shards in order, each read once
+                for name, tensor in read_shard(directory / file, names, self.device):
+                    total += tensor.numel() * tensor.element_size()
+                    if digest is not None:
+                        digest.update_tensor(name, tensor)
+                    yield name, tensor
+        except (OSError, KeyError, RuntimeError, ValueError) as exc:
             self._ack(version, False, f"{type(exc).__name__}: {exc}")
             raise WeightSyncError(f"reading version {version} from {directory}: {exc}") from exc
         ours = digest.hexdigest() if digest is not None else None

@@ -4,6 +4,8 @@ CUDA IPC handles on a GPU."""
 from __future__ import annotations
 
 import contextlib
+import mmap
+import os
 from collections.abc import Mapping
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
@@ -13,12 +15,34 @@ import torch
 from drivetrain.api.weight_sync import WeightSyncError
 
 
+class _Mapping:
+    """A receiver's view of a segment the sender created: mapped from ``/dev/shm`` directly,
+    so no resource tracker (Python < 3.13 registers attached segments and would unlink them
+    at exit, or un-register the sender's own when both share a tracker) ever touches it."""
+
+    def __init__(self, name: str) -> None:
+        fd = os.open(f"/dev/shm/{name.lstrip('/')}", os.O_RDWR)
+        try:
+            self._mmap = mmap.mmap(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        self.buf = memoryview(self._mmap)
+        self.name = name
+
+    def close(self) -> None:
+        self.buf.release()
+        self._mmap.close()
+
+    def unlink(self) -> None:
+        raise RuntimeError("only the sender unlinks its segments")
+
+
 class SharedMemoryBuffers:
     """Named shared-memory segments viewed as ``uint8`` tensors."""
 
     kind = "shm"
 
-    def __init__(self, segments: list[shared_memory.SharedMemory], size: int) -> None:
+    def __init__(self, segments: list[Any], size: int) -> None:
         self.segments = segments
         self.buffers = [
             torch.frombuffer(seg.buf, dtype=torch.uint8, count=size) for seg in segments
@@ -42,11 +66,12 @@ class SharedMemoryBuffers:
 
     @classmethod
     def attach(cls, endpoint: Mapping[str, Any]) -> SharedMemoryBuffers:
-        segments = []
+        segments: list[Any] = []
         for name in endpoint["segments"]:
-            seg = shared_memory.SharedMemory(name=name)
-            # Python < 3.13 registers attached segments with this process's resource tracker,
-            # which would unlink them when this process exits; the sender owns them.
+            if os.path.isdir("/dev/shm"):
+                segments.append(_Mapping(name))
+                continue
+            seg = shared_memory.SharedMemory(name=name)  # other POSIX systems
             with contextlib.suppress(Exception):
                 resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
             segments.append(seg)

@@ -22,7 +22,6 @@ from drivetrain.api.weight_sync import (
     Topology,
     TransportRole,
     WeightSyncError,
-    iterate_blocking,
 )
 
 #: Parts of a rollout's accelerator memory that sleep/wake_up handle separately.
@@ -194,7 +193,7 @@ class Rollout(abc.ABC):
         if receiver is None:
             raise WeightSyncError("receive_weights before connect_weight_sync")
         receiver.last_stats = None
-        self.update_weights(iterate_blocking(receiver.receive()), version=version)
+        self.update_weights(receiver.receive_blocking(), version=version)
         if receiver.last_stats is None:
             raise WeightSyncError("the transport ended its stream without its statistics")
         return receiver.last_stats

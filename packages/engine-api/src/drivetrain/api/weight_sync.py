@@ -133,6 +133,12 @@ class WeightTransport(abc.ABC):
         :class:`WeightSyncError` before the end if the stream is incomplete or fails
         verification, so an all-or-nothing consumer applies nothing."""
 
+    def receive_blocking(self) -> Iterator[NamedTensor]:
+        """:meth:`receive` for synchronous consumers (a rollout's ``update_weights``), with the
+        same semantics. Transports whose receiving loop is blocking anyway override it to skip
+        the event loop (a thread hand-off per tensor)."""
+        return iterate_blocking(self.receive())
+
     @abc.abstractmethod
     def finalize(self) -> None:
         """Leave the group and free buffers; idempotent."""

@@ -11,12 +11,18 @@ import torch
 from drivetrain.api.engine import NamedTensor
 
 
+def collect_weights(weights: Iterable[NamedTensor]) -> list[tuple[str, torch.Tensor]]:
+    """The stream as a list, each tensor copied (to the CPU) as it arrives: a stream's tensors
+    may be views of the sender's reused buffers, valid only until the next one."""
+    return [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in weights]
+
+
 def stage_weights(
-    weights: Iterable[NamedTensor], expected: Mapping[str, tuple[int, ...]]
+    weights: Iterable[NamedTensor], expected: Mapping[str, tuple[int, ...]], *, copy: bool = True
 ) -> list[tuple[str, torch.Tensor]]:
     """Collect the stream, raising ``KeyError`` for a name not in ``expected`` and
     ``ValueError`` for a wrong shape. The tensors are copied (the contract lets the sender reuse
-    its buffers once the stream advances)."""
+    its buffers once the stream advances) unless ``copy=False`` says they already were."""
     staged = []
     for name, tensor in weights:
         if name not in expected:
@@ -27,7 +33,7 @@ def stage_weights(
                 f"weight {name!r} has shape {tuple(tensor.shape)}, the model has "
                 f"{tuple(expected[name])}"
             )
-        staged.append((name, tensor.detach().to("cpu", copy=True)))
+        staged.append((name, tensor.detach().to("cpu", copy=copy)))
     return staged
 
 

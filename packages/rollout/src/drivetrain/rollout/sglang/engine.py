@@ -46,7 +46,7 @@ from drivetrain.rollout.sglang.requests import (
     weight_buckets,
 )
 from drivetrain.rollout.weight_dirs import adapter_config, adapter_update, write_adapter
-from drivetrain.rollout.weights import stage_weights
+from drivetrain.rollout.weights import collect_weights, stage_weights
 
 NO_CUDA = "SGLang needs a CUDA GPU; on CPU use the hf or vllm rollout"
 
@@ -199,12 +199,12 @@ class SGLangEngine(Rollout):
     # ---- weights ------------------------------------------------------------------------
     def update_weights(self, weights: Iterable[NamedTensor], *, version: int) -> None:
         self._check_awake("update_weights")
-        items = list(weights)
+        items = collect_weights(weights)
         adapter = adapter_update(items, self.config.lora.enabled)
         if adapter is not None:
             self._load_adapter(list(adapter), version)
         else:
-            self._send(stage_weights(items, self._shapes))
+            self._send(stage_weights(items, self._shapes, copy=False))
             self._weights_discarded = False
         self._version = version
 

@@ -42,7 +42,7 @@ from drivetrain.rollout.weight_dirs import (
     write_adapter,
     write_weights_dir,
 )
-from drivetrain.rollout.weights import stage_weights
+from drivetrain.rollout.weights import collect_weights, stage_weights
 
 
 def _configure_environment(config: VLLMRolloutConfig) -> None:
@@ -181,12 +181,12 @@ class VLLMEngine(Rollout):
 
     # ---- weights ------------------------------------------------------------------------
     def update_weights(self, weights: Iterable[NamedTensor], *, version: int) -> None:
-        items = list(weights)
+        items = collect_weights(weights)
         adapter = adapter_update(items, self.config.lora.enabled)
         if adapter is not None:
             self._load_adapter(list(adapter), version)
         else:
-            staged = stage_weights(items, self._shapes)
+            staged = stage_weights(items, self._shapes, copy=False)
             if self.config.multiprocessing:
                 self._reload_from_directory(staged, version)
             else:
