@@ -60,28 +60,31 @@ def model_config(size: str):
     )
 
 
-def build_model(size: str, *, random: bool):
+def build_model(size: str, *, random: bool, device: str = "cpu"):
     from transformers import LlamaForCausalLM
 
     with torch.device("meta"):
         model = LlamaForCausalLM(model_config(size))
-    model = model.to_empty(device="cpu").to(torch.bfloat16)
+    model = model.to_empty(device=device).to(torch.bfloat16)
     if random:
         g = torch.Generator().manual_seed(0)
         with torch.no_grad():
             for param in model.parameters():
-                param.copy_(torch.randn(param.shape, generator=g, dtype=torch.bfloat16) * 0.02)
+                value = torch.randn(param.shape, generator=g, dtype=torch.bfloat16) * 0.02
+                param.copy_(value)
     return model
 
 
-def receiver(name: str, config: dict, endpoint: dict, size: str, repeats: int, out) -> None:
+def receiver(
+    name: str, config: dict, endpoint: dict, size: str, repeats: int, device: str, out
+) -> None:
     """The rollout side: receive every sync into a model of the same shape."""
     torch.set_num_threads(1)
     from drivetrain.api.config import WeightSyncConfig
     from drivetrain.api.registry import ckpt_engines
     from drivetrain.api.weight_sync import Topology, TransportRole
 
-    params = dict(build_model(size, random=False).state_dict())
+    params = dict(build_model(size, random=False, device=device).state_dict())
     config_cls = ckpt_engines.load_config_class(name, WeightSyncConfig)
     transport = ckpt_engines.load(name)(config_cls(**config))
     transport.connect(TransportRole.RECEIVER, 1, Topology.one_sender(1), endpoint)
@@ -98,13 +101,16 @@ def time_transport(name: str, model, size: str, repeats: int, bucket_bytes: int)
     from drivetrain.api.registry import ckpt_engines
     from drivetrain.api.weight_sync import Topology, TransportRole
 
-    config = {"bucket_bytes": bucket_bytes, "timeout_s": 600.0}
+    device = str(next(model.parameters()).device.type)
+    config = {"bucket_bytes": bucket_bytes, "timeout_s": 600.0, "device": device}
     config_cls = ckpt_engines.load_config_class(name, WeightSyncConfig)
     sender = ckpt_engines.load(name)(config_cls(**config))
     endpoint = sender.prepare()
     ctx = mp.get_context("spawn")
     done = ctx.Queue()
-    proc = ctx.Process(target=receiver, args=(name, config, dict(endpoint), size, repeats, done))
+    proc = ctx.Process(
+        target=receiver, args=(name, config, dict(endpoint), size, repeats, device, done)
+    )
     proc.start()
     try:
         sender.connect(TransportRole.SENDER, 0, Topology.one_sender(1), endpoint)
@@ -127,7 +133,8 @@ def time_naive(model, size: str, work: Path, repeats: int) -> list[float]:
     receiver's own parameters). In this process: the reload dominates either way."""
     from transformers import AutoModelForCausalLM
 
-    live = build_model(size, random=False)
+    device = next(model.parameters()).device
+    live = build_model(size, random=False, device=device.type)
     seconds = []
     for _ in range(repeats):
         directory = work / "naive"
@@ -137,19 +144,23 @@ def time_naive(model, size: str, work: Path, repeats: int) -> list[float]:
         torch.save(model.state_dict(), directory / "pytorch_model.bin")
         loaded = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)
         live.load_state_dict(loaded.state_dict())
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
         del loaded
         shutil.rmtree(directory)
     return seconds
 
 
-def memcpy_gb_per_s(nbytes: int = 1 << 30) -> float:
-    src = torch.ones(nbytes, dtype=torch.uint8)
+def memcpy_gb_per_s(nbytes: int = 1 << 30, device: str = "cpu") -> float:
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     best = float("inf")
     for _ in range(5):
         start = time.perf_counter()
         dst.copy_(src)
+        if src.is_cuda:
+            torch.cuda.synchronize()
         best = min(best, time.perf_counter() - start)
     return nbytes / best / 1e9
 
@@ -160,10 +171,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=6, help="runs per path, 2 of them warm-up")
     parser.add_argument("--bucket-mib", type=int, default=64)
     parser.add_argument("--transports", default=",".join(TRANSPORTS))
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU: no broadcast)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    memcpy = memcpy_gb_per_s()
-    print(f"memcpy (1 thread, 1 GiB): {memcpy:.2f} GB/s; buckets {args.bucket_mib} MiB")
+    memcpy = memcpy_gb_per_s(device=args.device)
+    print(f"memcpy ({args.device}, 1 GiB): {memcpy:.2f} GB/s; buckets {args.bucket_mib} MiB")
     rows, speedup, first, fraction = [], {}, {}, {}
     work = Path(tempfile.mkdtemp(prefix="drivetrain-bench-sync-"))
 
@@ -172,7 +184,7 @@ def main() -> None:
 
     try:
         for size in args.sizes.split(","):
-            model = build_model(size, random=True)
+            model = build_model(size, random=True, device=args.device)
             nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
             params = sum(p.numel() for p in model.parameters()) / 1e6
             naive = time_naive(model, size, work, args.repeats)

@@ -10,26 +10,22 @@ receiver holds and has checked the whole stream, and fails if one did not.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from drivetrain.api.engine import NamedTensor
 from drivetrain.api.weight_sync import (
-    SyncStats,
     Topology,
     TransportRole,
     WeightSyncError,
-    WeightTransport,
 )
 from drivetrain.ckpt import groups
+from drivetrain.ckpt.bucket_transport import BucketTransport
 from drivetrain.ckpt.config import BroadcastConfig
 from drivetrain.ckpt.devices import collective_backend, resolve_device
-from drivetrain.ckpt.pipeline import iterate_in_thread, receive_stream, send_stream
 
 BUCKET, END, ABORT = 1, 2, 3
 
@@ -142,7 +138,7 @@ class _Receiver:
             raise WeightSyncError(f"confirming the stream to the sender failed: {exc}") from exc
 
 
-class BroadcastTransport(WeightTransport):
+class BroadcastTransport(BucketTransport):
     config: BroadcastConfig
 
     def __init__(self, config: BroadcastConfig) -> None:
@@ -204,40 +200,15 @@ class BroadcastTransport(WeightTransport):
         if self.role is not role:
             raise WeightSyncError(f"this transport connected as {self.role}, not {role.value}")
 
-    async def send(self, weights: Iterable[NamedTensor], *, version: int) -> SyncStats:
+    def _sender_link(self) -> _Sender:
         self._require(TransportRole.SENDER)
-        link = _Sender(self)
-        try:
-            return await asyncio.to_thread(
-                send_stream,
-                link,
-                weights,
-                version=version,
-                device=self.device,
-                verify=self.config.verify,
-            )
-        finally:
-            if link.broken:
-                self._break()
+        return _Sender(self)
 
-    def receive_blocking(self) -> Iterator[NamedTensor]:
+    def _receiver_link(self) -> _Receiver:
         self._require(TransportRole.RECEIVER)
-        stream = receive_stream(
-            _Receiver(self),
-            device=self.device,
-            verify=self.config.verify,
-            timeout_s=self.config.timeout_s,
-            on_stats=self._record,
-        )
-        return stream
+        return _Receiver(self)
 
-    def receive(self) -> AsyncIterator[NamedTensor]:
-        return iterate_in_thread(self.receive_blocking())
-
-    def _record(self, stats: SyncStats) -> None:
-        self.last_stats = stats
-
-    def _break(self) -> None:
+    def _on_broken(self) -> None:
         """A failed collective leaves the group unusable: abort it so the other peers stop
         waiting, and require a new connect()."""
         groups.shut_down(self.group, abort=True)

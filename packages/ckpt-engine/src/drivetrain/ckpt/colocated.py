@@ -8,27 +8,23 @@ free again, while the sender already packs the next bucket into the other buffer
 
 from __future__ import annotations
 
-import asyncio
 import os
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from multiprocessing import connection as mpc
 from multiprocessing.connection import Connection, Listener
 from typing import Any
 
 import torch
 
-from drivetrain.api.engine import NamedTensor
 from drivetrain.api.weight_sync import (
-    SyncStats,
     Topology,
     TransportRole,
     WeightSyncError,
-    WeightTransport,
 )
 from drivetrain.ckpt import channel
+from drivetrain.ckpt.bucket_transport import BucketTransport
 from drivetrain.ckpt.config import ColocatedConfig
 from drivetrain.ckpt.devices import resolve_device
-from drivetrain.ckpt.pipeline import iterate_in_thread, receive_stream, send_stream
 from drivetrain.ckpt.shared_buffers import CudaIpcBuffers, SharedMemoryBuffers
 
 
@@ -119,7 +115,7 @@ class _Receiver:
         channel.send(self.conn, ("done", ok, detail), "the sender")
 
 
-class ColocatedTransport(WeightTransport):
+class ColocatedTransport(BucketTransport):
     config: ColocatedConfig
 
     def __init__(self, config: ColocatedConfig) -> None:
@@ -187,41 +183,18 @@ class ColocatedTransport(WeightTransport):
             self.conn = conn
         self.role = role
 
-    async def send(self, weights: Iterable[NamedTensor], *, version: int) -> SyncStats:
+    def _sender_link(self) -> _Sender:
         if self.role is not TransportRole.SENDER or not self.conns or self.shared is None:
             raise WeightSyncError("not connected as the sender (or a receiver failed: reconnect)")
-        link = _Sender(self.shared.buffers, self.conns, self.config.timeout_s)
-        try:
-            return await asyncio.to_thread(
-                send_stream,
-                link,
-                weights,
-                version=version,
-                device=self.device,
-                verify=self.config.verify,
-            )
-        finally:
-            if link.broken:
-                self._close_conns()
+        return _Sender(self.shared.buffers, self.conns, self.config.timeout_s)
 
-    def receive_blocking(self) -> Iterator[NamedTensor]:
+    def _receiver_link(self) -> _Receiver:
         if self.role is not TransportRole.RECEIVER or self.conn is None or self.shared is None:
             raise WeightSyncError("not connected as a receiver")
-        link = _Receiver(self.shared.buffers, self.conn, self.config.timeout_s)
-        stream = receive_stream(
-            link,
-            device=self.device,
-            verify=self.config.verify,
-            timeout_s=self.config.timeout_s,
-            on_stats=self._record,
-        )
-        return stream
+        return _Receiver(self.shared.buffers, self.conn, self.config.timeout_s)
 
-    def receive(self) -> AsyncIterator[NamedTensor]:
-        return iterate_in_thread(self.receive_blocking())
-
-    def _record(self, stats: SyncStats) -> None:
-        self.last_stats = stats
+    def _on_broken(self) -> None:
+        self._close_conns()
 
     def _close_conns(self) -> None:
         for conn in self.conns.values():

@@ -1,0 +1,65 @@
+"""The part of ``broadcast`` and ``colocated`` that is the same: send and receive over the
+bucket pipeline; each subclass says only how its links are made and what a broken one costs."""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from collections.abc import AsyncIterator, Iterable, Iterator
+
+import torch
+
+from drivetrain.api.engine import NamedTensor
+from drivetrain.api.weight_sync import SyncStats, WeightTransport
+from drivetrain.ckpt.pipeline import (
+    ReceiverLink,
+    SenderLink,
+    iterate_in_thread,
+    receive_stream,
+    send_stream,
+)
+
+
+class BucketTransport(WeightTransport):
+    device: torch.device = torch.device("cpu")
+
+    @abc.abstractmethod
+    def _sender_link(self) -> SenderLink:
+        """A link for one sync; raises :class:`WeightSyncError` when not connected to send."""
+
+    @abc.abstractmethod
+    def _receiver_link(self) -> ReceiverLink:
+        """A link for one sync; raises :class:`WeightSyncError` when not connected to receive."""
+
+    def _on_broken(self) -> None:
+        """Called after a sync whose link broke (a peer died): make the next use reconnect."""
+
+    async def send(self, weights: Iterable[NamedTensor], *, version: int) -> SyncStats:
+        link = self._sender_link()
+        try:
+            return await asyncio.to_thread(
+                send_stream,
+                link,
+                weights,
+                version=version,
+                device=self.device,
+                verify=self.config.verify,
+            )
+        finally:
+            if getattr(link, "broken", False):
+                self._on_broken()
+
+    def receive_blocking(self) -> Iterator[NamedTensor]:
+        return receive_stream(
+            self._receiver_link(),
+            device=self.device,
+            verify=self.config.verify,
+            timeout_s=self.config.timeout_s,
+            on_stats=self._record,
+        )
+
+    def receive(self) -> AsyncIterator[NamedTensor]:
+        return iterate_in_thread(self.receive_blocking())
+
+    def _record(self, stats: SyncStats) -> None:
+        self.last_stats = stats
