@@ -136,11 +136,11 @@ def test_receiver_dying_mid_sync_fails_the_sender_not_silently(tmp_path, name):
 
 
 @pytest.mark.parametrize("name", TRANSPORTS)
-def test_failing_source_aborts_every_receiver(tmp_path, name):
+def test_failing_source_aborts_every_receiver_and_the_next_sync_works(tmp_path, name):
     sender, config = make_transport(name)
     topology = Topology.one_sender(2)
     endpoint = sender.prepare()
-    receivers = Receivers(tmp_path, name, config, endpoint, topology, versions=[1])
+    receivers = Receivers(tmp_path, name, config, endpoint, topology, versions=[1, 2])
 
     def broken_export():
         yield from make_weights(1)[:10]
@@ -150,13 +150,17 @@ def test_failing_source_aborts_every_receiver(tmp_path, name):
         connect_sender(sender, endpoint, topology)
         with pytest.raises(WeightSyncError, match="export failed"):
             asyncio.run(sender.send(broken_export(), version=1))
+        # same connection, next step: nothing of the failed sync leaks into this one
+        stats = asyncio.run(sender.send(iter(make_weights(2)), version=2))
         results, codes = receivers.results()
     finally:
         receivers.kill()
         sender.finalize()
     assert codes == [0, 0]
+    assert stats.digest == digest_of(make_weights(2))
     for per_rank in results:
-        assert len(per_rank) == 1 and "export failed" in per_rank[0]["error"]
+        assert len(per_rank) == 2 and "export failed" in per_rank[0]["error"]
+        assert per_rank[1]["digest"] == stats.digest and per_rank[1]["version"] == 2
 
 
 @pytest.mark.parametrize("name", TRANSPORTS)

@@ -40,7 +40,10 @@ def main(spec_path: str) -> None:
                     received.append((name, tensor.clone()))  # views: valid until next
             except WeightSyncError as exc:
                 out.write(json.dumps({"error": str(exc)}) + "\n")
-                break
+                out.flush()
+                if spec["die_after"] is not None or "sender" not in str(exc):
+                    break  # the connection is gone; a sender-side abort leaves it usable
+                continue
             stats = transport.last_stats
             out.write(
                 json.dumps(

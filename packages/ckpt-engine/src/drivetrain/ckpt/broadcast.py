@@ -41,6 +41,7 @@ class _Sender:
         self.buffers = transport.buffers
         self.device = transport.device
         self.root = transport.root
+        self.timeout = transport.config.timeout_s
         self._pending: dict[int, list[Any]] = {}
         self._keep: dict[int, list[torch.Tensor]] = {}
         self.broken = False
@@ -56,7 +57,7 @@ class _Sender:
     def _wait_all(self, works: list[Any]) -> None:
         try:
             for work in works:
-                work.wait()
+                groups.wait(work, self.timeout)
         except Exception as exc:
             self.broken = True
             raise WeightSyncError(
@@ -76,7 +77,7 @@ class _Sender:
         self._wait_all(self._announce(END, summary, 0, -1))
         verdict = torch.zeros(1, dtype=torch.int64, device=self.device)
         try:
-            groups.all_reduce_max(self.group, verdict)
+            groups.all_reduce_max(self.group, verdict, self.timeout)
         except Exception as exc:
             self.broken = True
             raise WeightSyncError(f"a receiver did not confirm the stream: {exc}") from exc
@@ -99,12 +100,13 @@ class _Receiver:
         self.buffers = transport.buffers
         self.device = transport.device
         self.root = transport.root
+        self.timeout = transport.config.timeout_s
         self._free = [threading.Semaphore(1), threading.Semaphore(1)]
         self._index = 0
 
     def _receive(self, tensor: torch.Tensor) -> None:
         try:
-            groups.broadcast(self.group, tensor, self.root).wait()
+            groups.wait(groups.broadcast(self.group, tensor, self.root), self.timeout)
         except Exception as exc:
             raise WeightSyncError(f"broadcast from the sender failed: {exc}") from exc
 
@@ -130,10 +132,15 @@ class _Receiver:
     def release(self, index: int) -> None:
         self._free[index].release()
 
+    def close(self) -> None:
+        """The consumer left early: never leave the reader waiting for a free buffer."""
+        for free in self._free:
+            free.release()
+
     def confirm(self, ok: bool, detail: str) -> None:
         verdict = torch.tensor([0 if ok else 1], dtype=torch.int64).to(self.device)
         try:
-            groups.all_reduce_max(self.group, verdict)
+            groups.all_reduce_max(self.group, verdict, self.timeout)
         except Exception as exc:
             raise WeightSyncError(f"confirming the stream to the sender failed: {exc}") from exc
 
@@ -151,6 +158,7 @@ class BroadcastTransport(BucketTransport):
         self.root = 0
 
     def prepare(self) -> Mapping[str, Any]:
+        self.finalize()  # a second prepare (reconnecting) must not leak the first's group
         device = resolve_device(self.config.device)
         backend = collective_backend(device, self.config.backend)
         self._store = groups.master_store(self.config.host, self.config.port, self.config.timeout_s)
@@ -187,7 +195,8 @@ class BroadcastTransport(BucketTransport):
         self.group = groups.new_group(backend, store, rank, topology.world_size, timeout)
         self.root = topology.senders[0]
         try:  # everyone joined: the first sync does not pay for connection setup
-            groups.all_reduce_max(self.group, torch.zeros(1, dtype=torch.int64).to(self.device))
+            zero = torch.zeros(1, dtype=torch.int64).to(self.device)
+            groups.all_reduce_max(self.group, zero, timeout)
         except Exception as exc:
             raise WeightSyncError(f"joining the weight-sync group failed: {exc}") from exc
         size = int(endpoint["bucket_bytes"])  # the sender's size, whatever ours says

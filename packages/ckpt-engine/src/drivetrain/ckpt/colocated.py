@@ -34,6 +34,7 @@ class _Sender:
         self.conns = conns
         self.timeout = timeout
         self.outstanding: dict[int, set[int]] = {0: set(), 1: set()}
+        self.version = -1
         self.broken = False
 
     def _broadcast(self, message: Any) -> None:
@@ -65,12 +66,14 @@ class _Sender:
                     self.broken = True
                     raise WeightSyncError(f"receiver {rank} disconnected mid-sync") from exc
                 if message[0] == "free":
-                    self.outstanding[message[1]].discard(rank)
+                    if message[2] == self.version:  # a failed sync's late frees mean nothing
+                        self.outstanding[message[1]].discard(rank)
                 else:
                     replies.append((rank, message))
         return replies
 
     def post(self, index: int, header: dict[str, Any]) -> None:
+        self.version = header["version"]
         self.outstanding[index] = set(self.conns)
         self._broadcast(("bucket", index, header))
 
@@ -97,10 +100,12 @@ class _Receiver:
         self.buffers = buffers
         self.conn = conn
         self.timeout = timeout
+        self.versions: dict[int, int] = {}  # buffer -> the sync its current bucket belongs to
 
     def next(self) -> tuple[str, dict[str, Any], int]:
         message = channel.receive(self.conn, self.timeout, "the sender")
         if message[0] == "bucket":
+            self.versions[message[1]] = message[2]["version"]
             return "bucket", message[2], message[1]
         if message[0] == "end":
             return "end", message[1], -1
@@ -109,7 +114,7 @@ class _Receiver:
         raise WeightSyncError(f"unexpected message {message[0]!r} from the sender")
 
     def release(self, index: int) -> None:
-        channel.send(self.conn, ("free", index), "the sender")
+        channel.send(self.conn, ("free", index, self.versions[index]), "the sender")
 
     def confirm(self, ok: bool, detail: str) -> None:
         channel.send(self.conn, ("done", ok, detail), "the sender")
@@ -139,6 +144,7 @@ class ColocatedTransport(BucketTransport):
         )
 
     def prepare(self) -> Mapping[str, Any]:
+        self.finalize()  # a second prepare (reconnecting) must not leak the first's segments
         self.device = resolve_device(self.config.device)
         self.shared = self._new_buffers(self.device)
         self._owner = True

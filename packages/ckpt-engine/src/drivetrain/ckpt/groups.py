@@ -69,10 +69,17 @@ def broadcast(group: Any, tensor: torch.Tensor, root: int = 0) -> Any:
     return group.broadcast([tensor], options)
 
 
-def all_reduce_max(group: Any, tensor: torch.Tensor) -> None:
+def wait(work: Any, timeout_s: float) -> None:
+    """Block the calling thread until ``work`` is done or ``timeout_s`` passed (raising). NCCL's
+    plain ``wait()`` only orders the current stream after the collective; with a timeout it
+    blocks the CPU and aborts the communicator when it expires, as gloo does."""
+    work.wait(timedelta(seconds=timeout_s))
+
+
+def all_reduce_max(group: Any, tensor: torch.Tensor, timeout_s: float) -> None:
     options = dist.AllreduceOptions()
     options.reduceOp = dist.ReduceOp.MAX
-    group.allreduce([tensor], options).wait()
+    wait(group.allreduce([tensor], options), timeout_s)
 
 
 def shut_down(group: Any, *, abort: bool) -> None:

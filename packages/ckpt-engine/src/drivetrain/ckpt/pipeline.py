@@ -66,6 +66,7 @@ def send_stream(
     bucket_bytes = link.buffers[0].numel()
     in_flight = [False, False]
     index = num_tensors = num_buckets = total_bytes = 0
+    finishing = False
     try:
         for bucket in plan_buckets(weights, bucket_bytes):
             if in_flight[index]:
@@ -77,7 +78,8 @@ def send_stream(
             if digest is not None:
                 for piece in pieces:
                     digest.update(piece, buffer[piece.offset : piece.offset + piece.nbytes])
-            link.post(index, {"pieces": [p.to_wire() for p in pieces], "nbytes": used})
+            header = {"version": version, "pieces": [p.to_wire() for p in pieces], "nbytes": used}
+            link.post(index, header)
             in_flight[index] = True
             index ^= 1
             num_buckets += 1
@@ -93,12 +95,15 @@ def send_stream(
             "bytes": total_bytes,
             "digest": digest.hexdigest() if digest is not None else None,
         }
-        link.finish(summary)
+        finishing = True  # every bucket is out: a failure now is the receivers' verdict,
+        link.finish(summary)  # and an abort would only pair with their next sync's messages
     except WeightSyncError as exc:
-        link.abort(str(exc))
+        if not finishing:
+            link.abort(str(exc))
         raise
     except BaseException as exc:
-        link.abort(f"{type(exc).__name__}: {exc}")
+        if not finishing:
+            link.abort(f"{type(exc).__name__}: {exc}")
         if isinstance(exc, Exception):
             raise WeightSyncError(f"sending version {version} failed: {exc}") from exc
         raise
@@ -146,6 +151,7 @@ def receive_stream(
     rebuild = Reassembler(device)
     digest = StreamDigest() if verify else None
     num_buckets = total_bytes = 0
+    completed = False
     try:
         while True:
             try:
@@ -201,8 +207,13 @@ def receive_stream(
                 mine["digest"],
             )
         )
+        completed = True
     finally:
         stop.set()
+        if not completed:  # unblock and drop the reader: this stream is over either way
+            close = getattr(link, "close", None)
+            if close is not None:
+                close()
 
 
 async def iterate_in_thread(items: Iterator[NamedTensor]) -> AsyncIterator[NamedTensor]:

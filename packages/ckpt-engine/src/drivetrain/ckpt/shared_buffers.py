@@ -54,6 +54,9 @@ class SharedMemoryBuffers:
         try:
             for _ in (0, 1):
                 segments.append(shared_memory.SharedMemory(create=True, size=size))
+                # reserve the pages now: tmpfs only promises them, and a full /dev/shm would
+                # otherwise kill the first pack with SIGBUS instead of raising here
+                os.posix_fallocate(segments[-1]._fd, 0, size)  # type: ignore[attr-defined]
         except OSError as exc:
             for seg in segments:
                 seg.close()

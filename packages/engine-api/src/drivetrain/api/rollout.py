@@ -194,9 +194,12 @@ class Rollout(abc.ABC):
             raise WeightSyncError("receive_weights before connect_weight_sync")
         receiver.last_stats = None
         self.update_weights(receiver.receive_blocking(), version=version)
-        if receiver.last_stats is None:
+        stats = receiver.last_stats
+        if stats is None:
             raise WeightSyncError("the transport ended its stream without its statistics")
-        return receiver.last_stats
+        if stats.version != version:  # a receiver that fell a sync behind
+            raise WeightSyncError(f"expected weights version {version}, got {stats.version}")
+        return stats
 
     def disconnect_weight_sync(self) -> None:
         receiver = getattr(self, "_weight_receiver", None)

@@ -125,18 +125,29 @@ class WeightSyncManager:
         self.release_kv_cache = release_kv_cache
         self.reports: list[SyncReport] = []
 
-    async def _each(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    async def _each(
+        self, method: str, *args: Any, settle: bool = False, **kwargs: Any
+    ) -> list[Any]:
+        """Call ``method`` on every rollout at once. ``settle``: call it on all of them even if
+        some fail (clean-up), then raise the first failure."""
         calls = (asyncio.to_thread(getattr(r, method), *args, **kwargs) for r in self.rollouts)
-        return list(await asyncio.gather(*calls))
+        results = list(await asyncio.gather(*calls, return_exceptions=settle))
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            raise failures[0]
+        return results
 
     async def sync(self, version: int) -> SyncReport:
-        """One whole sync; raises :class:`WeightSyncError` (generation resumed, old weights
-        in use on every rollout that did not finish) if any side fails."""
+        """One whole sync; raises :class:`WeightSyncError` (generation resumed with its KV
+        cache, old weights in use on every rollout that did not finish) if any side fails."""
         phases: dict[str, float] = {}
         start = time.perf_counter()
-        aborted = sum(await self._each("pause_generation", abort=self.abort_inflight))
+        released = False
         try:
+            paused = await self._each("pause_generation", abort=self.abort_inflight)
+            aborted = sum(paused)
             if self.release_kv_cache:
+                released = True
                 await self._each("sleep", 1)
                 await self._each("wake_up", ("weights",))
             phases["pause"] = time.perf_counter() - start
@@ -144,10 +155,11 @@ class WeightSyncManager:
             sent, received = await self._transfer(version)
             phases["transfer"] = time.perf_counter() - start
             start = time.perf_counter()
-            if self.release_kv_cache:
-                await self._each("wake_up", ("kv_cache",))
         finally:
-            await self._each("resume_generation")
+            # whatever failed, every rollout serves again, with its KV cache
+            if released:
+                await self._each("wake_up", ("kv_cache",), settle=True)
+            await self._each("resume_generation", settle=True)
         phases["resume"] = time.perf_counter() - start
         report = SyncReport(version, sent, tuple(received), phases, aborted)
         self.reports.append(report)
