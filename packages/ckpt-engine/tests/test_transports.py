@@ -182,3 +182,44 @@ def test_cuda_device_without_cuda_is_refused():
     transport, _ = make_transport("broadcast", device="cuda")
     with pytest.raises(WeightSyncError, match="CUDA is not available"):
         transport.prepare()
+
+
+def test_disk_receiver_takes_versions_in_order_even_when_it_looks_late(tmp_path):
+    """A receiver that first looks after the sender aborted v1 *and* published v2 still
+    reports v1's abort for that sync, then receives v2 (found by CI under load)."""
+    import threading
+
+    from drivetrain.ckpt.config import DiskConfig
+    from drivetrain.ckpt.disk import DiskTransport
+
+    config = DiskConfig(
+        path=str(tmp_path), bucket_bytes=4096, timeout_s=20.0, device="cpu", verify=True
+    )
+    sender, receiver = DiskTransport(config), DiskTransport(config)
+    topology = Topology.one_sender(1)
+    endpoint = sender.prepare()
+    receiver.connect(TransportRole.RECEIVER, 1, topology, endpoint)
+    sender.connect(TransportRole.SENDER, 0, topology, endpoint)
+
+    def broken():
+        yield from make_weights(1)[:3]
+        raise RuntimeError("export failed")
+
+    with pytest.raises(WeightSyncError):
+        asyncio.run(sender.send(broken(), version=1))
+    sent = []
+    thread = threading.Thread(
+        target=lambda: sent.append(asyncio.run(sender.send(iter(make_weights(2)), version=2)))
+    )
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not list(tmp_path.glob("session-*/v00000002")):  # v2 is out before the receiver looks
+        assert time.monotonic() < deadline, "v2 was never published"
+        time.sleep(0.01)
+    with pytest.raises(WeightSyncError, match="aborted version 1"):
+        list(receiver.receive_blocking())
+    got = [(name, tensor.clone()) for name, tensor in receiver.receive_blocking()]
+    thread.join(timeout=20)
+    assert digest_of(got) == digest_of(make_weights(2)) == sent[0].digest
+    sender.finalize()
+    receiver.finalize()

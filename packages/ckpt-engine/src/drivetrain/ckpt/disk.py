@@ -243,18 +243,24 @@ class DiskTransport(WeightTransport):
         return iterate_in_thread(self.receive_blocking())
 
     def _next_version(self) -> int:
+        """The oldest version after the last one received, published or aborted (in order:
+        an aborted sync raises for its own receive, the next receive gets the next one)."""
         assert self.root is not None
         deadline = time.monotonic() + self.config.timeout_s
         while True:
-            newer = [v for v in _published(self.root) if v > self.seen]
-            if newer:
-                return newer[-1]
-            for marker in self.root.glob("v*.aborted"):
-                version = int(marker.name[1:9])
-                if version > self.seen:
-                    self.seen = version
-                    reason = json.loads(marker.read_text())["reason"]
-                    raise WeightSyncError(f"the sender aborted version {version}: {reason}")
+            aborted = {
+                int(marker.name[1:9]): marker
+                for marker in self.root.glob("v*.aborted")
+                if int(marker.name[1:9]) > self.seen
+            }
+            candidates = sorted({v for v in _published(self.root) if v > self.seen} | set(aborted))
+            if candidates:
+                version = candidates[0]
+                if version not in aborted:
+                    return version
+                self.seen = version
+                reason = json.loads(aborted[version].read_text())["reason"]
+                raise WeightSyncError(f"the sender aborted version {version}: {reason}")
             if time.monotonic() > deadline:
                 raise WeightSyncError(
                     f"no new weights in {self.root} for {self.config.timeout_s:.0f} s"
