@@ -35,13 +35,20 @@ def _meta_tensor(meta: Mapping[str, Any], device: torch.device) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
 
 
-class _Sender:
+class _Link:
+    """What both ends of one sync read from the connected transport."""
+
     def __init__(self, transport: BroadcastTransport) -> None:
         self.group = transport.group
         self.buffers = transport.buffers
         self.device = transport.device
         self.root = transport.root
         self.timeout = transport.config.timeout_s
+
+
+class _Sender(_Link):
+    def __init__(self, transport: BroadcastTransport) -> None:
+        super().__init__(transport)
         self._pending: dict[int, list[Any]] = {}
         self._keep: dict[int, list[torch.Tensor]] = {}
         self.broken = False
@@ -94,13 +101,9 @@ class _Sender:
             self.broken = True
 
 
-class _Receiver:
+class _Receiver(_Link):
     def __init__(self, transport: BroadcastTransport) -> None:
-        self.group = transport.group
-        self.buffers = transport.buffers
-        self.device = transport.device
-        self.root = transport.root
-        self.timeout = transport.config.timeout_s
+        super().__init__(transport)
         self._free = [threading.Semaphore(1), threading.Semaphore(1)]
         self._index = 0
 

@@ -117,9 +117,6 @@ def send_stream(
     )
 
 
-_END = object()
-
-
 def _read_ahead(link: ReceiverLink, out: queue.Queue[Any], stop: threading.Event) -> None:
     try:
         while not stop.is_set():
