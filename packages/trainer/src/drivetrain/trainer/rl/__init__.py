@@ -1,0 +1,2 @@
+"""Reinforcement learning from verifiable rewards: GRPO and PPO over any installed engine,
+rollout backend and weight-sync transport."""

@@ -1,0 +1,112 @@
+"""Advantage estimators, registered by name (``algorithm.advantage``).
+
+Every estimator takes an :class:`AdvantageInputs` of padded ``[B, T]`` tensors on the
+controller (the sequence's tokens, prompt then response; ``mask`` is 1 on response tokens) and
+returns ``(advantages, returns)``, both ``[B, T]`` and zero outside the mask. ``returns`` is
+what a critic regresses onto (estimators without a critic return the advantages).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from drivetrain.trainer.rl.registry import NamedRegistry
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    token_rewards: torch.Tensor  # [B, T]: the sequence reward on its last response token, minus
+    #                              the per-token KL penalty when the KL is in the reward
+    mask: torch.Tensor  # [B, T] float: response tokens
+    group_ids: Sequence[int]  # samples of the same prompt share an id
+    values: torch.Tensor | None = None  # [B, T] critic's V(state before token t); needs a critic
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_by_std: bool = True
+    eps: float = 1e-6
+
+
+Estimator = Callable[[AdvantageInputs], tuple[torch.Tensor, torch.Tensor]]
+ADVANTAGES: NamedRegistry[Estimator] = NamedRegistry("advantage estimator")
+#: Estimators that need ``values`` (the trainer then runs a critic).
+NEEDS_CRITIC = {"gae"}
+
+
+def _group_index(group_ids: Sequence[int]) -> torch.Tensor:
+    _, index = torch.unique(torch.as_tensor(list(group_ids)), return_inverse=True)
+    return index
+
+
+def _group_mean_std(scores: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per-sample mean and (unbiased) std of its group; a group of one has mean 0, std 1."""
+    groups = int(index.max()) + 1 if len(index) else 0
+    count = torch.zeros(groups, dtype=scores.dtype).index_add(0, index, torch.ones_like(scores))
+    total = torch.zeros(groups, dtype=scores.dtype).index_add(0, index, scores)
+    mean = total / count
+    sq = torch.zeros(groups, dtype=scores.dtype).index_add(0, index, (scores - mean[index]) ** 2)
+    std = (sq / (count - 1).clamp(min=1)).sqrt()
+    single = count[index] < 2
+    return (
+        torch.where(single, torch.zeros_like(scores), mean[index]),
+        torch.where(single, torch.ones_like(scores), std[index]),
+    )
+
+
+@ADVANTAGES.register("grpo")
+def grpo_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-relative: ``(score - mean of the prompt's samples) / (std + eps)`` (the division
+    only with ``norm_by_std``), the same value on every response token."""
+    scores = (inputs.token_rewards * inputs.mask).sum(dim=-1)
+    mean, std = _group_mean_std(scores, _group_index(inputs.group_ids))
+    adv = scores - mean
+    if inputs.norm_by_std:
+        adv = adv / (std + inputs.eps)
+    adv = adv[:, None] * inputs.mask
+    return adv, adv
+
+
+@ADVANTAGES.register("rloo")
+def rloo_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE leave-one-out: ``score - mean of the *other* samples of the prompt``."""
+    scores = (inputs.token_rewards * inputs.mask).sum(dim=-1)
+    index = _group_index(inputs.group_ids)
+    groups = int(index.max()) + 1
+    count = torch.zeros(groups, dtype=scores.dtype).index_add(0, index, torch.ones_like(scores))
+    total = torch.zeros(groups, dtype=scores.dtype).index_add(0, index, scores)
+    n = count[index]
+    others = torch.where(n > 1, (total[index] - scores) / (n - 1).clamp(min=1), scores)
+    adv = (scores - others)[:, None] * inputs.mask
+    return adv, adv
+
+
+@ADVANTAGES.register("gae")
+def gae_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over response tokens:
+    ``δ_t = r_t + γ V_{t+1} - V_t``, ``A_t = δ_t + γλ A_{t+1}``, returns ``A + V``; advantages
+    whitened over the batch's response tokens (PPO's usual normalisation)."""
+    if inputs.values is None:
+        raise ValueError("GAE needs the critic's values")
+    mask = inputs.mask
+    values = inputs.values * mask
+    rewards = inputs.token_rewards * mask
+    last = torch.zeros(values.shape[0], dtype=values.dtype)
+    adv = torch.zeros_like(values)
+    for t in reversed(range(values.shape[1])):
+        next_value = values[:, t + 1] if t + 1 < values.shape[1] else torch.zeros_like(last)
+        delta = rewards[:, t] + inputs.gamma * next_value - values[:, t]
+        last = delta + inputs.gamma * inputs.lam * last
+        # a prompt or padding position passes nothing back (its mask is 0)
+        last = last * mask[:, t]
+        adv[:, t] = last
+    returns = (adv + values) * mask
+    return masked_whiten(adv, mask), returns
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    n = mask.sum()
+    mean = (values * mask).sum() / n
+    var = (((values - mean) * mask) ** 2).sum() / (n - 1).clamp(min=1)
+    return (values - mean) * torch.rsqrt(var + eps) * mask

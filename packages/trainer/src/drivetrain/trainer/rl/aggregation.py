@@ -1,0 +1,54 @@
+"""How per-token losses become one number, normalised by the *global* counts of the
+mini-batch (all micro-batches, all data-parallel ranks) so the result does not depend on how
+an engine cut it into micro-batches.
+
+- ``token-mean``: every response token weighs the same (long answers weigh more);
+- ``seq-mean-token-sum``: sum over a sequence's tokens, mean over sequences (Dr. GRPO's
+  unbiased form when paired with a fixed length normaliser);
+- ``seq-mean-token-mean``: mean within a sequence, then mean over sequences (the original
+  GRPO paper).
+
+Token tensors are either padded ``[b, T]`` or packed ``[tokens]`` (then ``seq_lens`` says where
+each sequence ends).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+
+
+def sequence_sums(values: torch.Tensor, seq_lens: Sequence[int]) -> torch.Tensor:
+    """Per-sequence sums of a padded ``[b, T]`` or packed ``[tokens]`` tensor."""
+    if values.dim() == 2:
+        return values.sum(dim=-1)
+    lengths = torch.as_tensor(list(seq_lens), device=values.device)
+    ids = torch.repeat_interleave(torch.arange(len(lengths), device=values.device), lengths)
+    return torch.zeros(len(lengths), dtype=values.dtype, device=values.device).index_add(
+        0, ids, values
+    )
+
+
+def aggregate(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    *,
+    seq_lens: Sequence[int],
+    global_tokens: int,
+    global_sequences: int,
+) -> torch.Tensor:
+    """This micro-batch's share of the mini-batch loss (shares sum to the mini-batch value)."""
+    masked = per_token * mask
+    if mode == "token-mean":
+        return masked.sum() / max(global_tokens, 1)
+    sums = sequence_sums(masked, seq_lens)
+    if mode == "seq-mean-token-sum":
+        return sums.sum() / max(global_sequences, 1)
+    if mode == "seq-mean-token-mean":
+        counts = sequence_sums(mask, seq_lens).clamp(min=1)
+        return (sums / counts).sum() / max(global_sequences, 1)
+    raise ValueError(f"unknown loss aggregation {mode!r}; known: {', '.join(AGGREGATIONS)}")

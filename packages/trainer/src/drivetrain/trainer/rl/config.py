@@ -1,0 +1,201 @@
+"""The RL job's configuration (``drivetrain grpo`` / ``drivetrain ppo``).
+
+Like SFT's, the chosen plugins' own config classes are plugged in at load time
+(:func:`rl_config_type`): ``actor`` and ``critic`` get their engines' classes, ``rollout`` the
+rollout backend's, ``weight_sync`` the transport's, so every knob is reachable with dotted
+overrides (``actor.optim.lr=1e-6 rollout.max_batch_size=128``) and unknown keys are errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from drivetrain.api.config import (
+    EngineConfig,
+    MicroBatchConfig,
+    ModelConfig,
+    OptimConfig,
+    RolloutConfig,
+    WeightSyncConfig,
+)
+from drivetrain.api.errors import ConfigError
+from drivetrain.trainer.rl.aggregation import AGGREGATIONS
+from drivetrain.trainer.rl.kl import KL_ESTIMATORS
+from drivetrain.trainer.sft_config import LoggingConfig, WorkersConfig
+
+REFERENCE_MODES = ("auto", "none", "engine", "adapter")
+
+
+@dataclass(frozen=True)
+class RLDataConfig:
+    train_path: str = ""
+    val_path: str = ""  # greedy validation reward before and after training (and every N)
+    tokenizer_path: str = ""  # empty: the actor model's directory
+    prompt_key: str = "prompt"
+    messages_key: str = "messages"
+    answer_key: str = "answer"
+    max_prompt_length: int = 512
+    val_size: int = 0  # 0: every validation row
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the rollout samples during training (validation is greedy)."""
+
+    n: int = 8  # samples per prompt (GRPO's group size)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    advantage: str = "grpo"  # grpo | rloo | gae (needs the critic) | a registered name
+    norm_by_std: bool = True  # GRPO: divide by the group's std (False: Dr. GRPO)
+    gamma: float = 1.0
+    lam: float = 1.0
+    policy_loss: str = "vanilla"  # vanilla (PPO clip, dual-clip) | reinforce | gspo | registered
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float = 3.0  # 0 disables
+    value_clip: float = 0.5  # critic
+    entropy_coef: float = 0.0
+    aggregation: str = "token-mean"
+    kl_coef: float = 0.0  # 0: no reference model is needed
+    kl_in_reward: bool = False  # True: PPO-style penalty in the reward; False: a loss term
+    kl_estimator: str = "k3"
+    ppo_epochs: int = 1
+    mini_batch_size: int = 0  # samples per optimizer step; 0: the whole step's batch
+    plugins: tuple[str, ...] = ()  # modules imported first (they register estimators/losses)
+
+    def __post_init__(self) -> None:
+        if self.aggregation not in AGGREGATIONS:
+            raise ConfigError(
+                f"algorithm.aggregation={self.aggregation!r} is not one of {AGGREGATIONS}"
+            )
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ConfigError(
+                f"algorithm.kl_estimator={self.kl_estimator!r} is not one of {KL_ESTIMATORS}"
+            )
+        if self.ppo_epochs < 1 or self.mini_batch_size < 0:
+            raise ConfigError("algorithm.ppo_epochs must be >= 1, mini_batch_size >= 0")
+        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
+            raise ConfigError("algorithm.clip_low must be in [0, 1), clip_high >= 0")
+        if self.dual_clip and self.dual_clip <= 1:
+            raise ConfigError(f"algorithm.dual_clip={self.dual_clip} must be > 1 (or 0: off)")
+
+
+@dataclass(frozen=True)
+class ReferenceConfig:
+    """``auto``: none when ``algorithm.kl_coef == 0``; the actor with its LoRA adapter disabled
+    when the actor trains LoRA; else a frozen engine (the actor's backend and config)."""
+
+    mode: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.mode not in REFERENCE_MODES:
+            raise ConfigError(f"reference.mode={self.mode!r} is not one of {REFERENCE_MODES}")
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    functions: tuple[str, ...] = ("exact_match",)  # names or module:function paths
+    weights: tuple[float, ...] = ()  # default 1 each
+    model_path: str = ""  # a reward model (value-head engine, critic's backend) adds its score
+
+
+@dataclass(frozen=True)
+class RLRunConfig:
+    output_dir: str = "runs/grpo"
+    steps: int = 20
+    prompts_per_step: int = 16
+    eval_every: int = 0  # validation every N steps (0: before and after only)
+    save_every: int = 0  # checkpoint every N steps (0: at the end only)
+    keep_last: int = 2
+    export_hf: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "prompts_per_step", "keep_last"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"run.{name}={getattr(self, name)} must be >= 1")
+        for name in ("eval_every", "save_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"run.{name}={getattr(self, name)} must be >= 0")
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """Where roles run. ``inprocess``: everything in this process (one actor rank);
+    ``colocated``: Ray, rollout replicas share the actor ranks' devices (the rollout sleeps
+    while the actor trains; ``colocated`` weight sync); ``separate``: Ray, rollouts on their own
+    pool (``broadcast`` sync). ``auto``: inprocess for one rank, else colocated."""
+
+    mode: str = "auto"
+    rollout_workers: int = 1
+    rollout_cpus: float = 1.0  # separate pool: per rollout replica
+    rollout_gpus: float = -1.0  # separate pool: -1 = one when the cluster has GPUs
+    colocated_share: float = 0.5  # colocated: fraction of a rank's bundle the rollout takes
+
+    def __post_init__(self) -> None:
+        modes = ("auto", "inprocess", "colocated", "separate")
+        if self.mode not in modes:
+            raise ConfigError(f"placement.mode={self.mode!r} is not one of {modes}")
+        if self.rollout_workers < 1:
+            raise ConfigError("placement.rollout_workers must be >= 1")
+        if not 0 < self.colocated_share < 1:
+            raise ConfigError("placement.colocated_share must be in (0, 1)")
+
+
+def _engine_default(lr: float) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(),
+        optim=OptimConfig(lr=lr, weight_decay=0.0),
+        micro_batch=MicroBatchConfig(max_tokens=8192),
+    )
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    actor: EngineConfig = field(default_factory=lambda: _engine_default(1e-6))
+    critic: EngineConfig = field(default_factory=lambda: _engine_default(1e-5))
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    data: RLDataConfig = field(default_factory=RLDataConfig)
+    run: RLRunConfig = field(default_factory=RLRunConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    workers: WorkersConfig = field(default_factory=WorkersConfig)  # the actor's ranks
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    seed: int = 0
+
+
+def _plugged(cls: type, base_default: Any) -> Any:
+    shared = {f.name: getattr(base_default, f.name) for f in dataclasses.fields(base_default)}
+    return field(default_factory=lambda: cls(**shared))
+
+
+def rl_config_type(
+    actor: type[EngineConfig],
+    critic: type[EngineConfig],
+    rollout: type[RolloutConfig],
+    weight_sync: type[WeightSyncConfig],
+) -> type[RLConfig]:
+    """``RLConfig`` whose role sections have the chosen plugins' config classes (keeping the RL
+    defaults above for the fields the base classes share)."""
+    return dataclasses.make_dataclass(
+        f"RLConfig[{actor.__name__},{rollout.__name__}]",
+        [
+            ("actor", actor, _plugged(actor, _engine_default(1e-6))),
+            ("critic", critic, _plugged(critic, _engine_default(1e-5))),
+            ("rollout", rollout, field(default_factory=rollout)),
+            ("weight_sync", weight_sync, field(default_factory=weight_sync)),
+        ],
+        bases=(RLConfig,),
+        frozen=True,
+    )

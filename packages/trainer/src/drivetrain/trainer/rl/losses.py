@@ -1,0 +1,142 @@
+"""The actor's and the critic's loss functions, as picklable objects handed to every engine
+rank (``engine.forward_backward(batch, loss, outputs=...)``): Ray workers receive them with
+the mini-batch.
+
+Metrics are returned as each micro-batch's share of the mini-batch mean (divided by the
+global counts), so the engine's sum over micro-batches and ranks is the mini-batch value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from drivetrain.api import Batch, LossContext, OutputSpec
+from drivetrain.api.columns import (
+    ADVANTAGES,
+    ENTROPY,
+    LOG_PROBS,
+    LOSS_MASK,
+    OLD_LOG_PROBS,
+    REF_LOG_PROBS,
+    RETURNS,
+    VALUES,
+)
+from drivetrain.trainer.rl.aggregation import aggregate
+from drivetrain.trainer.rl.kl import kl_penalty
+from drivetrain.trainer.rl.policy_losses import POLICY_LOSSES, ClipConfig, PolicyLossInputs
+
+OLD_VALUES = "old_values"  # the critic's values before this update (value clipping)
+
+
+def state_values(values: torch.Tensor) -> torch.Tensor:
+    """``V(tokens < t)`` at every position ``t``: a value head's output at ``t`` has seen token
+    ``t``, so the value of the state that *chose* token ``t`` is the output at ``t - 1``. The
+    shift crosses into the previous sequence only at a sequence's first token, which is a
+    prompt token and never in the loss."""
+    shifted = torch.roll(values, 1, dims=-1)
+    shifted[..., 0] = 0.0
+    return shifted
+
+
+@dataclass(frozen=True)
+class ActorLoss:
+    policy_loss: str = "vanilla"
+    clip: ClipConfig = field(default_factory=ClipConfig)
+    aggregation: str = "token-mean"
+    entropy_coef: float = 0.0
+    kl_loss_coef: float = 0.0  # KL as a loss term (GRPO's); needs ref_log_probs
+    kl_estimator: str = "k3"
+    temperature: float = 1.0
+
+    @property
+    def outputs(self) -> OutputSpec:
+        return OutputSpec(
+            log_probs=True, entropy=self.entropy_coef != 0.0, temperature=self.temperature
+        )
+
+    def __call__(
+        self, outputs: Mapping[str, Any], mb: Batch, ctx: LossContext
+    ) -> tuple[torch.Tensor, Mapping[str, Any]]:
+        log_probs = outputs[LOG_PROBS]
+        mask = mb[LOSS_MASK].to(log_probs.dtype)
+
+        def agg(per_token: torch.Tensor, mode: str | None = None) -> torch.Tensor:
+            return aggregate(
+                per_token,
+                mask,
+                mode or self.aggregation,
+                seq_lens=mb.seq_lens,
+                global_tokens=ctx.global_tokens,
+                global_sequences=ctx.global_sequences,
+            )
+
+        inputs = PolicyLossInputs(
+            log_probs=log_probs,
+            old_log_probs=mb[OLD_LOG_PROBS].to(log_probs.dtype),
+            advantages=mb[ADVANTAGES].to(log_probs.dtype),
+            mask=mask,
+            seq_lens=mb.seq_lens,
+        )
+        per_token, indicators = POLICY_LOSSES.get(self.policy_loss)(inputs, self.clip)
+        policy = agg(per_token)
+        loss = policy
+        metrics: dict[str, Any] = {"actor/pg_loss": policy.detach()}
+        for name, value in indicators.items():
+            metrics[f"actor/{name}"] = agg(value.detach(), "token-mean")
+        approx_kl = (inputs.old_log_probs - log_probs.detach()) * mask
+        metrics["actor/ppo_kl"] = agg(approx_kl, "token-mean")
+        if self.entropy_coef != 0.0:
+            entropy = agg(outputs[ENTROPY])
+            loss = loss - self.entropy_coef * entropy
+            metrics["actor/entropy"] = entropy.detach()
+        if self.kl_loss_coef != 0.0:
+            ref = mb[REF_LOG_PROBS].to(log_probs.dtype)
+            kl = agg(kl_penalty(log_probs, ref, self.kl_estimator))
+            loss = loss + self.kl_loss_coef * kl
+            metrics["actor/kl_loss"] = kl.detach()
+        return loss, metrics
+
+
+@dataclass(frozen=True)
+class CriticLoss:
+    """Clipped value loss ``½ max((V - R)², (V_old + clip(V - V_old, ±ε) - R)²)``."""
+
+    clip_range: float = 0.5  # 0 disables value clipping
+    aggregation: str = "token-mean"
+
+    @property
+    def outputs(self) -> OutputSpec:
+        return OutputSpec(log_probs=False, values=True)
+
+    def __call__(
+        self, outputs: Mapping[str, Any], mb: Batch, ctx: LossContext
+    ) -> tuple[torch.Tensor, Mapping[str, Any]]:
+        values = state_values(outputs[VALUES])
+        mask = mb[LOSS_MASK].to(values.dtype)
+        returns = mb[RETURNS].to(values.dtype)
+        loss = (values - returns).square()
+        if self.clip_range > 0:
+            old = mb[OLD_VALUES].to(values.dtype)
+            clipped = old + (values - old).clamp(-self.clip_range, self.clip_range)
+            loss = torch.maximum(loss, (clipped - returns).square())
+        loss = 0.5 * loss
+
+        def agg(per_token: torch.Tensor, mode: str) -> torch.Tensor:
+            return aggregate(
+                per_token,
+                mask,
+                mode,
+                seq_lens=mb.seq_lens,
+                global_tokens=ctx.global_tokens,
+                global_sequences=ctx.global_sequences,
+            )
+
+        value_loss = agg(loss, self.aggregation)
+        return value_loss, {
+            "critic/value_loss": value_loss.detach(),
+            "critic/values_mean": agg(values.detach(), "token-mean"),
+        }

@@ -1,0 +1,91 @@
+"""Policy-gradient losses, registered by name (``algorithm.policy_loss``).
+
+Each takes :class:`PolicyLossInputs` (per-token tensors of one micro-batch, padded ``[b, T]`` or
+packed ``[tokens]``) and :class:`ClipConfig`, and returns the per-token loss and per-token
+indicator metrics (e.g. ``clip_frac``); the actor loss aggregates both over the mini-batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from drivetrain.trainer.rl.aggregation import sequence_sums
+from drivetrain.trainer.rl.registry import NamedRegistry
+
+
+@dataclass(frozen=True)
+class ClipConfig:
+    clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
+    clip_high: float = 0.2  # > clip_low: DAPO's "clip-higher"
+    dual_clip: float = 3.0  # dual-clip bound c for negative advantages (> 1); 0 disables
+
+
+@dataclass(frozen=True)
+class PolicyLossInputs:
+    log_probs: torch.Tensor  # current policy, with gradient
+    old_log_probs: torch.Tensor  # the policy that sampled (recomputed by the actor)
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    seq_lens: Sequence[int]
+
+
+PolicyLossResult = tuple[torch.Tensor, Mapping[str, torch.Tensor]]
+PolicyLoss = Callable[[PolicyLossInputs, ClipConfig], PolicyLossResult]
+POLICY_LOSSES: NamedRegistry[PolicyLoss] = NamedRegistry("policy loss")
+
+
+def _clipped_surrogate(
+    ratio: torch.Tensor, adv: torch.Tensor, clip: ClipConfig
+) -> PolicyLossResult:
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip.clip_low, 1.0 + clip.clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    metrics = {"clip_frac": (clipped > unclipped).float()}
+    if clip.dual_clip > 0:
+        # a negative advantage with a huge ratio would push without bound: cap at -A·c
+        bound = -adv * clip.dual_clip
+        dual = torch.minimum(loss, bound)
+        metrics["dual_clip_frac"] = ((adv < 0) & (loss > bound)).float()
+        loss = torch.where(adv < 0, dual, loss)
+    return loss, metrics
+
+
+@POLICY_LOSSES.register("vanilla")
+def ppo_clip_loss(inputs: PolicyLossInputs, clip: ClipConfig) -> PolicyLossResult:
+    """PPO's clipped surrogate per token, with dual-clip for negative advantages."""
+    log_ratio = (inputs.log_probs - inputs.old_log_probs).clamp(-20.0, 20.0)
+    return _clipped_surrogate(log_ratio.exp(), inputs.advantages, clip)
+
+
+@POLICY_LOSSES.register("reinforce")
+def reinforce_loss(inputs: PolicyLossInputs, clip: ClipConfig) -> PolicyLossResult:
+    """Plain policy gradient ``-A · ratio`` (on-policy its gradient is ``-A ∇log π``)."""
+    ratio = (inputs.log_probs - inputs.old_log_probs).clamp(-20.0, 20.0).exp()
+    return -inputs.advantages * ratio, {}
+
+
+@POLICY_LOSSES.register("gspo")
+def gspo_loss(inputs: PolicyLossInputs, clip: ClipConfig) -> PolicyLossResult:
+    """GSPO: one importance ratio per sequence, ``exp(mean_t log π/π_old)``, clipped like
+    PPO's; each token carries the sequence ratio with its own gradient path
+    (``s_i · π_t / sg(π_t)``). Use small clip ranges (the paper: 3e-4 / 4e-4)."""
+    mask = inputs.mask
+    delta = (inputs.log_probs - inputs.old_log_probs) * mask
+    lengths = sequence_sums(mask, inputs.seq_lens).clamp(min=1)
+    seq_log_ratio = sequence_sums(delta, inputs.seq_lens) / lengths
+    per_seq = _expand(seq_log_ratio.detach(), inputs.log_probs, inputs.seq_lens)
+    token_log_ratio = per_seq + inputs.log_probs - inputs.log_probs.detach()
+    ratio = token_log_ratio.clamp(max=10.0).exp()
+    return _clipped_surrogate(
+        ratio, inputs.advantages, ClipConfig(clip.clip_low, clip.clip_high, 0)
+    )
+
+
+def _expand(per_seq: torch.Tensor, like: torch.Tensor, seq_lens: Sequence[int]) -> torch.Tensor:
+    if like.dim() == 2:
+        return per_seq[:, None].expand_as(like)
+    lengths = torch.as_tensor(list(seq_lens), device=like.device)
+    return torch.repeat_interleave(per_seq, lengths)
