@@ -142,7 +142,7 @@ def test_aggregation_shares_sum_over_micro_batches() -> None:
             seq_lens=[2],
             global_tokens=5,
             global_sequences=3,
-        )  # fmt: skip
+        )
         for i in range(3)
     )
     assert float(parts) == pytest.approx(float(whole))

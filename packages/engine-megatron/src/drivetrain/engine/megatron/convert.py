@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
@@ -349,25 +349,42 @@ class _Stages:
         return tensors
 
 
-def _params(chunk: Any) -> dict[str, torch.Tensor]:
+def _params(chunk: Any) -> Mapping[str, torch.Tensor]:
     return {name: p.detach() for name, p in chunk.named_parameters()}
+
+
+class _Prefixed:
+    """The parameters under ``prefix`` (one layer), read from ``params`` only when asked for:
+    a reader that gathers shards (Megatron-FSDP) materialises one tensor at a time."""
+
+    def __init__(self, params: Mapping[str, torch.Tensor], prefix: str) -> None:
+        self.params, self.prefix = params, prefix
+
+    def __getitem__(self, suffix: str) -> torch.Tensor:
+        return self.params[self.prefix + suffix]
 
 
 @torch.no_grad()
 def export_hf_weights(
-    models: list[Any], hf_config: Any, tcfg: Any
+    models: list[Any],
+    hf_config: Any,
+    tcfg: Any,
+    *,
+    read_params: Callable[[Any], Mapping[str, torch.Tensor]] = _params,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named full tensors (``model.state_dict()`` keys), on every rank, in the same order.
 
     Every rank must consume the whole stream: each item may involve TP and PP collectives.
     Tied embeddings yield no ``lm_head.weight``; a value head yields ``score.weight``/``.bias``
-    instead of ``lm_head.weight``."""
+    instead of ``lm_head.weight``. ``read_params(chunk)``: the chunk's tensor-parallel
+    parameters by name; each is looked up once, when needed, in the same order on every rank
+    of a pipeline stage (a reader may gather data-parallel shards on lookup)."""
     models = [_unwrap(model) for model in models]
     s = _shape(hf_config, tcfg)
     stages = _Stages(tcfg)
     dtype = tcfg.params_dtype
     device = next(models[0].parameters()).device
-    chunks = [_params(chunk) for chunk in models]
+    chunks = [read_params(chunk) for chunk in models]
     first, last = chunks[0], chunks[-1]
 
     def vocab(name: str, owner: int, local: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -383,11 +400,7 @@ def export_hf_weights(
         rank, chunk, local = stages.owner[layer]
         mine = rank == stages.pp_rank
         prefix = f"decoder.layers.{local}."
-        params = (
-            {k[len(prefix) :]: v for k, v in chunks[chunk].items() if k.startswith(prefix)}
-            if mine
-            else None
-        )
+        params = _Prefixed(chunks[chunk], prefix) if mine else None
 
         def rule_items(rules: list[_Rule], params: Any = params, rank: int = rank) -> Iterator[
             tuple[str, torch.Tensor]
@@ -411,21 +424,20 @@ def export_hf_weights(
     mine = stages.pp_rank == last_rank
     norm = [last["decoder.final_layernorm.weight"]] if mine else None
     yield "model.norm.weight", stages.share(last_rank, norm, [(s.hidden,)], dtype, device)[0]
-    yield from _export_head(models, stages, s, hf_config, dtype, device, vocab)
+    yield from _export_head(models, last, stages, s, hf_config, dtype, device, vocab)
 
 
 def _export_head(
-    models: list[Any], stages: _Stages, s: _Shape, hf_config: Any, dtype: torch.dtype,
-    device: torch.device, vocab: Callable[..., torch.Tensor],
+    models: list[Any], last: Mapping[str, torch.Tensor], stages: _Stages, s: _Shape,
+    hf_config: Any, dtype: torch.dtype, device: torch.device, vocab: Callable[..., torch.Tensor],
 ) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
     """``lm_head.weight`` (untied), or a value head's ``score``: from the last stage."""
     last_rank = stages.pp - 1
     mine = stages.pp_rank == last_rank
-    head = models[-1].output_layer if mine else None
     if getattr(models[-1], "value_head", False):  # set by build_model on every chunk
-        score = [head.score.weight.detach(), head.score.bias.detach()] if mine else None
+        names = ("output_layer.score.weight", "output_layer.score.bias")
+        score = [last[name] for name in names] if mine else None
         shared = stages.share(last_rank, score, [(1, s.hidden), (1,)], dtype, device)
         yield from zip(("score.weight", "score.bias"), shared, strict=True)
     elif not _tied(hf_config):
-        params = _params(models[-1]) if mine else {}
-        yield "lm_head.weight", vocab("output_layer.weight", last_rank, params)
+        yield "lm_head.weight", vocab("output_layer.weight", last_rank, last)

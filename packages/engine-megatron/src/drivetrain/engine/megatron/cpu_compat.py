@@ -31,7 +31,7 @@ import functools
 import importlib
 import inspect
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -107,6 +107,7 @@ _FACTORIES = (
 )  # fmt: skip
 
 _ACTIVE = False
+_SCOPED: set[tuple[str, str | None, str]] = set()  # method scopes already wrapped
 
 
 def _host_device(device: Any) -> Any:
@@ -202,6 +203,9 @@ def _host_tensor_methods() -> Iterator[None]:
         torch.Tensor.cuda, torch.Tensor.type = real_cuda, real_type  # type: ignore[method-assign]
 
 
+_HOST_TORCH = _HostTorch()
+
+
 def _scoped(function: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(function)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -222,9 +226,10 @@ def _wrap_in_scope(module_name: str, owner_name: str | None, attribute: str) -> 
     else:
         setattr(owner, attribute, _scoped(raw))
     if owner_name is None:  # a function: rebind `from module import function` copies too
+        package = module_name.split(".")[0]
         for other in list(sys.modules.values()):
             name = getattr(other, "__name__", "") if other is not None else ""
-            if name.startswith("megatron.core") and other.__dict__.get(attribute) is raw:
+            if name.startswith(package) and other.__dict__.get(attribute) is raw:
                 setattr(other, attribute, getattr(owner, attribute))
 
 
@@ -236,18 +241,28 @@ def _set_host_rng_state(new_state: torch.Tensor, *_: Any, **__: Any) -> None:
     torch.set_rng_state(new_state)
 
 
+def extend(
+    modules: Iterable[str] = (), method_scopes: Iterable[tuple[str, str | None, str]] = ()
+) -> None:
+    """Apply mechanisms 1 (``modules``) and 2 (``method_scopes``: module, owner, attribute) to
+    megatron code outside megatron-core, such as the standalone Megatron-FSDP package.
+    Idempotent: a module or callable already handled is left as it is."""
+    for name in modules:
+        module = importlib.import_module(name)
+        if getattr(module, "torch", None) is torch:
+            module.torch = _HOST_TORCH  # type: ignore[attr-defined]
+    for scope in method_scopes:
+        if scope not in _SCOPED:
+            _wrap_in_scope(*scope)
+            _SCOPED.add(scope)
+
+
 def activate() -> None:
     """Make megatron-core CPU-safe (idempotent; call before building models)."""
     global _ACTIVE
     if _ACTIVE:
         return
-    host_torch = _HostTorch()
-    for name in _HOST_MODULES:
-        module = importlib.import_module(name)
-        if getattr(module, "torch", None) is torch:
-            module.torch = host_torch  # type: ignore[attr-defined]
-    for module_name, owner, attribute in _HOST_METHOD_SCOPES:
-        _wrap_in_scope(module_name, owner, attribute)
+    extend(_HOST_MODULES, _HOST_METHOD_SCOPES)
     # CudaRNGStatesTracker.fork / CheckpointFunction snapshot and restore "the CUDA generator"
     # through these two helpers, which index torch.cuda.default_generators
     random = importlib.import_module("megatron.core.tensor_parallel.random")

@@ -71,11 +71,7 @@ class MegatronEngine(ModalEngine):
     # ---- life cycle ---------------------------------------------------------------------
     def initialize(self) -> None:
         from megatron.core import parallel_state as ps
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
+        from megatron.core.distributed import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from transformers import AutoConfig
 
@@ -120,15 +116,7 @@ class MegatronEngine(ModalEngine):
         for chunk in chunks:
             chunk.to(self.device)
         load_hf_weights(chunks, cfg.model.path, self.hf_config, tcfg)
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            overlap_grad_reduce=False,
-            use_distributed_optimizer=cfg.distributed_optimizer,
-        )
-        self.model = [
-            DistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=chunk)
-            for chunk in chunks
-        ]
+        self.model = self._wrap_chunks(chunks)
         o = cfg.optim
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
@@ -151,6 +139,35 @@ class MegatronEngine(ModalEngine):
         self.step = 0
         self._set_lr()
         self._place(None)
+
+    # ---- extension points (engine-megatron-fsdp wraps the chunks differently) -------------
+    def _wrap_chunks(self, chunks: list[Any]) -> list[Any]:
+        """The data-parallel wrapper of each model chunk: megatron's DDP (the optimizer built
+        next reads its ``ddp_config``)."""
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+        )
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=self.config.distributed_optimizer,
+        )
+        return [
+            DistributedDataParallel(config=self.tcfg, ddp_config=ddp_config, module=chunk)
+            for chunk in chunks
+        ]
+
+    def _sync_params(self) -> None:
+        """Called before every read of the weights outside a training step (forward-only
+        passes, export, checkpoints): a wrapper that gathers parameters asynchronously must
+        finish that for *every* chunk here. megatron's DDP gathers synchronously: nothing."""
+
+    def _export_params(self, chunk: Any) -> Mapping[str, torch.Tensor]:
+        """This rank's tensor-parallel parameters of one bare ``GPTModel`` chunk by name, as
+        the HF exporter reads them (one at a time, in the same order on every rank)."""
+        return {name: p.detach() for name, p in chunk.named_parameters()}
 
     def _initialized(self) -> bool:
         return bool(self.model)
@@ -389,6 +406,7 @@ class MegatronEngine(ModalEngine):
 
     def infer(self, batch: Batch, outputs: OutputSpec) -> Batch | None:
         self._require("eval", "infer")
+        self._sync_params()
         parts = self._micro_batches(batch)
         pieces = []
 
@@ -469,11 +487,15 @@ class MegatronEngine(ModalEngine):
         from drivetrain.engine.megatron.convert import export_hf_weights
 
         with self._resident(optimizer=False):
+            self._sync_params()
             chunks = [chunk.module for chunk in self.model]
-            yield from export_hf_weights(chunks, self.hf_config, self.tcfg)
+            yield from export_hf_weights(
+                chunks, self.hf_config, self.tcfg, read_params=self._export_params
+            )
 
     def save_checkpoint(self, path: str, *, step: int) -> CheckpointInfo:
         with self._resident(optimizer=True):
+            self._sync_params()
             return checkpoint.save(path, step=step, engine=self)
 
     def load_checkpoint(self, path: str) -> CheckpointInfo:

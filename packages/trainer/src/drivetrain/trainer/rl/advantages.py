@@ -85,8 +85,8 @@ def rloo_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor
 @ADVANTAGES.register("gae")
 def gae_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over response tokens:
-    ``δ_t = r_t + γ V_{t+1} - V_t``, ``A_t = δ_t + γλ A_{t+1}``, returns ``A + V``; advantages
-    whitened over the batch's response tokens (PPO's usual normalisation)."""
+    ``delta_t = r_t + gamma V_{t+1} - V_t``, ``A_t = delta_t + gamma lam A_{t+1}``, returns
+    ``A + V``; advantages whitened over the batch's response tokens (PPO's usual normalisation)."""
     if inputs.values is None:
         raise ValueError("GAE needs the critic's values")
     mask = inputs.mask

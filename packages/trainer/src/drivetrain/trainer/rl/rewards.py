@@ -97,6 +97,9 @@ class RewardScorer:
         self.weights = list(weights) or [1.0] * len(names)
 
     def __call__(self, response: str, ground_truth: str) -> tuple[float, dict[str, float]]:
-        parts = {name: float(fn(response, ground_truth)) for name, fn in zip(self.names, self.fns)}
+        parts = {
+            name: float(fn(response, ground_truth))
+            for name, fn in zip(self.names, self.fns, strict=True)
+        }
         total = sum(w * parts[n] for n, w in zip(self.names, self.weights, strict=True))
         return total, parts
