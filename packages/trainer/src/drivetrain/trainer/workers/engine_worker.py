@@ -8,12 +8,11 @@ same value on every rank, so a controller can read any one of them.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from drivetrain.api import Batch, EngineConfig, OutputSpec, ParallelInfo, registry
+from drivetrain.api import Batch, EngineConfig, LossFn, OutputSpec, ParallelInfo, registry
 from drivetrain.api.columns import LOG_PROBS, LOSS_MASK
 from drivetrain.trainer.hf_export import write_hf_model
 from drivetrain.trainer.losses import get_loss
@@ -29,11 +28,7 @@ class StepStats:
 
 
 class EngineWorker:
-    def __init__(
-        self, engine_name: str, config: EngineConfig, env: Mapping[str, str] | None = None
-    ) -> None:
-        # torch.distributed reads these in engine.initialize(); Ray actors get them from here.
-        os.environ.update(env or {})
+    def __init__(self, engine_name: str, config: EngineConfig) -> None:
         factory = registry.engines.load(engine_name)
         self.engine = factory(config)
         self.config = config
@@ -42,11 +37,18 @@ class EngineWorker:
         self.engine.initialize()
         return self.engine.parallel
 
-    def train_step(self, shard: Batch, loss: str) -> StepStats:
+    def shard(self, batch: Batch) -> Batch:
+        return self.engine.shard_data(batch)
+
+    def train_step(self, shard: Batch, loss: str | LossFn) -> StepStats:
+        """One optimizer step. ``loss``: a name in :mod:`drivetrain.trainer.losses`, or a loss
+        object (picklable, for Ray) whose ``outputs`` attribute says what it needs."""
         engine = self.engine
+        loss_fn = get_loss(loss) if isinstance(loss, str) else loss
+        outputs = getattr(loss_fn, "outputs", OutputSpec())
         with engine.train_mode():
             engine.optimizer_zero_grad()
-            result = engine.forward_backward(shard, get_loss(loss), outputs=OutputSpec())
+            result = engine.forward_backward(shard, loss_fn, outputs=outputs)
             grad_norm = engine.optimizer_step()
             lr = engine.lr_scheduler_step()
         return StepStats(

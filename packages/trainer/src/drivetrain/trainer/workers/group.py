@@ -10,17 +10,26 @@ actors driven from one controller. Both expose the same two calls:
   (ranks that share a ``dp_rank`` — tensor/pipeline peers — get the same shard).
 
 Worker methods return the same value on every rank (they reduce what they need), so the
-controller reads one result and parallel layouts with non-output ranks work unchanged.
+controller reads one result and parallel layouts with non-output ranks work unchanged. The one
+exception is ``gather_sharded``: per-sample outputs (log-probs, values) come back from one
+output rank per data-parallel shard, for the controller to put back in order.
+
+A group is built from a *worker factory*: a picklable zero-argument callable that creates the
+rank's worker (an :class:`EngineWorker` for SFT, an RL worker holding several roles' engines)
+once the rank's environment is set. A worker has ``initialize() -> ParallelInfo``,
+``shard(batch)``, ``close()`` and the methods the controller calls by name.
 """
 
 from __future__ import annotations
 
 import abc
 import os
+from collections.abc import Callable
 from typing import Any
 
-from drivetrain.api import Batch, EngineConfig, ParallelInfo
-from drivetrain.trainer.workers.engine_worker import EngineWorker
+from drivetrain.api import Batch, ParallelInfo
+
+WorkerFactory = Callable[[], Any]
 
 
 class WorkerGroup(abc.ABC):
@@ -39,14 +48,19 @@ class WorkerGroup(abc.ABC):
     def run_sharded(self, method: str, batch: Batch, *args: Any) -> Any: ...
 
     @abc.abstractmethod
+    def gather_sharded(self, method: str, batch: Batch, *args: Any) -> list[Any]:
+        """``method`` on each rank's data-parallel shard; the results of one output rank per
+        shard, in ``dp_shard_indices`` order."""
+
+    @abc.abstractmethod
     def close(self) -> None: ...
 
 
 class LocalWorkerGroup(WorkerGroup):
     """This process's rank (in-process: the only one; under torchrun: one of many)."""
 
-    def __init__(self, engine_name: str, config: EngineConfig) -> None:
-        self.worker = EngineWorker(engine_name, config)
+    def __init__(self, factory: WorkerFactory) -> None:
+        self.worker = factory()
         self._parallel = self.worker.initialize()
         self.is_writer = self._parallel.rank == 0
 
@@ -58,7 +72,12 @@ class LocalWorkerGroup(WorkerGroup):
         return getattr(self.worker, method)(*args)
 
     def run_sharded(self, method: str, batch: Batch, *args: Any) -> Any:
-        return getattr(self.worker, method)(self.worker.engine.shard_data(batch), *args)
+        return getattr(self.worker, method)(self.worker.shard(batch), *args)
+
+    def gather_sharded(self, method: str, batch: Batch, *args: Any) -> list[Any]:
+        if self._parallel.dp_size != 1:  # torchrun SPMD: every rank holds only its own shard
+            raise NotImplementedError("gather_sharded needs the whole group (Ray or in-process)")
+        return [self.run_sharded(method, batch, *args)]
 
     def close(self) -> None:
         self.worker.close()

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+
 from drivetrain.api import EngineConfig
 from drivetrain.api.errors import ConfigError
 from drivetrain.trainer.sft_config import WorkersConfig
+from drivetrain.trainer.workers.engine_worker import EngineWorker
 from drivetrain.trainer.workers.group import LocalWorkerGroup, WorkerGroup, launched_by_torchrun
 
 
@@ -17,6 +20,7 @@ def resolve_launcher(workers: WorkersConfig) -> str:
 
 
 def make_group(engine_name: str, config: EngineConfig, workers: WorkersConfig) -> WorkerGroup:
+    factory = functools.partial(EngineWorker, engine_name, config)
     launcher = resolve_launcher(workers)
     if launcher == "torchrun":
         if not launched_by_torchrun():
@@ -24,14 +28,14 @@ def make_group(engine_name: str, config: EngineConfig, workers: WorkersConfig) -
                 "workers.launcher=torchrun, but this process was not started by torchrun; run "
                 "`torchrun --nproc-per-node N -m drivetrain.trainer sft ...`"
             )
-        return LocalWorkerGroup(engine_name, config)
+        return LocalWorkerGroup(factory)
     if launcher == "inprocess":
         if workers.num != 1:
             raise ConfigError(
                 f"workers.launcher=inprocess runs one rank, but workers.num={workers.num}; "
                 "use workers.launcher=ray (or torchrun) for more"
             )
-        return LocalWorkerGroup(engine_name, config)
+        return LocalWorkerGroup(factory)
     from drivetrain.trainer.workers.ray_group import RayWorkerGroup
 
-    return RayWorkerGroup(engine_name, config, workers)
+    return RayWorkerGroup(factory, workers)

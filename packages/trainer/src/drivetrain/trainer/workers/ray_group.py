@@ -1,10 +1,11 @@
-"""Ray worker group: N actors, one engine rank each, forming one torch.distributed group.
+"""Ray worker group: N actors, one rank each, forming one torch.distributed group.
 
 Actors are placed with a placement group (one bundle per rank, packed onto as few nodes as
 possible), so the same code runs on a laptop (``ray.init()`` started here) and on a multi-node
 cluster joined by address (``workers.ray_address=auto`` or ``host:port``). Rank 0's actor picks
 the rendezvous address and port on its own node; every actor exports torchrun's variables
-before building its engine, so engines need nothing Ray-specific.
+before building its worker, so engines need nothing Ray-specific. ``share`` < 1 leaves part of
+each bundle free for actors colocated with the ranks (an RL rollout on the same device).
 """
 
 from __future__ import annotations
@@ -14,16 +15,11 @@ import os
 import socket
 from typing import Any
 
-from drivetrain.api import Batch, EngineConfig, ParallelInfo
+from drivetrain.api import Batch, ParallelInfo
 from drivetrain.api.partition import dp_shard_indices
-from drivetrain.trainer.errors import WorkerError
 from drivetrain.trainer.sft_config import WorkersConfig
-from drivetrain.trainer.workers.engine_worker import EngineWorker
-from drivetrain.trainer.workers.group import WorkerGroup
-
-#: Driver environment variables every actor inherits (Ray does not forward the environment).
-FORWARDED_ENV_PREFIXES = ("DRIVETRAIN_", "HF_", "TRANSFORMERS_", "TORCH_", "NCCL_", "GLOO_")
-FORWARDED_ENV = ("PYTHONPATH", "OMP_NUM_THREADS", "CUDA_DEVICE_ORDER")
+from drivetrain.trainer.workers.group import WorkerFactory, WorkerGroup
+from drivetrain.trainer.workers.ray_runtime import ensure_ray, wait_all
 
 
 def rendezvous_address() -> tuple[str, int]:
@@ -37,26 +33,31 @@ def rendezvous_address() -> tuple[str, int]:
 
 
 class RankActor:
-    """The actor body: an :class:`EngineWorker` created once torchrun's variables are set."""
+    """The actor body: the worker, created once torchrun's variables are set."""
 
     def __init__(self) -> None:
-        self.worker: EngineWorker | None = None
+        self.worker: Any = None
 
     def node_ip(self) -> str:
         import ray
 
         return ray.util.get_node_ip_address()
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def rendezvous(self) -> tuple[str, int]:
         return rendezvous_address()
 
-    def setup(self, engine_name: str, config: EngineConfig, env: dict[str, str]) -> ParallelInfo:
+    def setup(self, factory: WorkerFactory, env: dict[str, str]) -> ParallelInfo:
         import torch
 
+        # torch.distributed reads these when the worker's engines initialize
+        os.environ.update(env)
         threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
         if threads > 0:
             torch.set_num_threads(threads)
-        self.worker = EngineWorker(engine_name, config, env)
+        self.worker = factory()
         return self.worker.initialize()
 
     def call(self, method: str, *args: Any) -> Any:
@@ -64,82 +65,66 @@ class RankActor:
         return getattr(self.worker, method)(*args)
 
 
-def _driver_env() -> dict[str, str]:
-    return {
-        key: value
-        for key, value in os.environ.items()
-        if key in FORWARDED_ENV or key.startswith(FORWARDED_ENV_PREFIXES)
-    }
-
-
 class RayWorkerGroup(WorkerGroup):
-    def __init__(self, engine_name: str, config: EngineConfig, workers: WorkersConfig) -> None:
-        # Under `uv run`, Ray would otherwise ship the current directory to every worker and
-        # re-create the environment there with uv; our workers run in the driver's (or the
-        # cluster's) already-synced environment. Read when ray is first imported.
-        os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    def __init__(
+        self, factory: WorkerFactory, workers: WorkersConfig, *, share: float = 1.0
+    ) -> None:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self._ray = ray
         self._remove_pg = remove_placement_group
-        self._started_ray = False
         self._actors: list[Any] = []
         self._pg = None
+        self._broken = False
         self.is_writer = True
-        if not ray.is_initialized():
-            init: dict[str, Any] = {
-                "log_to_driver": True,
-                "runtime_env": {"env_vars": _driver_env()},
-            }
-            if workers.ray_address:
-                init["address"] = workers.ray_address
-            else:
-                # "local": never join a cluster found through RAY_ADDRESS or a stale session.
-                init.update(
-                    address="local",
-                    num_cpus=max(os.cpu_count() or 1, workers.num),
-                    include_dashboard=False,
-                )
-            ray.init(**init)
-            self._started_ray = True
+        self._started_ray = ensure_ray(workers, min_cpus=workers.num * workers.cpus_per_worker)
         try:
             gpus = workers.gpus_per_worker
             if gpus < 0:
                 gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= workers.num else 0.0
-            bundle: dict[str, float] = {"CPU": workers.cpus_per_worker}
+            self.bundle: dict[str, float] = {"CPU": workers.cpus_per_worker}
             if gpus > 0:
-                bundle["GPU"] = gpus
-            self._pg = placement_group([dict(bundle) for _ in range(workers.num)], strategy="PACK")
-            self._wait(self._pg.ready(), workers.start_timeout_s, "placing the workers")
+                self.bundle["GPU"] = gpus
+            self._pg = placement_group(
+                [dict(self.bundle) for _ in range(workers.num)], strategy="PACK"
+            )
+            wait_all(self._pg.ready(), workers.start_timeout_s, "placing the workers")
             actor_class = ray.remote(RankActor)
             self._actors = [
                 actor_class.options(
-                    num_cpus=workers.cpus_per_worker,
-                    num_gpus=gpus,
+                    num_cpus=workers.cpus_per_worker * share,
+                    num_gpus=gpus * share,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=self._pg, placement_group_bundle_index=rank
                     ),
                 ).remote()
                 for rank in range(workers.num)
             ]
-            ips = self._wait(
+            ips = wait_all(
                 [a.node_ip.remote() for a in self._actors], workers.start_timeout_s, "starting"
             )
-            addr, port = self._wait(self._actors[0].rendezvous.remote(), 60, "rendezvous")
+            addr, port = wait_all(self._actors[0].rendezvous.remote(), 60, "rendezvous")
             setups = [
-                actor.setup.remote(
-                    engine_name, config, self._rank_env(rank, ips, addr, port, gpus > 0)
-                )
+                actor.setup.remote(factory, self._rank_env(rank, ips, addr, port, gpus > 0))
                 for rank, actor in enumerate(self._actors)
             ]
             self._infos: list[ParallelInfo] = self._wait(
                 setups, workers.start_timeout_s, "initializing the engines"
             )
         except BaseException:
+            self._broken = True
             self.close()
             raise
+
+    @property
+    def placement_group(self) -> Any:
+        return self._pg
+
+    @property
+    def actors(self) -> list[Any]:
+        return list(self._actors)
 
     @staticmethod
     def _rank_env(rank: int, ips: list[str], addr: str, port: int, gpu: bool) -> dict[str, str]:
@@ -155,18 +140,12 @@ class RayWorkerGroup(WorkerGroup):
         }
 
     def _wait(self, refs: Any, timeout: float | None, what: str) -> Any:
-        ray = self._ray
         try:
-            return ray.get(refs, timeout=timeout)
-        except ray.exceptions.GetTimeoutError:
-            raise WorkerError(f"Ray workers timed out after {timeout}s {what}") from None
-        except ray.exceptions.RayActorError as exc:
-            raise WorkerError(f"a Ray worker died while {what}: {exc}") from None
-        except ray.exceptions.RayTaskError as exc:
-            cause = exc.as_instanceof_cause()
-            if isinstance(cause, Exception) and not isinstance(cause, ray.exceptions.RayError):
-                raise cause from None
-            raise WorkerError(f"a Ray worker failed while {what}: {exc}") from None
+            return wait_all(refs, timeout, what)
+        except BaseException:
+            # a failed rank leaves its peers in a collective that will never finish
+            self._broken = True
+            raise
 
     @property
     def parallel(self) -> ParallelInfo:
@@ -176,25 +155,40 @@ class RayWorkerGroup(WorkerGroup):
         refs = [a.call.remote(method, *args) for a in self._actors]
         return self._wait(refs, None, f"running {method}")[0]
 
-    def run_sharded(self, method: str, batch: Batch, *args: Any) -> Any:
+    def _sharded_refs(self, method: str, batch: Batch, args: tuple) -> tuple[list, list]:
         shards = dp_shard_indices(batch.seq_lens, self.parallel.dp_size)
         by_dp = {dp: self._ray.put(batch.select(idx)) for dp, idx in enumerate(shards)}
         refs = [
             actor.call.remote(method, by_dp[info.dp_rank], *args)
             for actor, info in zip(self._actors, self._infos, strict=True)
         ]
+        return shards, refs
+
+    def run_sharded(self, method: str, batch: Batch, *args: Any) -> Any:
+        _, refs = self._sharded_refs(method, batch, args)
         return self._wait(refs, None, f"running {method}")[0]
+
+    def gather_sharded(self, method: str, batch: Batch, *args: Any) -> list[Any]:
+        shards, refs = self._sharded_refs(method, batch, args)
+        results = self._wait(refs, None, f"running {method}")
+        first_output = {}
+        for info, result in zip(self._infos, results, strict=True):
+            if info.is_output_rank:
+                first_output.setdefault(info.dp_rank, result)
+        return [first_output[dp] for dp in range(len(shards))]
 
     def close(self) -> None:
         ray = self._ray
-        if self._actors:
+        if self._actors and not self._broken:
             with contextlib.suppress(Exception):
                 ray.get([a.call.remote("close") for a in self._actors], timeout=60)
         for actor in self._actors:
-            ray.kill(actor)
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
         self._actors = []
         if self._pg is not None:
-            self._remove_pg(self._pg)
+            with contextlib.suppress(Exception):
+                self._remove_pg(self._pg)
             self._pg = None
         if self._started_ray:
             ray.shutdown()

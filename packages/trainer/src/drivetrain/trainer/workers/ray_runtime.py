@@ -1,0 +1,80 @@
+"""Starting (or joining) Ray, and waiting on Ray work so that a dead worker fails the job at
+once with its error instead of leaving the controller blocked on a peer that waits forever in
+a collective."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from drivetrain.trainer.errors import WorkerError
+from drivetrain.trainer.sft_config import WorkersConfig
+
+#: Driver environment variables every actor inherits (Ray does not forward the environment).
+FORWARDED_ENV_PREFIXES = ("DRIVETRAIN_", "HF_", "TRANSFORMERS_", "TORCH_", "NCCL_", "GLOO_")
+FORWARDED_ENV = ("PYTHONPATH", "OMP_NUM_THREADS", "CUDA_DEVICE_ORDER")
+
+
+def driver_env() -> dict[str, str]:
+    return {
+        key: value
+        for key, value in os.environ.items()
+        if key in FORWARDED_ENV or key.startswith(FORWARDED_ENV_PREFIXES)
+    }
+
+
+def ensure_ray(workers: WorkersConfig, *, min_cpus: float = 1.0) -> bool:
+    """Start a local Ray (or join ``workers.ray_address``) unless one is running; returns
+    whether this call started it (then the caller shuts it down)."""
+    # Under `uv run`, Ray would otherwise ship the current directory to every worker and
+    # re-create the environment there with uv; our workers run in the driver's (or the
+    # cluster's) already-synced environment. Read when ray is first imported.
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    import ray
+
+    if ray.is_initialized():
+        return False
+    init: dict[str, Any] = {"log_to_driver": True, "runtime_env": {"env_vars": driver_env()}}
+    if workers.ray_address:
+        init["address"] = workers.ray_address
+    else:
+        # "local": never join a cluster found through RAY_ADDRESS or a stale session. Logical
+        # CPUs: at least what the job's actors ask for (they are mostly waiting on each other).
+        init.update(
+            address="local",
+            num_cpus=max(os.cpu_count() or 1, int(-(-min_cpus // 1))),
+            include_dashboard=False,
+        )
+    ray.init(**init)
+    return True
+
+
+def wait_all(refs: Any, timeout: float | None, what: str) -> Any:
+    """``ray.get`` that raises on the *first* failure among ``refs`` (a list or one ref):
+    :class:`WorkerError` for a dead actor or a timeout, the task's own exception otherwise."""
+    import ray
+
+    single = not isinstance(refs, list)
+    pending = [refs] if single else list(refs)
+    try:
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+            if not ready:
+                raise WorkerError(f"Ray workers timed out after {timeout}s {what}")
+            ray.get(ready[0])  # raises now if this one failed, whatever the others do
+        results = ray.get([refs] if single else list(refs))
+    except ray.exceptions.GetTimeoutError:
+        raise WorkerError(f"Ray workers timed out after {timeout}s {what}") from None
+    except ray.exceptions.RayActorError as exc:
+        raise WorkerError(f"a Ray worker died while {what}: {_first_line(exc)}") from None
+    except ray.exceptions.RayTaskError as exc:
+        cause = exc.as_instanceof_cause()
+        if isinstance(cause, Exception) and not isinstance(cause, ray.exceptions.RayError):
+            raise cause from None
+        raise WorkerError(f"a Ray worker failed while {what}: {exc}") from None
+    return results[0] if single else results
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
