@@ -9,6 +9,7 @@ from rich.console import Console
 
 from drivetrain.api import registry
 from drivetrain.trainer.plugin_table import plugin_table
+from drivetrain.trainer.rl.command import grpo, ppo
 from drivetrain.trainer.sft_command import sft
 
 app = typer.Typer(
@@ -68,6 +69,8 @@ def ckpt_engines() -> None:
 
 
 app.command()(sft)
+app.command()(grpo)
+app.command()(ppo)
 
 
 def main() -> None:

@@ -80,6 +80,19 @@ class MetricsLogger:
 
 def plot_loss_curve(metrics_path: Path, png_path: Path) -> Path:
     """Train (and validation) loss against step, as a PNG."""
+    series = [("train/loss", "train"), ("val/loss", "validation")]
+    return plot_curve(metrics_path, png_path, series, ylabel="loss", log_scale=True)
+
+
+def plot_curve(
+    metrics_path: Path,
+    png_path: Path,
+    series: list[tuple[str, str]],
+    *,
+    ylabel: str,
+    log_scale: bool = False,
+) -> Path:
+    """The metrics named in ``series`` (key, label) against step, as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -87,14 +100,15 @@ def plot_loss_curve(metrics_path: Path, png_path: Path) -> Path:
 
     rows = read_metrics(metrics_path)
     fig, ax = plt.subplots(figsize=(7, 4))
-    for key, label in (("train/loss", "train"), ("val/loss", "validation")):
+    for key, label in series:
         points = [(r["step"], r[key]) for r in rows if key in r]
         if points:
             steps, values = zip(*points, strict=True)
             ax.plot(steps, values, label=label, marker="o" if len(points) < 30 else None)
     ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_yscale("log")
+    ax.set_ylabel(ylabel)
+    if log_scale:
+        ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

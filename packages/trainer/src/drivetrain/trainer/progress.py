@@ -1,4 +1,4 @@
-"""The training progress bar: step, loss, tokens/s and ETA (rich; silent when disabled)."""
+"""The training progress bar: step, loss (or another metric), tokens/s and ETA (rich)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,21 @@ from rich.progress import (
 
 
 class TrainingProgress:
-    def __init__(self, total: int, start: int, *, enabled: bool, console: Console) -> None:
+    def __init__(
+        self,
+        total: int,
+        start: int,
+        *,
+        enabled: bool,
+        console: Console,
+        description: str = "sft",
+        metric: str = "loss",
+    ) -> None:
         self._progress = Progress(
             TextColumn("[bold]{task.description}"),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}"),
+            TextColumn(f"{metric} {{task.fields[loss]}}"),
             TextColumn("{task.fields[tps]} tok/s"),
             TimeElapsedColumn(),
             TextColumn("ETA"),
@@ -29,7 +38,9 @@ class TrainingProgress:
             console=console,
             disable=not enabled,
         )
-        self._task = self._progress.add_task("sft", total=total, completed=start, loss="-", tps="-")
+        self._task = self._progress.add_task(
+            description, total=total, completed=start, loss="-", tps="-"
+        )
 
     def __enter__(self) -> TrainingProgress:
         self._progress.start()

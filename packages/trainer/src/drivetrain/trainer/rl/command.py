@@ -1,0 +1,151 @@
+"""``drivetrain grpo`` and ``drivetrain ppo``: RL on any installed engine, rollout and
+weight-sync transport."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from drivetrain.api.errors import DrivetrainError
+
+console = Console(stderr=True, soft_wrap=True)
+
+
+def _run(
+    algorithm: str,
+    overrides: list[str] | None,
+    config: list[Path] | None,
+    engine: str,
+    critic_engine: str,
+    rollout: str,
+    weight_sync: str,
+    print_config: bool,
+    dry_run: bool,
+    resume: str,
+) -> None:
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from drivetrain.trainer.checkpoints import read_checkpoint
+    from drivetrain.trainer.rl.job import describe, load_rl_job, prepare, start
+    from drivetrain.trainer.rl.trainer import RLTrainer
+
+    try:
+        job = load_rl_job(
+            algorithm,
+            engine=engine,
+            critic_engine=critic_engine,
+            rollout=rollout,
+            weight_sync=weight_sync,
+            files=config or (),
+            overrides=overrides or (),
+            console=console,
+        )
+        if print_config:
+            typer.echo(job.to_yaml(), nl=False)
+            return
+        prepared = prepare(job)
+        if resume not in ("auto", "none"):
+            read_checkpoint(Path(resume))  # fail before any worker starts
+        console.print(describe(prepared))
+        if dry_run:
+            console.print("[green]dry run: config, plugins, model and data are valid[/green]")
+            return
+        placement = start(prepared)
+        try:
+            result = RLTrainer(prepared.setup, placement, console).fit(resume=resume)
+        finally:
+            placement.close()
+    except DrivetrainError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    out = Path(job.config.run.output_dir)
+    (out / "config.yaml").write_text(job.to_yaml())
+    summary = {
+        "output_dir": str(result.output_dir),
+        "steps": result.final_step,
+        "seconds": round(result.seconds, 1),
+        "reward_first_step": result.rewards.get(min(result.rewards, default=0)),
+        "reward_last_step": result.rewards.get(result.final_step),
+        "val_before": result.val_before,
+        "val_after": result.val_after,
+        "hf_model": str(result.hf_dir) if result.hf_dir else None,
+        "reward_curve": str(out / "reward_curve.png"),
+        "weight_digests": result.weight_digests,
+    }
+    if job.builtin is not None and result.val_before and result.val_after:
+        console.print(
+            f"exact-match accuracy on {len(prepared.setup.val)} held-out problems: "
+            f"{result.val_before['val/exact_match']:.1%} before, "
+            f"{result.val_after['val/exact_match']:.1%} after {algorithm.upper()} "
+            f"({result.seconds / 60:.1f} min)"
+        )
+    typer.echo(json.dumps(summary))
+
+
+Overrides = Annotated[
+    list[str] | None,
+    typer.Argument(help="Dotted config overrides, e.g. actor.optim.lr=1e-6 run.steps=100"),
+]
+ConfigFiles = Annotated[
+    list[Path] | None, typer.Option("--config", "-c", help="YAML config file(s), merged in order.")
+]
+Engine = Annotated[
+    str, typer.Option("--engine", help="Engine of the actor and reference (`drivetrain engines`).")
+]
+CriticEngine = Annotated[
+    str,
+    typer.Option("--critic-engine", help="Critic and reward-model engine (default: --engine)."),
+]
+RolloutName = Annotated[
+    str, typer.Option("--rollout", help="Rollout backend (`drivetrain rollouts`).")
+]
+WeightSync = Annotated[
+    str,
+    typer.Option(
+        "--weight-sync",
+        help="Transport (`drivetrain ckpt-engines`); auto: colocated or broadcast by placement.",
+    ),
+]
+PrintConfig = Annotated[bool, typer.Option("--print-config", help="Print the config and exit.")]
+DryRun = Annotated[
+    bool, typer.Option("--dry-run", help="Validate plugins, model and data; exit without training.")
+]
+Resume = Annotated[
+    str, typer.Option("--resume", help="auto (latest complete checkpoint), none, or a path.")
+]
+
+
+def grpo(
+    overrides: Overrides = None,
+    config: ConfigFiles = None,
+    engine: Engine = "fsdp2",
+    critic_engine: CriticEngine = "",
+    rollout: RolloutName = "hf",
+    weight_sync: WeightSync = "auto",
+    print_config: PrintConfig = False,
+    dry_run: DryRun = False,
+    resume: Resume = "auto",
+) -> None:
+    """GRPO. With no data and no model: the built-in addition task from the built-in SFT model."""
+    _run("grpo", overrides, config, engine, critic_engine, rollout, weight_sync, print_config,
+         dry_run, resume)  # fmt: skip
+
+
+def ppo(
+    overrides: Overrides = None,
+    config: ConfigFiles = None,
+    engine: Engine = "fsdp2",
+    critic_engine: CriticEngine = "",
+    rollout: RolloutName = "hf",
+    weight_sync: WeightSync = "auto",
+    print_config: PrintConfig = False,
+    dry_run: DryRun = False,
+    resume: Resume = "auto",
+) -> None:
+    """PPO with GAE and a critic. With no data and no model: the built-in addition task."""
+    _run("ppo", overrides, config, engine, critic_engine, rollout, weight_sync, print_config,
+         dry_run, resume)  # fmt: skip

@@ -1,0 +1,276 @@
+"""Assemble an RL job (``drivetrain grpo`` / ``drivetrain ppo``): plugins, config, roles,
+prompts; every check that needs no worker runs before any starts.
+
+With no data and no model: the built-in task, starting from the built-in SFT model (the SFT
+default runs first when it is not cached).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from drivetrain.api import EngineConfig, registry
+from drivetrain.api.config import RolloutConfig, WeightSyncConfig
+from drivetrain.api.errors import ConfigError
+from drivetrain.trainer.builtin import addition
+from drivetrain.trainer.config_loader import load_config, to_yaml
+from drivetrain.trainer.rl.advantages import ADVANTAGES, NEEDS_CRITIC
+from drivetrain.trainer.rl.config import RLConfig, rl_config_type
+from drivetrain.trainer.rl.placement import (
+    Placement,
+    build_placement,
+    resolve_mode,
+    resolve_transport,
+)
+from drivetrain.trainer.rl.policy_losses import POLICY_LOSSES
+from drivetrain.trainer.rl.prompts import load_prompts
+from drivetrain.trainer.rl.registry import import_plugins
+from drivetrain.trainer.rl.rewards import RewardScorer
+from drivetrain.trainer.rl.trainer import RLSetup
+from drivetrain.trainer.rl.worker import ACTOR, CRITIC, REFERENCE, REWARD_MODEL, RoleSpec
+
+BUILTIN_CONFIG = Path(__file__).parent.parent / "builtin" / "addition_grpo.yaml"
+#: What each command changes from RLConfig's defaults (files and overrides still win).
+ALGORITHM_DEFAULTS = {
+    "grpo": [],
+    "ppo": ["algorithm.advantage=gae", "sampling.n=1", "run.output_dir=runs/ppo"],
+}
+
+
+@dataclass(frozen=True)
+class RLJob:
+    algorithm: str
+    engine: str
+    critic_engine: str
+    rollout: str
+    transport: str
+    config: RLConfig
+    builtin: addition.AdditionAssets | None = None
+
+    def to_yaml(self) -> str:
+        return to_yaml(self.config)
+
+
+def load_rl_job(
+    algorithm: str,
+    *,
+    engine: str,
+    critic_engine: str = "",
+    rollout: str = "hf",
+    weight_sync: str = "auto",
+    files: Sequence[str | Path] = (),
+    overrides: Sequence[str] = (),
+    console: Console | None = None,
+) -> RLJob:
+    critic_engine = critic_engine or engine
+    for reg, name in ((registry.engines, engine), (registry.engines, critic_engine)):
+        reg.spec(name)  # unknown or unusable plugin: lists what is installed
+    registry.rollouts.spec(rollout)
+    config_type = rl_config_type(
+        registry.engines.load_config_class(engine, EngineConfig),
+        registry.engines.load_config_class(critic_engine, EngineConfig),
+        registry.rollouts.load_config_class(rollout, RolloutConfig),
+        _transport_config(weight_sync),
+    )
+    defaults = ALGORITHM_DEFAULTS[algorithm]
+    config = load_config(config_type, files=files, overrides=[*defaults, *overrides])
+    builtin = None
+    if not config.data.train_path:
+        if config.actor.model.path:
+            raise ConfigError("data.train_path is required when actor.model.path is set")
+        builtin = addition.ensure_assets()
+        model = ensure_sft_model(builtin, console)
+        extra = [
+            f"actor.model.path={model}",
+            f"data.train_path={builtin.train_path}",
+            f"data.val_path={builtin.test_path}",
+        ]
+        config = load_config(
+            config_type, files=[BUILTIN_CONFIG, *files], overrides=[*defaults, *extra, *overrides]
+        )
+    elif not config.actor.model.path:
+        raise ConfigError("actor.model.path is required when data.train_path is set")
+    mode = resolve_mode(config.placement, config.workers)
+    transport = resolve_transport(weight_sync, mode)
+    if weight_sync not in ("auto", transport):
+        raise ConfigError(f"placement {mode} moves weights in-process; drop --weight-sync")
+    return RLJob(algorithm, engine, critic_engine, rollout, transport, config, builtin)
+
+
+def _transport_config(name: str) -> type[WeightSyncConfig]:
+    if name == "auto":
+        # the default transports (colocated, broadcast) share the base class's knobs
+        return WeightSyncConfig
+    registry.ckpt_engines.spec(name)
+    return registry.ckpt_engines.load_config_class(name, WeightSyncConfig)
+
+
+def ensure_sft_model(assets: addition.AdditionAssets, console: Console | None) -> Path:
+    """The built-in SFT model, training it with the SFT default first when it is not cached."""
+    cached = addition.cached_sft_model(assets.root.parent)
+    if cached is not None:
+        return cached
+    from drivetrain.trainer.sft_job import builtin_report, load_sft_job, prepare, run_sft
+
+    (console or Console(stderr=True)).print(
+        "no cached built-in SFT model: running the SFT default first (`drivetrain sft`)"
+    )
+    job = load_sft_job("fsdp2")
+    result = run_sft(prepare(job), resume="auto", console=console)
+    assert result is not None
+    builtin_report(job, result)
+    cached = addition.cached_sft_model(assets.root.parent)
+    assert cached is not None
+    return cached
+
+
+def role_specs(job: RLJob, total_updates: int) -> tuple[dict[str, RoleSpec], str]:
+    """Engines per role, and the reference mode actually used."""
+    c = job.config
+    actor = _for_run(c.actor, total_updates, c.seed)
+    roles = {ACTOR: RoleSpec(job.engine, actor)}
+    reference = c.reference.mode
+    if reference == "auto":
+        if c.algorithm.kl_coef == 0:
+            reference = "none"
+        else:
+            reference = "adapter" if c.actor.model.lora.enabled else "engine"
+    if reference == "adapter" and not c.actor.model.lora.enabled:
+        raise ConfigError("reference.mode=adapter needs a LoRA actor (actor.model.lora.rank > 0)")
+    if reference != "none" and c.algorithm.kl_coef == 0:
+        raise ConfigError(f"reference.mode={reference} but algorithm.kl_coef is 0: nothing uses it")
+    if reference == "engine":
+        roles[REFERENCE] = RoleSpec(job.engine, actor)
+    if c.algorithm.advantage in NEEDS_CRITIC:
+        critic = c.critic
+        model = dataclasses.replace(
+            critic.model, path=critic.model.path or c.actor.model.path, value_head=True
+        )
+        critic = _for_run(dataclasses.replace(critic, model=model), total_updates, c.seed)
+        roles[CRITIC] = RoleSpec(job.critic_engine, critic)
+    if c.reward.model_path:
+        model = dataclasses.replace(c.critic.model, path=c.reward.model_path, value_head=True)
+        roles[REWARD_MODEL] = RoleSpec(
+            job.critic_engine, dataclasses.replace(c.critic, model=model, seed=c.seed)
+        )
+    return roles, reference
+
+
+def _for_run(config: EngineConfig, total_updates: int, seed: int) -> Any:
+    optim = dataclasses.replace(config.optim, total_steps=total_updates)
+    return dataclasses.replace(config, optim=optim, seed=seed)
+
+
+def updates_per_step(config: RLConfig) -> int:
+    samples = config.run.prompts_per_step * config.sampling.n
+    mini = config.algorithm.mini_batch_size or samples
+    return config.algorithm.ppo_epochs * -(-samples // mini)
+
+
+@dataclass(frozen=True)
+class PreparedRL:
+    job: RLJob
+    setup: RLSetup
+    roles: dict[str, RoleSpec]
+    dropped: int
+
+
+def prepare(job: RLJob) -> PreparedRL:
+    """Validate everything a run needs, without starting a worker or writing a file."""
+    from transformers import AutoTokenizer
+
+    c = job.config
+    import_plugins(c.algorithm.plugins)
+    ADVANTAGES.get(c.algorithm.advantage)
+    POLICY_LOSSES.get(c.algorithm.policy_loss)
+    RewardScorer(c.reward.functions, c.reward.weights)
+    for name in (job.engine, job.critic_engine):
+        registry.engines.load(name)
+    registry.rollouts.load(job.rollout)
+    if job.transport != "direct":
+        registry.ckpt_engines.load(job.transport)
+    path = c.data.tokenizer_path or c.actor.model.path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot load the tokenizer at {path!r}: {exc}") from None
+    keys = {
+        "prompt_key": c.data.prompt_key,
+        "messages_key": c.data.messages_key,
+        "answer_key": c.data.answer_key,
+        "max_prompt_length": c.data.max_prompt_length,
+    }
+    train, dropped = load_prompts(c.data.train_path, tokenizer, **keys)
+    val = []
+    if c.data.val_path:
+        val, _ = load_prompts(c.data.val_path, tokenizer, **keys)
+        val = val[: c.data.val_size or None]
+    if c.run.prompts_per_step > len(train):
+        raise ConfigError(
+            f"run.prompts_per_step={c.run.prompts_per_step} exceeds the {len(train)} prompts"
+        )
+    roles, reference = role_specs(job, c.run.steps * updates_per_step(c))
+    pad = tokenizer.pad_token_id
+    if pad is None:
+        pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    state = {
+        "algorithm": job.algorithm,
+        "actor_engine": job.engine,
+        "model_path": c.actor.model.path,
+        "roles": sorted(roles),
+        "seed": c.seed,
+    }
+    setup = RLSetup(
+        config=c,
+        state=state,
+        train=train,
+        val=val,
+        pad_token_id=int(pad),
+        tokenizer=tokenizer,
+        reference=reference,
+        critic=CRITIC in roles,
+        reward_model=REWARD_MODEL in roles,
+    )
+    return PreparedRL(job, setup, roles, dropped)
+
+
+def rollout_config(job: RLJob) -> RolloutConfig:
+    c = job.config
+    rollout = c.rollout
+    if not rollout.model_path:
+        rollout = dataclasses.replace(rollout, model_path=c.actor.model.path)
+    return dataclasses.replace(rollout, seed=c.seed)
+
+
+def start(prepared: PreparedRL) -> Placement:
+    job, c = prepared.job, prepared.job.config
+    mode = resolve_mode(c.placement, c.workers)
+    return build_placement(
+        mode,
+        roles=prepared.roles,
+        plugins=c.algorithm.plugins,
+        workers=c.workers,
+        placement=c.placement,
+        rollout_name=job.rollout,
+        rollout_config=rollout_config(job),
+        transport=job.transport,
+        sync_config=c.weight_sync,
+    )
+
+
+def describe(prepared: PreparedRL) -> str:
+    job, c = prepared.job, prepared.job.config
+    roles = ", ".join(f"{r}={s.engine}" for r, s in prepared.roles.items())
+    return (
+        f"{job.algorithm}: {len(prepared.setup.train)} prompts ({prepared.dropped} too long), "
+        f"{len(prepared.setup.val)} validation; {c.run.steps} steps x "
+        f"{c.run.prompts_per_step} prompts x {c.sampling.n} samples; roles {roles}; rollout "
+        f"{job.rollout}; placement {resolve_mode(c.placement, c.workers)}, weights via "
+        f"{job.transport}"
+    )

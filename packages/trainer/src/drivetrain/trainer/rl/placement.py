@@ -1,0 +1,291 @@
+"""Where the roles run, and how the actor's weights reach the rollouts.
+
+- ``inprocess``: one actor rank and the rollout(s) in this process; new weights go straight
+  from the engine's export stream into ``rollout.update_weights`` (same address space: no
+  transport, nothing copied twice).
+- ``colocated`` (Ray): the actor's ranks are Ray actors; rollout replica ``i`` is a Ray actor
+  in rank ``i``'s placement bundle, sharing its CPU/GPU, asleep while the actor trains; weights
+  move over the ``colocated`` transport (shared memory on CPU, CUDA IPC on GPU).
+- ``separate`` (Ray): rollout replicas get their own bundles (their own devices); weights move
+  over the ``broadcast`` transport (the rollouts' own NCCL/HCCL/gloo group).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from drivetrain.api import Rollout, registry
+from drivetrain.api.config import RolloutConfig, WeightSyncConfig
+from drivetrain.api.engine import NamedTensor
+from drivetrain.api.errors import ConfigError
+from drivetrain.api.sync_manager import SyncReport, WeightSyncManager
+from drivetrain.api.weight_sync import SyncStats, Topology
+from drivetrain.trainer.rl.config import PlacementConfig
+from drivetrain.trainer.rl.rollout_pool import RayRolloutHandle, RolloutActor, RolloutPool
+from drivetrain.trainer.rl.worker import RLWorker, RoleSpec
+from drivetrain.trainer.sft_config import WorkersConfig
+from drivetrain.trainer.workers.group import LocalWorkerGroup, WorkerGroup
+from drivetrain.trainer.workers.ray_runtime import driver_env, ensure_ray, wait_all
+
+DEFAULT_TRANSPORT = {"colocated": "colocated", "separate": "broadcast"}
+
+
+def resolve_mode(placement: PlacementConfig, workers: WorkersConfig) -> str:
+    if placement.mode != "auto":
+        mode = placement.mode
+    else:
+        mode = "inprocess" if workers.num == 1 and workers.launcher != "ray" else "colocated"
+    if mode == "inprocess" and workers.num != 1:
+        raise ConfigError(
+            f"placement.mode=inprocess runs one actor rank, but workers.num={workers.num}; "
+            "use placement.mode=colocated or separate (Ray)"
+        )
+    if workers.launcher == "torchrun":
+        raise ConfigError("RL runs in-process or on Ray; torchrun launching is for SFT")
+    return mode
+
+
+def resolve_transport(requested: str, mode: str) -> str:
+    if mode == "inprocess":
+        return "direct"
+    return DEFAULT_TRANSPORT[mode] if requested == "auto" else requested
+
+
+@dataclass
+class WeightUpdater:
+    """Moves the actor's weights into every rollout: the sync sequence of
+    :class:`~drivetrain.api.sync_manager.WeightSyncManager` in every placement."""
+
+    group: WorkerGroup
+    pool: RolloutPool
+    transport: str
+    config: WeightSyncConfig
+    release_kv_cache: bool = False
+    reports: list[SyncReport] = field(default_factory=list)
+    _manager: WeightSyncManager | None = None
+
+    def connect(self) -> None:
+        if self.transport == "direct":
+            return
+        endpoint = self.group.run_all("sync_prepare", self.transport, self.config)
+        topology = Topology.one_sender(len(self.pool.rollouts))
+        self._gather(
+            [lambda: self.group.run_all("sync_connect", topology, endpoint)]
+            + [
+                functools.partial(
+                    r.connect_weight_sync,
+                    self.transport,
+                    self.config,
+                    rank=rank,
+                    topology=topology,
+                    endpoint=endpoint,
+                )
+                for rank, r in zip(topology.receivers, self.pool.rollouts, strict=True)
+            ]
+        )
+
+        async def send(version: int) -> SyncStats | None:
+            return await asyncio.to_thread(self.group.run_all, "sync_send", version)
+
+        self._manager = WeightSyncManager(
+            send, self.pool.rollouts, release_kv_cache=self.release_kv_cache
+        )
+
+    @staticmethod
+    def _gather(calls: Sequence[Any]) -> None:
+        async def run() -> None:
+            await asyncio.gather(*(asyncio.to_thread(c) for c in calls))
+
+        asyncio.run(run())
+
+    def sync(self, version: int) -> SyncReport:
+        if self.transport == "direct":
+            report = self._sync_direct(version)
+        else:
+            assert self._manager is not None, "connect() first"
+            report = asyncio.run(self._manager.sync(version))
+        self.reports.append(report)
+        return report
+
+    def _sync_direct(self, version: int) -> SyncReport:
+        """In-process: each rollout reads the actor engine's export stream itself (the
+        engine's tensors, no copy in between); the same pause/resume sequence around it."""
+        assert isinstance(self.group, LocalWorkerGroup)
+        worker: RLWorker = self.group.worker
+        start = time.perf_counter()
+        self.pool.each("pause_generation")
+        paused = time.perf_counter()
+        received = []
+        try:
+            for rollout in self.pool.rollouts:
+                counter = _Counted(worker.export_weights())
+                began = time.perf_counter()
+                rollout.update_weights(counter, version=version)
+                received.append(counter.stats(version, time.perf_counter() - began))
+        finally:
+            done = time.perf_counter()
+            self.pool.each("resume_generation")
+        phases = {
+            "pause": paused - start,
+            "transfer": done - paused,
+            "resume": time.perf_counter() - done,
+        }
+        return SyncReport(version, received[0], tuple(received), phases)
+
+
+class _Counted:
+    """A weight stream that counts what passes through it."""
+
+    def __init__(self, stream: Iterable[NamedTensor]) -> None:
+        self.stream, self.tensors, self.bytes = stream, 0, 0
+
+    def __iter__(self) -> Iterator[NamedTensor]:
+        for name, tensor in self.stream:
+            self.tensors += 1
+            self.bytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+    def stats(self, version: int, seconds: float) -> SyncStats:
+        return SyncStats(version, self.tensors, 0, self.bytes, seconds)
+
+
+@dataclass
+class Placement:
+    mode: str
+    group: WorkerGroup
+    pool: RolloutPool
+    weights: WeightUpdater
+    started_ray: bool = False
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        with contextlib.suppress(Exception):
+            self.group.close()
+        for rollout in self.pool.rollouts:
+            if isinstance(rollout, RayRolloutHandle):
+                import ray
+
+                with contextlib.suppress(Exception):
+                    ray.kill(rollout.actor)
+        if self.started_ray:
+            import ray
+
+            ray.shutdown()
+
+
+def build_placement(
+    mode: str,
+    *,
+    roles: dict[str, RoleSpec],
+    plugins: tuple[str, ...],
+    workers: WorkersConfig,
+    placement: PlacementConfig,
+    rollout_name: str,
+    rollout_config: RolloutConfig,
+    transport: str,
+    sync_config: WeightSyncConfig,
+) -> Placement:
+    factory = functools.partial(RLWorker, roles, plugins)
+    if mode == "inprocess":
+        group: WorkerGroup = LocalWorkerGroup(factory)
+        try:
+            make = registry.rollouts.load(rollout_name)
+            rollouts = [make(rollout_config) for _ in range(placement.rollout_workers)]
+        except BaseException:
+            group.close()
+            raise
+        pool = RolloutPool(rollouts)
+        updater = WeightUpdater(group, pool, "direct", sync_config)
+        updater.connect()
+        return Placement(mode, group, pool, updater)
+    return _ray_placement(
+        mode, factory, workers, placement, rollout_name, rollout_config, transport, sync_config
+    )
+
+
+def _ray_placement(
+    mode: str,
+    factory: Any,
+    workers: WorkersConfig,
+    placement: PlacementConfig,
+    rollout_name: str,
+    rollout_config: RolloutConfig,
+    transport: str,
+    sync_config: WeightSyncConfig,
+) -> Placement:
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from drivetrain.trainer.workers.ray_group import RayWorkerGroup
+
+    colocated = mode == "colocated"
+    if colocated and placement.rollout_workers > workers.num:
+        raise ConfigError(
+            f"placement.rollout_workers={placement.rollout_workers} colocated replicas need as "
+            f"many actor ranks, workers.num={workers.num}"
+        )
+    extra = 0.0 if colocated else placement.rollout_workers * placement.rollout_cpus
+    started = ensure_ray(workers, min_cpus=workers.num * workers.cpus_per_worker + extra)
+    group = None
+    handles: list[Rollout] = []
+    try:
+        share = 1.0 - placement.colocated_share if colocated else 1.0
+        group = RayWorkerGroup(factory, workers, share=share)
+        actor_class = ray.remote(RolloutActor)
+        env = driver_env()
+        if colocated:
+            options = [
+                dict(
+                    num_cpus=group.bundle["CPU"] * placement.colocated_share,
+                    num_gpus=group.bundle.get("GPU", 0.0) * placement.colocated_share,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=group.placement_group, placement_group_bundle_index=i
+                    ),
+                )
+                for i in range(placement.rollout_workers)
+            ]
+        else:
+            gpus = placement.rollout_gpus
+            if gpus < 0:
+                free = ray.available_resources().get("GPU", 0)
+                gpus = 1.0 if free >= placement.rollout_workers else 0.0
+            bundle = {"CPU": placement.rollout_cpus, **({"GPU": gpus} if gpus else {})}
+            pg = placement_group([dict(bundle)] * placement.rollout_workers, strategy="PACK")
+            wait_all(pg.ready(), workers.start_timeout_s, "placing the rollouts")
+            options = [
+                dict(
+                    num_cpus=placement.rollout_cpus,
+                    num_gpus=gpus,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=pg, placement_group_bundle_index=i
+                    ),
+                )
+                for i in range(placement.rollout_workers)
+            ]
+        actors = [
+            actor_class.options(**opt).remote(rollout_name, rollout_config, env) for opt in options
+        ]
+        wait_all([a.pid.remote() for a in actors], workers.start_timeout_s, "starting rollouts")
+        handles = [
+            RayRolloutHandle(a, rollout_config, workers.start_timeout_s * 10) for a in actors
+        ]
+        pool = RolloutPool(handles)
+        updater = WeightUpdater(group, pool, transport, sync_config, release_kv_cache=colocated)
+        updater.connect()
+        return Placement(mode, group, pool, updater, started_ray=started)
+    except BaseException:
+        for handle in handles:
+            with contextlib.suppress(Exception):
+                ray.kill(handle.actor)  # type: ignore[attr-defined]
+        if group is not None:
+            group.close()
+        if started:
+            ray.shutdown()
+        raise

@@ -1,0 +1,378 @@
+"""The RL loop: generate → reward → old/reference log-probs (and values) → advantages →
+update → sync weights, once per step, driven from one controller over any placement."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from drivetrain.api import Batch, OutputSpec, Prompt, SamplingParams
+from drivetrain.api.columns import (
+    ADVANTAGES,
+    ENTROPY,
+    LOG_PROBS,
+    LOSS_MASK,
+    OLD_LOG_PROBS,
+    REF_LOG_PROBS,
+    RETURNS,
+    ROLLOUT_LOG_PROBS,
+    VALUES,
+)
+from drivetrain.trainer.checkpoints import CheckpointManager
+from drivetrain.trainer.errors import CheckpointError
+from drivetrain.trainer.metrics import METRICS_FILE, MetricsLogger, plot_curve
+from drivetrain.trainer.progress import TrainingProgress
+from drivetrain.trainer.rl.advantages import ADVANTAGES as ESTIMATORS
+from drivetrain.trainer.rl.advantages import AdvantageInputs
+from drivetrain.trainer.rl.batch_ops import (
+    completions_batch,
+    engine_view,
+    gather_outputs,
+    group_ids,
+    last_token_rewards,
+    masked_mean,
+)
+from drivetrain.trainer.rl.config import RLConfig
+from drivetrain.trainer.rl.kl import kl_penalty
+from drivetrain.trainer.rl.losses import OLD_VALUES, ActorLoss, CriticLoss, state_values
+from drivetrain.trainer.rl.placement import Placement
+from drivetrain.trainer.rl.prompts import PromptSampler, RLPrompt
+from drivetrain.trainer.rl.rewards import RewardScorer
+from drivetrain.trainer.rl.worker import ACTOR, CRITIC, REFERENCE, REWARD_MODEL
+from drivetrain.trainer.workers.engine_worker import StepStats
+
+
+@dataclass(frozen=True)
+class RLSetup:
+    """What the loop needs besides the placement: decided by the job before any worker starts."""
+
+    config: RLConfig
+    state: dict[str, Any]  # identifies the run in checkpoints (engines, model, algorithm)
+    train: Sequence[RLPrompt]
+    val: Sequence[RLPrompt]
+    pad_token_id: int
+    tokenizer: Any
+    reference: str  # "none" | "engine" | "adapter"
+    critic: bool
+    reward_model: bool
+
+
+@dataclass
+class RLResult:
+    output_dir: Path
+    final_step: int
+    rewards: dict[int, float] = field(default_factory=dict)  # 1-based step -> mean reward
+    val_before: dict[str, float] = field(default_factory=dict)
+    val_after: dict[str, float] = field(default_factory=dict)
+    hf_dir: Path | None = None
+    seconds: float = 0.0
+    weight_digests: dict[int, str] = field(default_factory=dict)  # with weight_sync.verify
+
+
+class PhaseTimer:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+
+class RLTrainer:
+    def __init__(self, setup: RLSetup, placement: Placement, console: Console | None = None):
+        self.setup, self.placement = setup, placement
+        self.config = c = setup.config
+        self.group, self.pool, self.weights = placement.group, placement.pool, placement.weights
+        self.console = console or Console(stderr=True)
+        self.scorer = RewardScorer(c.reward.functions, c.reward.weights)
+        self.sampler = PromptSampler(len(setup.train), c.run.prompts_per_step, c.seed)
+        alg = c.algorithm
+        self.actor_loss = ActorLoss(
+            policy_loss=alg.policy_loss,
+            clip=_clip(alg),
+            aggregation=alg.aggregation,
+            entropy_coef=alg.entropy_coef,
+            kl_loss_coef=0.0 if alg.kl_in_reward or setup.reference == "none" else alg.kl_coef,
+            kl_estimator=alg.kl_estimator,
+            temperature=c.sampling.temperature,
+        )
+        self.critic_loss = CriticLoss(alg.value_clip, alg.aggregation)
+        self.trainable = (ACTOR, CRITIC) if setup.critic else (ACTOR,)
+        self.out = Path(c.run.output_dir)
+        self.checkpoints = CheckpointManager(
+            self.out / "checkpoints", keep_last=c.run.keep_last, writer=True
+        )
+
+    # ---- the algorithm ------------------------------------------------------------------
+    def step(self, step: int) -> dict[str, float]:
+        """RL step ``step`` (0-based): its metrics."""
+        c, timer = self.config, PhaseTimer()
+        prompts = [self.setup.train[i] for i in self.sampler.indices(step)]
+        with timer("generate"):
+            completions = self.pool.generate(
+                [Prompt(token_ids=p.token_ids) for p in prompts], self.sampling(step)
+            )
+        with timer("reward"):
+            scores, reward_metrics = self.score(completions, prompts)
+            batch = completions_batch(completions, self.setup.pad_token_id)
+        colocated = self.placement.mode == "colocated"
+        if colocated:
+            self.pool.each("sleep", 1)  # the trainer gets the shared device back
+        with timer("old_log_probs"):
+            old = self.infer(batch, ACTOR, OutputSpec(entropy=True, temperature=self.temp))
+            batch = batch.with_columns(old_log_probs=old[LOG_PROBS])
+        if self.setup.reference != "none":
+            with timer("ref_log_probs"):
+                ref = self.infer(
+                    batch,
+                    REFERENCE if self.setup.reference == "engine" else ACTOR,
+                    OutputSpec(temperature=self.temp),
+                    adapter_off=self.setup.reference == "adapter",
+                )
+                batch = batch.with_columns(ref_log_probs=ref[LOG_PROBS])
+        if self.setup.reward_model:
+            with timer("reward_model"):
+                scores = scores + self.reward_model_scores(batch)
+        if self.setup.critic:
+            with timer("values"):
+                values = state_values(self.infer(batch, CRITIC, CriticLoss().outputs)[VALUES])
+                batch = batch.with_columns(old_values=values, token_keys=[OLD_VALUES])
+        with timer("advantages"):
+            batch, kl_metrics = self.advantages(batch, scores)
+        if self.setup.critic:
+            with timer("update_critic"):
+                critic = self.update(batch, CRITIC, self.critic_loss, step, RETURNS, OLD_VALUES)
+        with timer("update_actor"):
+            actor = self.update(
+                batch, ACTOR, self.actor_loss, step, OLD_LOG_PROBS, ADVANTAGES, REF_LOG_PROBS
+            )
+        with timer("weight_sync"):
+            if colocated:
+                self.pool.each("wake_up", ("weights",))
+            report = self.weights.sync(step + 1)
+            if colocated:
+                self.pool.each("wake_up", ("kv_cache",))
+        mask = batch[LOSS_MASK]
+        lengths = mask.sum(-1).float()
+        generated = float(lengths.sum())
+        metrics = {
+            **reward_metrics,
+            **kl_metrics,
+            "actor/grad_norm": actor.grad_norm,
+            "actor/loss": actor.loss,
+            "actor/lr": actor.lr,
+            **actor.metrics,
+            "actor/entropy_old": masked_mean(old[ENTROPY], mask),
+            "rollout/log_prob_diff": masked_mean(
+                (batch[ROLLOUT_LOG_PROBS] - batch[OLD_LOG_PROBS]).abs(), mask
+            ),
+            "response/length_mean": float(lengths.mean()),
+            "response/length_max": float(lengths.max()),
+            "response/clip_ratio": float((lengths >= c.sampling.max_new_tokens).float().mean()),
+            "perf/generate_tokens_per_s": generated / max(timer.seconds["generate"], 1e-9),
+            "perf/tokens_per_s": float(batch.num_tokens) / sum(timer.seconds.values()),
+            **{f"time/{k}_s": v for k, v in timer.seconds.items()},
+            **report.metrics(),
+        }
+        if self.setup.critic:
+            metrics.update(critic.metrics, {"critic/grad_norm": critic.grad_norm})
+        return metrics
+
+    @property
+    def temp(self) -> float:
+        return self.config.sampling.temperature
+
+    def sampling(self, step: int) -> SamplingParams:
+        s = self.config.sampling
+        return SamplingParams(
+            n=s.n,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            max_new_tokens=s.max_new_tokens,
+            seed=self.config.seed * 100_003 + step,  # a resumed step samples the same way
+        )
+
+    def score(
+        self, completions: Sequence[Any], prompts: Sequence[RLPrompt]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        decode = self.setup.tokenizer.decode
+        totals, parts = [], {name: [] for name in self.scorer.names}
+        for c in completions:
+            text = decode(list(c.token_ids), skip_special_tokens=True)
+            total, each = self.scorer(text, prompts[c.prompt_index].ground_truth)
+            totals.append(total)
+            for name, value in each.items():
+                parts[name].append(value)
+        scores = torch.tensor(totals, dtype=torch.float32)
+        metrics = {"reward/mean": float(scores.mean()), "reward/std": float(scores.std())}
+        metrics.update({f"reward/{n}": sum(v) / len(v) for n, v in parts.items()})
+        return scores, metrics
+
+    def infer(
+        self, batch: Batch, role: str, spec: OutputSpec, adapter_off: bool = False
+    ) -> dict[str, torch.Tensor]:
+        return gather_outputs(self.group, engine_view(batch), role, spec, adapter_off)
+
+    def reward_model_scores(self, batch: Batch) -> torch.Tensor:
+        values = self.infer(batch, REWARD_MODEL, OutputSpec(log_probs=False, values=True))
+        last = torch.as_tensor(batch.seq_lens) - 1
+        return values[VALUES][torch.arange(len(batch)), last].float()
+
+    def advantages(self, batch: Batch, scores: torch.Tensor) -> tuple[Batch, dict[str, float]]:
+        alg, mask = self.config.algorithm, batch[LOSS_MASK].float()
+        rewards = last_token_rewards(batch, scores)
+        metrics: dict[str, float] = {}
+        if REF_LOG_PROBS in batch:
+            kl = kl_penalty(batch[OLD_LOG_PROBS], batch[REF_LOG_PROBS], alg.kl_estimator)
+            metrics["actor/kl_ref"] = masked_mean(kl, mask)
+            if alg.kl_in_reward:
+                rewards = rewards - alg.kl_coef * kl * mask
+        inputs = AdvantageInputs(
+            token_rewards=rewards,
+            mask=mask,
+            group_ids=group_ids(batch),
+            values=batch.columns.get(OLD_VALUES),
+            gamma=alg.gamma,
+            lam=alg.lam,
+            norm_by_std=alg.norm_by_std,
+        )
+        adv, returns = ESTIMATORS.get(alg.advantage)(inputs)
+        metrics["advantages/abs_mean"] = masked_mean(adv.abs(), mask)
+        return batch.with_columns(advantages=adv.float(), returns=returns.float()), metrics
+
+    def update(self, batch: Batch, role: str, loss: Any, step: int, *columns: str) -> StepStats:
+        """``ppo_epochs`` passes over the batch in mini-batches, one optimizer step each."""
+        alg = self.config.algorithm
+        view = engine_view(batch, *(c for c in columns if c in batch))
+        size = alg.mini_batch_size or len(view)
+        stats: list[StepStats] = []
+        for epoch in range(alg.ppo_epochs):
+            order = list(range(len(view)))
+            if size < len(view):
+                random.Random(self.config.seed * 7919 + step * 131 + epoch).shuffle(order)
+            for start in range(0, len(order), size):
+                mini = view.select(order[start : start + size])
+                stats.append(self.group.run_sharded("train", mini, role, loss))
+        return _mean_stats(stats)
+
+    # ---- validation, checkpoints, the run -----------------------------------------------
+    def validate(self) -> dict[str, float]:
+        """Greedy decoding on the validation prompts: mean reward and each function's mean."""
+        if not self.setup.val:
+            return {}
+        params = SamplingParams(temperature=0.0, max_new_tokens=self.config.sampling.max_new_tokens)
+        completions = self.pool.generate(
+            [Prompt(token_ids=p.token_ids) for p in self.setup.val], params
+        )
+        _, metrics = self.score(completions, self.setup.val)
+        return {k.replace("reward/", "val/"): v for k, v in metrics.items() if k != "reward/std"}
+
+    def save(self, step: int) -> None:
+        path = self.checkpoints.engine_staging_path(step)
+        self.group.run_all("save_checkpoint", path, step, self.trainable)
+        self.checkpoints.publish(step, {**self.setup.state, "step": step, "time": time.time()})
+
+    def resume(self, how: str) -> int:
+        if how == "none":
+            return 0
+        found = self.checkpoints.latest() if how == "auto" else _read(Path(how))
+        if found is None:
+            return 0
+        for key, value in self.setup.state.items():
+            if found.state.get(key) != value:
+                raise CheckpointError(
+                    f"{found.path} has {key}={found.state.get(key)!r}, this run {value!r}; use "
+                    "another run.output_dir or --resume none"
+                )
+        step = self.group.run_all("load_checkpoint", found.engine_path, self.trainable)
+        self.weights.sync(step)  # the rollouts generate with the checkpoint's weights
+        self.console.print(f"resumed from {found.path} at step {step}")
+        return step
+
+    def fit(self, *, resume: str = "auto") -> RLResult:
+        c = self.config
+        began = time.perf_counter()
+        self.checkpoints.clean_staging()
+        start = self.resume(resume)
+        result = RLResult(self.out, final_step=start)
+        result.val_before = self.validate()
+        if result.val_before:
+            self.console.print(f"validation before: {_fmt(result.val_before)}")
+        logger = MetricsLogger(self.out, c.logging, run_config=self.setup.state, resume_step=start)
+        try:
+            with TrainingProgress(
+                c.run.steps, start, enabled=c.logging.progress, console=self.console,
+                description="rl", metric="reward",
+            ) as progress:  # fmt: skip
+                for step in range(start, c.run.steps):
+                    metrics = self.step(step)
+                    done = step + 1
+                    if not math.isfinite(metrics["actor/loss"]):
+                        raise FloatingPointError(f"actor loss is {metrics['actor/loss']} at {done}")
+                    if c.run.eval_every and done % c.run.eval_every == 0 and done < c.run.steps:
+                        metrics.update(self.validate())
+                    logger.log(done, metrics)
+                    result.rewards[done], result.final_step = metrics["reward/mean"], done
+                    digest = self.weights.reports[-1].sent.digest
+                    if digest is not None:
+                        result.weight_digests[done] = digest
+                    progress.update(
+                        loss=metrics["reward/mean"], tokens_per_s=metrics["perf/tokens_per_s"]
+                    )
+                    if c.run.save_every and done % c.run.save_every == 0 and done < c.run.steps:
+                        self.save(done)
+            if start < c.run.steps:
+                self.save(c.run.steps)
+            result.val_after = self.validate()
+            if result.val_after:
+                logger.log(c.run.steps, result.val_after)
+                self.console.print(f"validation after: {_fmt(result.val_after)}")
+            if c.run.export_hf:
+                result.hf_dir = self.out / "hf"
+                self.group.run_all("export_hf", str(result.hf_dir))
+        finally:
+            logger.close()
+        series = [("reward/mean", "train reward"), ("val/reward", "validation reward")]
+        plot_curve(self.out / METRICS_FILE, self.out / "reward_curve.png", series, ylabel="reward")
+        result.seconds = time.perf_counter() - began
+        return result
+
+
+def _clip(alg: Any) -> Any:
+    from drivetrain.trainer.rl.policy_losses import ClipConfig
+
+    return ClipConfig(alg.clip_low, alg.clip_high, alg.dual_clip)
+
+
+def _mean_stats(stats: Sequence[StepStats]) -> StepStats:
+    n = len(stats)
+    keys = {k for s in stats for k in s.metrics}
+    return StepStats(
+        loss=sum(s.loss for s in stats) / n,
+        grad_norm=sum(s.grad_norm for s in stats) / n,
+        lr=stats[-1].lr,
+        num_tokens=sum(s.num_tokens for s in stats),
+        metrics={k: sum(float(s.metrics.get(k, 0.0)) for s in stats) / n for k in keys},
+    )
+
+
+def _read(path: Path) -> Any:
+    from drivetrain.trainer.checkpoints import read_checkpoint
+
+    return read_checkpoint(path)
+
+
+def _fmt(metrics: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.3f}" for k, v in sorted(metrics.items()))

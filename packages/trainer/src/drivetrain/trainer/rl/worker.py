@@ -1,0 +1,119 @@
+"""One rank of the RL job: the engines of every training-side role on this rank, and the
+operations the controller runs on them by name.
+
+Roles share the rank's process and torch.distributed world (verl's colocated roles): the actor
+(trained), the reference (frozen), the critic (trained, value head) and the reward model
+(frozen, value head). Each may use another engine backend. Rank 0 also holds the sending end
+of the weight-sync transport; the other ranks take part in the export's collectives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from drivetrain.api import Batch, EngineConfig, LossFn, OutputSpec, ParallelInfo, registry
+from drivetrain.api.config import WeightSyncConfig
+from drivetrain.api.sync_manager import engine_sender
+from drivetrain.api.weight_sync import SyncStats, Topology, TransportRole, WeightTransport
+from drivetrain.trainer.rl.registry import import_plugins
+from drivetrain.trainer.workers.engine_worker import EngineWorker, StepStats
+
+ACTOR, REFERENCE, CRITIC, REWARD_MODEL = "actor", "reference", "critic", "reward_model"
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    engine: str
+    config: EngineConfig
+
+
+class RLWorker:
+    def __init__(self, roles: Mapping[str, RoleSpec], plugins: tuple[str, ...] = ()) -> None:
+        import_plugins(plugins)  # user losses registered by name before any step runs
+        if ACTOR not in roles:
+            raise ValueError("an RL worker needs the actor role")
+        self.roles = {name: EngineWorker(s.engine, s.config) for name, s in roles.items()}
+        self._sender: WeightTransport | None = None
+
+    def initialize(self) -> ParallelInfo:
+        infos = {name: worker.initialize() for name, worker in self.roles.items()}
+        actor = infos[ACTOR]
+        for name, info in infos.items():
+            if info.dp_size != actor.dp_size or info.dp_rank != actor.dp_rank:
+                raise ValueError(
+                    f"role {name} has data-parallel layout {info.dp_rank}/{info.dp_size}, the "
+                    f"actor {actor.dp_rank}/{actor.dp_size}: roles on one pool must agree"
+                )
+        return actor
+
+    def shard(self, batch: Batch) -> Batch:
+        return self.roles[ACTOR].shard(batch)
+
+    @property
+    def rank(self) -> int:
+        return self.roles[ACTOR].engine.parallel.rank
+
+    # ---- compute ------------------------------------------------------------------------
+    def infer(
+        self, shard: Batch, role: str, spec: OutputSpec, adapter_off: bool = False
+    ) -> dict[str, Any] | None:
+        """Per-token outputs of ``role`` on this shard (CPU tensors; None off output ranks).
+        ``adapter_off``: the actor with its LoRA adapter disabled (the reference)."""
+        engine = self.roles[role].engine
+        disabled = engine.disable_adapter() if adapter_off else contextlib.nullcontext()
+        with engine.eval_mode(), disabled:
+            out = engine.infer(shard, spec)
+        if out is None:
+            return None
+        return {name: out[name].detach().cpu() for name in spec.names}
+
+    def train(self, shard: Batch, role: str, loss: LossFn) -> StepStats:
+        return self.roles[role].train_step(shard, loss)
+
+    # ---- checkpoints and export ---------------------------------------------------------
+    def save_checkpoint(self, path: str, step: int, roles: tuple[str, ...]) -> None:
+        for role in roles:
+            self.roles[role].save_checkpoint(f"{path}/{role}", step)
+
+    def load_checkpoint(self, path: str, roles: tuple[str, ...]) -> int:
+        steps = {self.roles[role].load_checkpoint(f"{path}/{role}") for role in roles}
+        if len(steps) != 1:
+            raise ValueError(f"the roles' checkpoints under {path} disagree on the step: {steps}")
+        return steps.pop()
+
+    def export_hf(self, path: str) -> None:
+        self.roles[ACTOR].export_hf(path)
+
+    def export_weights(self) -> Any:
+        """The actor's weight stream (in-process placement hands it straight to the rollout)."""
+        return self.roles[ACTOR].engine.export_weights()
+
+    # ---- weight sync (rank 0 sends; the others join the export's collectives) -----------
+    def sync_prepare(self, transport: str, config: WeightSyncConfig) -> Mapping[str, Any] | None:
+        if self.rank != 0:
+            return None
+        self.sync_close()
+        self._sender = registry.ckpt_engines.load(transport)(config)
+        return self._sender.prepare()
+
+    def sync_connect(self, topology: Topology, endpoint: Mapping[str, Any]) -> None:
+        if self._sender is not None:
+            self._sender.connect(TransportRole.SENDER, 0, topology, endpoint)
+
+    def sync_send(self, version: int) -> SyncStats | None:
+        send = engine_sender(self.export_weights, self._sender)
+        return asyncio.run(send(version))
+
+    def sync_close(self) -> None:
+        if self._sender is not None:
+            sender, self._sender = self._sender, None
+            sender.finalize()
+
+    def close(self) -> None:
+        self.sync_close()
+        for worker in self.roles.values():
+            worker.close()
