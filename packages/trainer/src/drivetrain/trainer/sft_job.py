@@ -35,6 +35,9 @@ class SFTJob:
     engine_name: str
     config: SFTConfig
     builtin: addition.AdditionAssets | None = None
+    #: the built-in job as shipped (only where outputs go may differ): its model is what the
+    #: RL default run starts from, so only this run caches it
+    is_builtin_default: bool = False
 
     def to_yaml(self) -> str:
         return to_yaml(self.config)
@@ -58,7 +61,14 @@ def load_sft_job(
     config = load_config(
         config_type, files=[BUILTIN_CONFIG, *files], overrides=[*builtin, *overrides]
     )
-    return SFTJob(engine_name, config, assets)
+    default = load_config(config_type, files=[BUILTIN_CONFIG], overrides=builtin)
+    as_default = dataclasses.replace(
+        config,
+        run=dataclasses.replace(config.run, output_dir=default.run.output_dir),
+        logging=default.logging,
+        workers=default.workers,
+    )
+    return SFTJob(engine_name, config, assets, is_builtin_default=as_default == default)
 
 
 @dataclass(frozen=True)
@@ -138,7 +148,7 @@ def run_sft(
 
 def builtin_report(job: SFTJob, result: SFTResult) -> dict[str, Any]:
     """Exact-match accuracy of the built-in task before and after training; caches the trained
-    model for the RL default run."""
+    model for the RL default run when the job was the built-in default."""
     from drivetrain.trainer.builtin.exact_match import exact_match
 
     assert job.builtin is not None and result.hf_dir is not None
@@ -148,5 +158,6 @@ def builtin_report(job: SFTJob, result: SFTResult) -> dict[str, Any]:
         "accuracy_after": exact_match(str(result.hf_dir), rows),
         "test_examples": len(rows),
     }
-    addition.cache_sft_model(job.builtin, result.hf_dir, report)
+    if job.is_builtin_default:
+        addition.cache_sft_model(job.builtin, result.hf_dir, report)
     return report
