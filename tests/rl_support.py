@@ -1,0 +1,58 @@
+"""Run ``drivetrain grpo`` / ``drivetrain ppo`` on a tiny model as users do (subprocesses)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from drivetrain.trainer.builtin.addition import make_rows
+from drivetrain.trainer.builtin.tiny_model import build_tiny_chat_model
+
+#: fp32, fixed seeds, a few prompts: small enough for three processes on two cores.
+SMALL_RL = (
+    "run.prompts_per_step=4",
+    "sampling.n=4",
+    "sampling.max_new_tokens=6",
+    "actor.optim.lr=0.001",
+    "critic.optim.lr=0.001",
+    "data.val_size=8",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+    "run.export_hf=false",
+    "weight_sync.verify=true",
+)
+
+
+def make_rl_job(root: Path, *, rows: int = 32) -> list[str]:
+    model = build_tiny_chat_model(root / "model")
+    for name, seed in (("train", 0), ("val", 1)):
+        (root / f"{name}.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in make_rows(rows, seed=seed))
+        )
+    return [
+        f"actor.model.path={model}",
+        f"data.train_path={root / 'train.jsonl'}",
+        f"data.val_path={root / 'val.jsonl'}",
+        *SMALL_RL,
+    ]
+
+
+def rl_command(algorithm: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "drivetrain.trainer", algorithm, *args]
+
+
+def run_rl(
+    algorithm: str, *args: str, env: dict[str, str], timeout: float = 600
+) -> tuple[dict[str, Any], subprocess.CompletedProcess]:
+    done = subprocess.run(
+        rl_command(algorithm, *args), env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1]), done
+
+
+def metrics_rows(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
