@@ -186,7 +186,7 @@ class RLTrainer:
             **report.metrics(),
         }
         if self.setup.critic:
-            metrics.update(critic.metrics, {"critic/grad_norm": critic.grad_norm})
+            metrics.update({**critic.metrics, "critic/grad_norm": critic.grad_norm})
         return metrics
 
     @property
