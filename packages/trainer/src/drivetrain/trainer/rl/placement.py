@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -55,6 +56,16 @@ def resolve_transport(requested: str, mode: str) -> str:
     if mode == "inprocess":
         return "direct"
     return DEFAULT_TRANSPORT[mode] if requested == "auto" else requested
+
+
+def transport_config(transport: str, config: WeightSyncConfig) -> WeightSyncConfig:
+    """The transport's own config class, from the shared knobs when the job was configured
+    before the transport was known (``--weight-sync auto``)."""
+    cls = registry.ckpt_engines.load_config_class(transport, WeightSyncConfig)
+    if isinstance(config, cls):
+        return config
+    shared = {f.name: getattr(config, f.name) for f in dataclasses.fields(WeightSyncConfig)}
+    return cls(**shared)
 
 
 @dataclass
@@ -219,20 +230,22 @@ def _ray_placement(
     transport: str,
     sync_config: WeightSyncConfig,
 ) -> Placement:
-    import ray
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    from drivetrain.trainer.workers.ray_group import RayWorkerGroup
-
     colocated = mode == "colocated"
     if colocated and placement.rollout_workers > workers.num:
         raise ConfigError(
             f"placement.rollout_workers={placement.rollout_workers} colocated replicas need as "
             f"many actor ranks, workers.num={workers.num}"
         )
+    sync_config = transport_config(transport, sync_config)
     extra = 0.0 if colocated else placement.rollout_workers * placement.rollout_cpus
+    # before `import ray`: ensure_ray sets what Ray reads at import
     started = ensure_ray(workers, min_cpus=workers.num * workers.cpus_per_worker + extra)
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from drivetrain.trainer.workers.ray_group import RayWorkerGroup
+
     group = None
     handles: list[Rollout] = []
     try:
