@@ -147,8 +147,42 @@ class _HostCuda:
     get_rng_state = staticmethod(torch.get_rng_state)
     set_rng_state = staticmethod(torch.set_rng_state)
 
+    # Megatron-FSDP overlaps communication on side streams; host work is synchronous
+    @staticmethod
+    def Stream(*_: Any, **__: Any) -> _HostStream:  # torch.cuda's name
+        return _HostStream()
+
+    @staticmethod
+    def current_stream(*_: Any, **__: Any) -> _HostStream:
+        return _HostStream()
+
+    @staticmethod
+    def stream(*_: Any, **__: Any) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
+
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.cuda, name)
+
+
+class _HostStream:
+    """A CUDA stream on the host, where every op has finished when it returns: waiting on or
+    for a stream has nothing to wait for."""
+
+    def wait_stream(self, *_: Any) -> None:
+        """Nothing is pending on the host."""
+
+    def wait_event(self, *_: Any) -> None:
+        """Nothing is pending on the host."""
+
+    def synchronize(self) -> None:
+        """Nothing is pending on the host."""
+
+    def record_event(self, *_: Any) -> _HostStream:
+        """The event of host work that has already happened (``wait()`` returns at once)."""
+        return self
+
+    def wait(self, *_: Any) -> None:
+        """Nothing is pending on the host (as an event: see ``record_event``)."""
 
 
 class _HostTorch:
@@ -162,6 +196,13 @@ class _HostTorch:
     @staticmethod
     def autocast(device_type: str, *args: Any, **kwargs: Any) -> torch.autocast:
         return torch.autocast("cpu" if device_type == "cuda" else device_type, *args, **kwargs)
+
+    @staticmethod
+    def device(kind: Any, *args: Any) -> torch.device:
+        """CUDA devices are the host (Megatron-FSDP names ``f"cuda:{current_device()}"``)."""
+        if isinstance(kind, str) and kind.startswith("cuda"):
+            return torch.device("cpu")
+        return torch.device(kind, *args)
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(torch, name)

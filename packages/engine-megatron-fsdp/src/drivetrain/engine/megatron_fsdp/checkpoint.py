@@ -1,0 +1,117 @@
+"""Atomic checkpoints of the sharded (DTensor) state with ``torch.distributed.checkpoint``.
+
+Every parameter is saved under a layout-free name (``decoder.layers.<global layer>...``, not
+the chunk-local index) as the DTensor Megatron-FSDP trains (its fp32 main weight, sharded
+over data parallel and tensor parallel), with its Adam moments and step beside it. DCP reads
+back any slice of any tensor, so a checkpoint loads at another data-parallel, tensor-parallel
+or pipeline layout and another world size. Megatron-FSDP's shards are uneven; its
+``preprocess_state_dict_for_uneven_dtensor`` gives DCP each shard's true offsets.
+
+Directory: DCP files, ``extra_rank{r}.pt`` (RNG), ``drivetrain.json`` (written last). All
+ranks write into a staging directory that rank 0 renames to ``path`` once everyone finished.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from drivetrain.api import CheckpointInfo
+from drivetrain.api.atomic_dir import publish, staging_path
+
+MARKER = "drivetrain.json"
+_ADAM = ("exp_avg", "exp_avg_sq")
+
+
+def _global_names(chunk: Any) -> dict[str, Any]:
+    """A bare ``GPTModel`` chunk's parameters under layout-free names."""
+    named = {}
+    for name, param in chunk.named_parameters():
+        parts = name.split(".")
+        if parts[:2] == ["decoder", "layers"]:
+            parts[2] = str(chunk.decoder.layers[int(parts[2])].layer_number - 1)
+        named[".".join(parts)] = param
+    return named
+
+
+def _adam_states(engine: Any) -> dict[int, dict[str, Any]]:
+    """torch Adam's state per parameter (by id), created empty where Adam has not stepped yet:
+    loading needs a tensor of the right sharding to read into."""
+    states = {}
+    for inner in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer]):
+        for group in inner.optimizer.param_groups:
+            for param in group["params"]:
+                state = inner.optimizer.state[param]
+                for key in _ADAM:
+                    state.setdefault(key, torch.zeros_like(param))
+                state.setdefault("step", torch.tensor(0.0))
+                states[id(param)] = state
+    return states
+
+
+def _state(engine: Any) -> dict[str, Any]:
+    from megatron_fsdp.uneven_dtensor import preprocess_state_dict_for_uneven_dtensor
+
+    adam = _adam_states(engine)
+    model, optim = {}, {}
+    for chunk in engine.model:
+        for name, param in _global_names(chunk.module).items():
+            model[name] = param
+            optim[name] = {key: adam[id(param)][key] for key in (*_ADAM, "step")}
+    return preprocess_state_dict_for_uneven_dtensor({"model": model, "optim": optim})
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def save(path: str, *, step: int, engine: Any) -> CheckpointInfo:
+    target = Path(path).absolute()
+    rank = dist.get_rank()
+    name = [staging_path(target).name if rank == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    staging = target.parent / str(name[0])
+    if rank == 0:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+    dist.barrier()
+    dcp.save(_state(engine), checkpoint_id=str(staging))
+    torch.save({"rng": _rng_state(), "step": engine.step}, staging / f"extra_rank{rank}.pt")
+    dist.barrier()
+    if rank == 0:
+        cfg = engine.config
+        meta = {"step": step, "engine": "megatron_fsdp", "tp": cfg.tensor_parallel,
+                "pp": cfg.pipeline_parallel, "vpp": cfg.virtual_pipeline}  # fmt: skip
+        (staging / MARKER).write_text(json.dumps(meta))
+        publish(staging, target)
+    dist.barrier()
+    return CheckpointInfo(str(target), step)
+
+
+def load(path: str, *, engine: Any) -> CheckpointInfo:
+    source = Path(path)
+    marker = source / MARKER
+    if not marker.is_file():
+        raise FileNotFoundError(f"{path} is not a complete drivetrain checkpoint (no {MARKER})")
+    meta = json.loads(marker.read_text())
+    dcp.load(_state(engine), checkpoint_id=str(source))  # in place, into this layout's shards
+    for chunk in engine.model:  # the training (model) weights from the loaded main weights
+        chunk.install_optimized_model_weights()
+    extra_file = source / f"extra_rank{dist.get_rank()}.pt"
+    if extra_file.is_file():  # absent when loading at a larger world size: RNG stays seeded
+        extra = torch.load(extra_file, weights_only=False)
+        random.setstate(extra["rng"]["python"])
+        torch.set_rng_state(extra["rng"]["torch"])
+    engine.step = int(meta["step"])
+    return CheckpointInfo(str(source), int(meta["step"]))

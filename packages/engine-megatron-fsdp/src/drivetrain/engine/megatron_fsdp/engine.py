@@ -1,0 +1,65 @@
+"""The ``megatron_fsdp`` engine: engine-megatron's training loop (model building, HF weight
+conversion, pipeline schedule, loss normalisation, megatron's optimizer) over model chunks
+wrapped by Megatron-FSDP instead of megatron's DDP.
+
+Three things differ, each an override of an engine-megatron extension point: how chunks are
+wrapped (``wrap.py``), that *every* chunk's asynchronous parameter all-gather is finished
+before weights are read outside a training step (``_sync_params``), and that exported
+weights are gathered from data-parallel shards (``gather.py``); checkpoints are torch
+distributed checkpoints of the sharded (DTensor) state (``checkpoint.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from drivetrain.api import CheckpointInfo, EngineConfig
+from drivetrain.engine.megatron.engine import MegatronEngine
+from drivetrain.engine.megatron_fsdp import checkpoint
+from drivetrain.engine.megatron_fsdp.config import MegatronFSDPConfig
+from drivetrain.engine.megatron_fsdp.gather import GatheredParams
+from drivetrain.engine.megatron_fsdp.wrap import wrap_chunks
+
+
+def _as_fsdp_config(config: EngineConfig) -> MegatronFSDPConfig:
+    if isinstance(config, MegatronFSDPConfig):
+        return config
+    return MegatronFSDPConfig(**{k: getattr(config, k) for k in vars(config)})
+
+
+class MegatronFSDPEngine(MegatronEngine):
+    config: MegatronFSDPConfig
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(_as_fsdp_config(config))
+
+    def _wrap_chunks(self, chunks: list[Any]) -> list[Any]:
+        return wrap_chunks(chunks, self.tcfg, self.config, self.device)
+
+    def _sync_params(self) -> None:
+        # after an optimizer step Megatron-FSDP has only *started* the parameter all-gather
+        # (prefetch for the next forward); finish it on every chunk, not just the first
+        for chunk in self.model:
+            chunk.synchronize_param_gather()
+
+    def _export_params(self, chunk: Any) -> Mapping[str, torch.Tensor]:
+        return GatheredParams(dict(chunk.named_parameters()), self.tcfg.params_dtype)
+
+    def to(self, device: str, *, model: bool = True, optimizer: bool = True) -> None:
+        if self.device.type != "cpu" and device == "cpu" and (model or optimizer):
+            raise NotImplementedError("the megatron_fsdp engine has no offload yet; use engine "
+                                      "megatron")  # fmt: skip
+        super().to(device, model=model, optimizer=optimizer)
+
+    def save_checkpoint(self, path: str, *, step: int) -> CheckpointInfo:
+        self._sync_params()
+        return checkpoint.save(path, step=step, engine=self)
+
+    def load_checkpoint(self, path: str) -> CheckpointInfo:
+        self._sync_params()
+        info = checkpoint.load(path, engine=self)
+        self._set_lr()
+        return info
