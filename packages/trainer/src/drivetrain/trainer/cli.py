@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from importlib import metadata
+from pathlib import Path
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -71,6 +73,24 @@ def ckpt_engines() -> None:
 app.command()(sft)
 app.command()(grpo)
 app.command()(ppo)
+
+
+@app.command("import-gguf")
+def import_gguf_command(
+    gguf_file: Annotated[Path, typer.Argument(help="The .gguf file.")],
+    out_dir: Annotated[Path, typer.Argument(help="Where to write the Hugging Face model dir.")],
+    dtype: Annotated[str, typer.Option(help="dtype of the saved weights.")] = "bfloat16",
+) -> None:
+    """Convert a GGUF checkpoint (dequantised) into a Hugging Face model directory."""
+    from drivetrain.api.errors import DrivetrainError
+    from drivetrain.trainer.gguf_import import import_gguf
+
+    try:
+        import_gguf(gguf_file, out_dir, dtype=dtype)
+    except DrivetrainError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    console.print(f"wrote {out_dir}")
 
 
 def main() -> None:
