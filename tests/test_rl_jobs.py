@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -16,25 +17,33 @@ from rl_support import make_rl_job, metrics_rows, rl_command, run_rl
 from sft_support import sft_env
 
 pytestmark = pytest.mark.timeout(900)
+REPO = Path(__file__).resolve().parents[1]
 
 
-def test_grpo_inprocess_trains_and_reports(tmp_path):
+def test_grpo_inprocess_with_user_plugins(tmp_path):
+    """In-process GRPO with a user's policy loss (registered by a plugin module) and a custom
+    reward by dotted path: the examples/ recipes."""
     base = make_rl_job(tmp_path)
     out = tmp_path / "run"
+    env = {**sft_env(tmp_path), "PYTHONPATH": str(REPO)}
     summary, done = run_rl(
-        "grpo", *base, f"run.output_dir={out}", "run.steps=2", env=sft_env(tmp_path)
-    )
+        "grpo", *base, f"run.output_dir={out}", "run.steps=2",
+        "algorithm.plugins=[examples.custom_policy_loss]",
+        "algorithm.policy_loss=clipped_reinforce",
+        "reward.functions=[exact_match,examples.custom_reward:brevity]", env=env,
+    )  # fmt: skip
     assert summary["steps"] == 2
     assert summary["weight_digests"] == {}  # in-process: the engine streams into the rollout
     rows = [r for r in metrics_rows(out) if "reward/mean" in r]
     assert [r["step"] for r in rows] == [1, 2]
-    for key in ("actor/grad_norm", "actor/clip_frac", "actor/entropy_old", "time/generate_s",
+    for key in ("actor/grad_norm", "actor/pg_loss", "actor/entropy_old", "time/generate_s",
                 "weight_sync/seconds", "response/length_mean", "perf/tokens_per_s"):  # fmt: skip
         assert key in rows[0], key
     # the rollout generated with exactly the weights the trainer scores with
     assert rows[0]["rollout/log_prob_diff"] < 1e-4
     assert (out / "reward_curve.png").is_file() and (out / "config.yaml").is_file()
     assert "validation before" in done.stderr
+    assert "reward/examples.custom_reward:brevity" in rows[0]
 
 
 def test_ppo_with_critic_and_reference(tmp_path):
