@@ -21,8 +21,9 @@ class MegatronFSDPConfig(MegatronConfig):
     one transformer layer at a time around its forward and backward. Advanced knobs (``None``:
     Megatron-FSDP's choice): ``overlap_grad_reduce`` / ``overlap_param_gather`` (Megatron-FSDP
     forces both on where its strategy needs them), ``bucket_size`` (elements per
-    communication bucket). ``no_shard`` is refused: with megatron-core 0.16.1 its weights
-    never change (see the README).
+    communication bucket). ``no_shard`` is refused: its first optimizer step fails with
+    megatron-fsdp 0.3.1 (see the README). At data-parallel size 1 every strategy runs as
+    ``optim`` (see ``wrap.py``).
     """
 
     sharding_strategy: str = "optim_grads_params"
@@ -34,9 +35,10 @@ class MegatronFSDPConfig(MegatronConfig):
         super().__post_init__()
         if self.sharding_strategy == "no_shard":
             raise ConfigError(
-                "sharding_strategy='no_shard' does not update the weights with megatron-fsdp "
-                "0.3.1 / megatron-core 0.16.1; use engine megatron (plain DDP) or one of "
-                f"{', '.join(STRATEGIES)}"
+                "sharding_strategy='no_shard' does not work with megatron-fsdp 0.3.1 / "
+                "megatron-core 0.16.1 (measured: the first optimizer step fails in "
+                "start_param_sync, 'NoneType' object has no attribute 'fetch_bucket'); use "
+                f"engine megatron (plain DDP) or one of {', '.join(STRATEGIES)}"
             )
         if self.sharding_strategy not in STRATEGIES:
             choices = ", ".join(STRATEGIES)

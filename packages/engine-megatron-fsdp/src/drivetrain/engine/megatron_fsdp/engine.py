@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from drivetrain.api import CheckpointInfo, EngineConfig
+from drivetrain.api import CheckpointInfo, EngineConfig, EngineStateError
 from drivetrain.engine.megatron.engine import MegatronEngine
 from drivetrain.engine.megatron_fsdp import checkpoint
 from drivetrain.engine.megatron_fsdp.config import MegatronFSDPConfig
@@ -46,6 +46,14 @@ class MegatronFSDPEngine(MegatronEngine):
             chunk.synchronize_param_gather()
 
     def _export_params(self, chunk: Any) -> Mapping[str, torch.Tensor]:
+        index, wrapper = next((i, w) for i, w in enumerate(self.model) if w.module is chunk)
+        if not wrapper.is_param_fsdp_distributed:
+            # the chunk still holds its raw (all-gather) parameters, which may be stale or
+            # freed: reading them would export wrong weights without any error
+            raise EngineStateError(
+                f"model chunk {index} of {len(self.model)} was not synchronised before export "
+                "(its parameter all-gather is unfinished); _sync_params must cover every chunk"
+            )
         return GatheredParams(dict(chunk.named_parameters()), self.tcfg.params_dtype)
 
     def to(self, device: str, *, model: bool = True, optimizer: bool = True) -> None:

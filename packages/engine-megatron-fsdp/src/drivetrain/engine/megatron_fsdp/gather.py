@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 
 def gather_rows(local: torch.Tensor, group: Any) -> torch.Tensor:
@@ -45,8 +45,11 @@ class GatheredParams(Mapping[str, torch.Tensor]):
         param = self.params[name]
         if not isinstance(param, DTensor):
             return param.detach().to(self.dtype)
-        group = param.device_mesh.get_group("dp")
-        return gather_rows(param.to_local().detach(), group).to(self.dtype)
+        local = param.to_local().detach()
+        dp = param.device_mesh.mesh_dim_names.index("dp")
+        if not isinstance(param.placements[dp], Shard):  # replicated over DP (no_shard)
+            return local.to(self.dtype)
+        return gather_rows(local, param.device_mesh.get_group("dp")).to(self.dtype)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.params)

@@ -265,6 +265,10 @@ class MegatronEngine(ModalEngine):
             and self.ps.get_expert_tensor_and_model_parallel_world_size() > 1
         ):
             lengths = self._common_lengths(micros, empty, multiple)
+        if self.config.virtual_pipeline > 1:
+            # megatron's interleaved schedule sends every micro-batch's activations with one
+            # shape (it ignores variable_seq_lengths): pad every row to the longest
+            lengths = [max(self._common_lengths(micros, empty, multiple))] * len(micros)
         return [
             (micro, pack_row(micro or empty, self.device, multiple, length=length))
             for micro, length in zip(micros, lengths, strict=True)
