@@ -1,0 +1,37 @@
+"""Installing only ``drivetrain-engine-fsdp`` pulls nothing of Megatron: its dependency closure
+in ``uv.lock`` (offline: the lock file is the resolution every install uses)."""
+
+import tomllib
+from pathlib import Path
+
+LOCK = Path(__file__).resolve().parents[1] / "uv.lock"
+MEGATRON = {"megatron-core", "megatron-fsdp", "drivetrain-engine-megatron"}
+
+
+def closure(root: str) -> set[str]:
+    """Every package a plain install of ``root`` resolves to (extras a dependency asks for
+    included, the root's own optional extras not)."""
+    packages = {p["name"]: p for p in tomllib.loads(LOCK.read_text())["package"]}
+    seen, todo = set(), [(root, ())]
+    while todo:
+        name, extras = todo.pop()
+        key = (name, extras)
+        if key in seen:
+            continue
+        seen.add(key)
+        package = packages[name]
+        deps = list(package.get("dependencies", []))
+        for extra in extras:
+            deps += package.get("optional-dependencies", {}).get(extra, [])
+        todo += [(d["name"], tuple(d.get("extra", ()))) for d in deps]
+    return {name for name, _ in seen}
+
+
+def test_engine_fsdp_installs_no_megatron():
+    names = closure("drivetrain-engine-fsdp")
+    assert "torch" in names and "transformers" in names  # the walk follows the graph
+    assert not names & MEGATRON, sorted(names & MEGATRON)
+
+
+def test_engine_megatron_fsdp_installs_megatron():  # the check can fail
+    assert {"megatron-core", "megatron-fsdp"} <= closure("drivetrain-engine-megatron-fsdp")
