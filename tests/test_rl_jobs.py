@@ -120,7 +120,9 @@ def test_killed_worker_fails_fast_and_resume_continues(tmp_path):
         killed = time.monotonic()
         _, stderr = proc.communicate(timeout=180)
         assert proc.returncode not in (0, None)
-        assert time.monotonic() - killed < 120
+        elapsed = time.monotonic() - killed
+        print(f"the run failed {elapsed:.1f} s after rank 1 was killed")
+        assert elapsed < 120
         assert "a Ray worker died" in stderr, stderr[-3000:]
     finally:
         if proc.poll() is None:

@@ -37,6 +37,7 @@ class RLDataConfig:
     messages_key: str = "messages"
     answer_key: str = "answer"
     max_prompt_length: int = 512
+    max_prompts: int = 0  # train on the first N prompts only (0: all), for epochs over a pool
     val_size: int = 0  # 0: every validation row
 
 

@@ -207,6 +207,7 @@ def prepare(job: RLJob) -> PreparedRL:
         "max_prompt_length": c.data.max_prompt_length,
     }
     train, dropped = load_prompts(c.data.train_path, tokenizer, **keys)
+    train = train[: c.data.max_prompts or None]
     val = []
     if c.data.val_path:
         val, _ = load_prompts(c.data.val_path, tokenizer, **keys)

@@ -55,6 +55,18 @@ def numeric_match(response: str, ground_truth: str) -> float:
     return float(math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-9))
 
 
+@REWARDS.register("digit_match")
+def digit_match(response: str, ground_truth: str) -> float:
+    """Partial credit for numeric answers: the fraction of digit positions that agree, aligned
+    from the units digit (as columns are in written addition), over the longer of the two; a
+    denser signal than exact match, still checked against the ground truth only."""
+    got, want = extract_answer(response), ground_truth.strip()
+    if not got or not want:
+        return 0.0
+    same = sum(a == b for a, b in zip(reversed(got), reversed(want), strict=False))
+    return same / max(len(got), len(want))
+
+
 @REWARDS.register("format")
 def answer_format(response: str, ground_truth: str) -> float:
     """1 if the response puts exactly one answer in ``<answer>…</answer>`` tags."""
