@@ -36,11 +36,12 @@ def test_grpo_inprocess_with_user_plugins(tmp_path):
     assert summary["weight_digests"] == {}  # in-process: the engine streams into the rollout
     rows = [r for r in metrics_rows(out) if "reward/mean" in r]
     assert [r["step"] for r in rows] == [1, 2]
-    for key in ("actor/grad_norm", "actor/pg_loss", "actor/entropy_old", "time/generate_s",
+    for key in ("actor/grad_norm", "actor/pg_loss", "actor/entropy", "time/generate_s",
                 "weight_sync/seconds", "response/length_mean", "perf/tokens_per_s"):  # fmt: skip
         assert key in rows[0], key
     # the rollout generated with exactly the weights the trainer scores with
-    assert rows[0]["rollout/log_prob_diff"] < 1e-4
+    assert rows[0]["actor/rollout_log_prob_diff"] < 1e-4
+    assert "time/old_log_probs_s" not in rows[0]  # one update per batch: no separate forward
     assert (out / "reward_curve.png").is_file() and (out / "config.yaml").is_file()
     assert "validation before" in done.stderr
     assert "reward/examples.custom_reward:brevity" in rows[0]
@@ -57,6 +58,7 @@ def test_ppo_with_critic_and_reference(tmp_path):
     assert summary["steps"] == 2
     row = metrics_rows(out)[0]
     assert row["critic/value_loss"] > 0 and row["critic/grad_norm"] > 0
+    assert row["rollout/log_prob_diff"] < 1e-4  # PPO epochs: old log-probs recomputed
     assert "actor/kl_ref" in row and row["actor/kl_ref"] == pytest.approx(0.0, abs=1e-6)
     state = json.loads(next((out / "checkpoints").glob("step_*/trainer_state.json")).read_text())
     assert state["roles"] == ["actor", "critic", "reference"]
@@ -86,7 +88,7 @@ def test_colocated_and_separate_give_the_same_first_update(tmp_path):
         )  # fmt: skip
         digests[mode] = summary["weight_digests"]["1"]
         row = metrics_rows(out)[0]
-        assert row["rollout/log_prob_diff"] < 1e-4
+        assert row["actor/rollout_log_prob_diff"] < 1e-4
     assert digests["colocated"] == digests["separate"]
 
 

@@ -210,6 +210,25 @@ def test_packed_layout_actor_loss_matches_padded() -> None:
     packed = padded.to_packed()
     assert packed.layout is Layout.PACKED
     fn = ActorLoss(aggregation="seq-mean-token-mean")
-    a, _ = fn({"log_probs": logp}, padded, _ctx(3, 2))
-    b, _ = fn({"log_probs": logp.flatten()}, packed, _ctx(3, 2))
+    ent = torch.rand(2, 3)
+    a, _ = fn({"log_probs": logp, "entropy": ent}, padded, _ctx(3, 2))
+    b, _ = fn({"log_probs": logp.flatten(), "entropy": ent.flatten()}, packed, _ctx(3, 2))
     assert float(a) == pytest.approx(float(b))
+
+
+def test_on_policy_actor_loss_equals_recomputed_old_log_probs() -> None:
+    logp = torch.tensor([[0.0, -0.7, -1.2]], requires_grad=True)
+    cols = {
+        "input_ids": torch.zeros(1, 3, dtype=torch.long),
+        "loss_mask": torch.tensor([[0, 1, 1]]),
+        "old_log_probs": logp.detach().clone(),
+        "advantages": torch.tensor([[0.0, 1.5, 1.5]]),
+    }
+    batch = Batch.from_columns(cols, seq_lens=[3], token_keys=list(cols))
+    outputs = {"log_probs": logp, "entropy": torch.zeros(1, 3)}
+    recomputed, _ = ActorLoss()(outputs, batch, _ctx(2, 1))
+    shortcut, _ = ActorLoss(on_policy=True)(outputs, batch.drop("old_log_probs"), _ctx(2, 1))
+    assert float(shortcut.detach()) == pytest.approx(float(recomputed.detach()))
+    g1 = torch.autograd.grad(recomputed, logp, retain_graph=True)[0]
+    g2 = torch.autograd.grad(shortcut, logp)[0]
+    assert torch.equal(g1, g2)

@@ -23,6 +23,7 @@ from drivetrain.api.columns import (
     OLD_LOG_PROBS,
     REF_LOG_PROBS,
     RETURNS,
+    ROLLOUT_LOG_PROBS,
     VALUES,
 )
 from drivetrain.trainer.rl.aggregation import aggregate
@@ -51,12 +52,13 @@ class ActorLoss:
     kl_loss_coef: float = 0.0  # KL as a loss term (GRPO's); needs ref_log_probs
     kl_estimator: str = "k3"
     temperature: float = 1.0
+    #: one update per batch from the policy that sampled it: the old log-probs are this
+    #: pass's own (detached), so no separate forward computes them (the ratio is 1)
+    on_policy: bool = False
 
     @property
     def outputs(self) -> OutputSpec:
-        return OutputSpec(
-            log_probs=True, entropy=self.entropy_coef != 0.0, temperature=self.temperature
-        )
+        return OutputSpec(log_probs=True, entropy=True, temperature=self.temperature)
 
     def __call__(
         self, outputs: Mapping[str, Any], mb: Batch, ctx: LossContext
@@ -74,9 +76,10 @@ class ActorLoss:
                 global_sequences=ctx.global_sequences,
             )
 
+        old = log_probs.detach() if self.on_policy else mb[OLD_LOG_PROBS].to(log_probs.dtype)
         inputs = PolicyLossInputs(
             log_probs=log_probs,
-            old_log_probs=mb[OLD_LOG_PROBS].to(log_probs.dtype),
+            old_log_probs=old,
             advantages=mb[ADVANTAGES].to(log_probs.dtype),
             mask=mask,
             seq_lens=mb.seq_lens,
@@ -89,10 +92,13 @@ class ActorLoss:
             metrics[f"actor/{name}"] = agg(value.detach(), "token-mean")
         approx_kl = (inputs.old_log_probs - log_probs.detach()) * mask
         metrics["actor/ppo_kl"] = agg(approx_kl, "token-mean")
+        entropy = agg(outputs[ENTROPY])
+        metrics["actor/entropy"] = entropy.detach()
+        if ROLLOUT_LOG_PROBS in mb:  # the rollout sampled from the weights being trained
+            diff = (mb[ROLLOUT_LOG_PROBS].to(log_probs.dtype) - log_probs.detach()).abs()
+            metrics["actor/rollout_log_prob_diff"] = agg(diff, "token-mean")
         if self.entropy_coef != 0.0:
-            entropy = agg(outputs[ENTROPY])
             loss = loss - self.entropy_coef * entropy
-            metrics["actor/entropy"] = entropy.detach()
         if self.kl_loss_coef != 0.0:
             ref = mb[REF_LOG_PROBS].to(log_probs.dtype)
             kl = agg(kl_penalty(log_probs, ref, self.kl_estimator))

@@ -98,6 +98,12 @@ class RLTrainer:
         self.scorer = RewardScorer(c.reward.functions, c.reward.weights)
         self.sampler = PromptSampler(len(setup.train), c.run.prompts_per_step, c.seed)
         alg = c.algorithm
+        samples = c.run.prompts_per_step * c.sampling.n
+        single_update = alg.ppo_epochs == 1 and (
+            alg.mini_batch_size == 0 or alg.mini_batch_size >= samples
+        )
+        needs_old = alg.kl_in_reward and setup.reference != "none"
+        self.on_policy = alg.on_policy_shortcut and single_update and not needs_old
         self.actor_loss = ActorLoss(
             policy_loss=alg.policy_loss,
             clip=_clip(alg),
@@ -106,6 +112,7 @@ class RLTrainer:
             kl_loss_coef=0.0 if alg.kl_in_reward or setup.reference == "none" else alg.kl_coef,
             kl_estimator=alg.kl_estimator,
             temperature=c.sampling.temperature,
+            on_policy=self.on_policy,
         )
         self.critic_loss = CriticLoss(alg.value_clip, alg.aggregation)
         self.trainable = (ACTOR, CRITIC) if setup.critic else (ACTOR,)
@@ -129,9 +136,11 @@ class RLTrainer:
         colocated = self.placement.mode == "colocated"
         if colocated:
             self.pool.each("sleep", 1)  # the trainer gets the shared device back
-        with timer("old_log_probs"):
-            old = self.infer(batch, ACTOR, OutputSpec(entropy=True, temperature=self.temp))
-            batch = batch.with_columns(old_log_probs=old[LOG_PROBS])
+        old: dict[str, torch.Tensor] = {}
+        if not self.on_policy:  # else the update's own forward gives them
+            with timer("old_log_probs"):
+                old = self.infer(batch, ACTOR, OutputSpec(entropy=True, temperature=self.temp))
+                batch = batch.with_columns(old_log_probs=old[LOG_PROBS])
         if self.setup.reference != "none":
             with timer("ref_log_probs"):
                 ref = self.infer(
@@ -155,8 +164,9 @@ class RLTrainer:
                 critic = self.update(batch, CRITIC, self.critic_loss, step, RETURNS, OLD_VALUES)
         with timer("update_actor"):
             actor = self.update(
-                batch, ACTOR, self.actor_loss, step, OLD_LOG_PROBS, ADVANTAGES, REF_LOG_PROBS
-            )
+                batch, ACTOR, self.actor_loss, step, OLD_LOG_PROBS, ADVANTAGES, REF_LOG_PROBS,
+                ROLLOUT_LOG_PROBS,
+            )  # fmt: skip
         with timer("weight_sync"):
             if colocated:
                 self.pool.each("wake_up", ("weights",))
@@ -173,10 +183,6 @@ class RLTrainer:
             "actor/loss": actor.loss,
             "actor/lr": actor.lr,
             **actor.metrics,
-            "actor/entropy_old": masked_mean(old[ENTROPY], mask),
-            "rollout/log_prob_diff": masked_mean(
-                (batch[ROLLOUT_LOG_PROBS] - batch[OLD_LOG_PROBS]).abs(), mask
-            ),
             "response/length_mean": float(lengths.mean()),
             "response/length_max": float(lengths.max()),
             "response/clip_ratio": float((lengths >= c.sampling.max_new_tokens).float().mean()),
@@ -185,6 +191,10 @@ class RLTrainer:
             **{f"time/{k}_s": v for k, v in timer.seconds.items()},
             **report.metrics(),
         }
+        if old:
+            metrics["actor/entropy_old"] = masked_mean(old[ENTROPY], mask)
+            diff = (batch[ROLLOUT_LOG_PROBS] - batch[OLD_LOG_PROBS]).abs()
+            metrics["rollout/log_prob_diff"] = masked_mean(diff, mask)
         if self.setup.critic:
             metrics.update({**critic.metrics, "critic/grad_norm": critic.grad_norm})
         return metrics
