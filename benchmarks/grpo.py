@@ -2,7 +2,7 @@
 
 Same task (the built-in 1-2 digit addition prompts), same starting model (the built-in SFT
 model, trained first if not cached), same reward (exact match), same hyper-parameters: 32
-prompts x 8 samples per step, at most 8 new tokens, temperature 1, lr 2e-4 AdamW, one
+prompts x 8 samples per step, at most 8 new tokens, temperature 1, lr 1e-4 AdamW, one
 optimizer step per generation batch, group-std advantages, token-mean loss, no KL, fp32, one
 process on the CPU. Each framework runs in its own subprocess, one after the other.
 
@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-PROMPTS, GROUP, NEW_TOKENS, LR = 32, 8, 8, 2e-4
+PROMPTS, GROUP, NEW_TOKENS, LR = 32, 8, 8, 1e-4
 
 
 def run_drivetrain(out: Path, steps: int) -> dict:

@@ -88,9 +88,12 @@ class PromptSampler:
             raise DataError(f"{per_step} prompts per step, but the data has only {count}")
         self.count, self.per_step, self.seed = count, per_step, seed
         self.steps_per_epoch = count // per_step
+        self._epoch: tuple[int, list[int]] = (-1, [])
 
     def indices(self, step: int) -> list[int]:
         epoch, within = divmod(step, self.steps_per_epoch)
-        order = list(range(self.count))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-        return order[within * self.per_step : (within + 1) * self.per_step]
+        if self._epoch[0] != epoch:  # one shuffle per epoch, not per step
+            order = list(range(self.count))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            self._epoch = (epoch, order)
+        return self._epoch[1][within * self.per_step : (within + 1) * self.per_step]
