@@ -71,13 +71,13 @@ def transport_config(transport: str, config: WeightSyncConfig) -> WeightSyncConf
 @dataclass
 class WeightUpdater:
     """Moves the actor's weights into every rollout: the sync sequence of
-    :class:`~drivetrain.api.sync_manager.WeightSyncManager` in every placement."""
+    :class:`~drivetrain.api.sync_manager.WeightSyncManager` in every placement. (Colocated
+    rollouts are put to sleep and woken by tag around training and the sync by the trainer.)"""
 
     group: WorkerGroup
     pool: RolloutPool
     transport: str
     config: WeightSyncConfig
-    release_kv_cache: bool = False
     reports: list[SyncReport] = field(default_factory=list)
     _manager: WeightSyncManager | None = None
 
@@ -104,9 +104,7 @@ class WeightUpdater:
         async def send(version: int) -> SyncStats | None:
             return await asyncio.to_thread(self.group.run_all, "sync_send", version)
 
-        self._manager = WeightSyncManager(
-            send, self.pool.rollouts, release_kv_cache=self.release_kv_cache
-        )
+        self._manager = WeightSyncManager(send, self.pool.rollouts)
 
     @staticmethod
     def _gather(calls: Sequence[Any]) -> None:
@@ -290,7 +288,7 @@ def _ray_placement(
             RayRolloutHandle(a, rollout_config, workers.start_timeout_s * 10) for a in actors
         ]
         pool = RolloutPool(handles)
-        updater = WeightUpdater(group, pool, transport, sync_config, release_kv_cache=colocated)
+        updater = WeightUpdater(group, pool, transport, sync_config)
         updater.connect()
         return Placement(mode, group, pool, updater, started_ray=started)
     except BaseException:
