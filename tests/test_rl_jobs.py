@@ -47,13 +47,13 @@ def test_grpo_inprocess_with_user_plugins(tmp_path):
     assert "reward/examples.custom_reward:brevity" in rows[0]
 
 
-def test_ppo_with_critic_and_reference(tmp_path):
+def test_ppo_with_critic_reference_and_reward_model(tmp_path):
     base = make_rl_job(tmp_path)
     out = tmp_path / "run"
     summary, _ = run_rl(
         "ppo", *base, f"run.output_dir={out}", "run.steps=2", "algorithm.kl_coef=0.05",
         "algorithm.kl_in_reward=true", "algorithm.ppo_epochs=2", "algorithm.mini_batch_size=2",
-        env=sft_env(tmp_path),
+        f"reward.model_path={tmp_path / 'model'}", env=sft_env(tmp_path),
     )  # fmt: skip
     assert summary["steps"] == 2
     row = metrics_rows(out)[0]
@@ -61,7 +61,8 @@ def test_ppo_with_critic_and_reference(tmp_path):
     assert row["rollout/log_prob_diff"] < 1e-4  # PPO epochs: old log-probs recomputed
     assert "actor/kl_ref" in row and row["actor/kl_ref"] == pytest.approx(0.0, abs=1e-6)
     state = json.loads(next((out / "checkpoints").glob("step_*/trainer_state.json")).read_text())
-    assert state["roles"] == ["actor", "critic", "reference"]
+    assert state["roles"] == ["actor", "critic", "reference", "reward_model"]
+    assert "reward/model_mean" in row  # a value-head engine scored every sample
 
 
 def test_bad_config_fails_before_any_worker(tmp_path):

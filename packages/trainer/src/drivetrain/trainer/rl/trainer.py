@@ -152,7 +152,9 @@ class RLTrainer:
                 batch = batch.with_columns(ref_log_probs=ref[LOG_PROBS])
         if self.setup.reward_model:
             with timer("reward_model"):
-                scores = scores + self.reward_model_scores(batch)
+                model_scores = self.reward_model_scores(batch)
+                scores = scores + model_scores
+                reward_metrics["reward/model_mean"] = float(model_scores.mean())
         if self.setup.critic:
             with timer("values"):
                 values = state_values(self.infer(batch, CRITIC, CriticLoss().outputs)[VALUES])
