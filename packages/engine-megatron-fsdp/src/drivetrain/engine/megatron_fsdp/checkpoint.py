@@ -15,10 +15,6 @@ ranks write into a staging directory that rank 0 renames to ``path`` once everyo
 
 from __future__ import annotations
 
-import json
-import random
-import shutil
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,9 +22,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from drivetrain.api import CheckpointInfo
-from drivetrain.api.atomic_dir import publish, staging_path
+from drivetrain.engine.megatron.checkpoint_dir import (
+    begin_save,
+    finish_save,
+    read_marker,
+    restore_rank_extra,
+)
 
-MARKER = "drivetrain.json"
 _ADAM = ("exp_avg", "exp_avg_sq")
 
 
@@ -86,43 +86,17 @@ def _state(engine: Any) -> dict[str, Any]:
     return preprocess_state_dict_for_uneven_dtensor({"model": model, "optim": optim})
 
 
-def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
 def save(path: str, *, step: int, engine: Any) -> CheckpointInfo:
-    target = Path(path).absolute()
-    rank = dist.get_rank()
-    name = [staging_path(target).name if rank == 0 else None]
-    dist.broadcast_object_list(name, src=0)
-    staging = target.parent / str(name[0])
-    if rank == 0:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir()
-    dist.barrier()
+    target, staging = begin_save(path)
     dcp.save(_state(engine), checkpoint_id=str(staging))
-    torch.save({"rng": _rng_state(), "step": engine.step}, staging / f"extra_rank{rank}.pt")
-    dist.barrier()
-    if rank == 0:
-        cfg = engine.config
-        meta = {"step": step, "engine": "megatron_fsdp", "tp": cfg.tensor_parallel,
-                "pp": cfg.pipeline_parallel, "vpp": cfg.virtual_pipeline}  # fmt: skip
-        (staging / MARKER).write_text(json.dumps(meta))
-        publish(staging, target)
-    dist.barrier()
-    return CheckpointInfo(str(target), step)
+    cfg = engine.config
+    meta = {"engine": "megatron_fsdp", "tp": cfg.tensor_parallel,
+            "pp": cfg.pipeline_parallel, "vpp": cfg.virtual_pipeline}  # fmt: skip
+    return finish_save(target, staging, step=step, engine_step=engine.step, meta=meta)
 
 
 def load(path: str, *, engine: Any) -> CheckpointInfo:
-    source = Path(path)
-    marker = source / MARKER
-    if not marker.is_file():
-        raise FileNotFoundError(f"{path} is not a complete drivetrain checkpoint (no {MARKER})")
-    meta = json.loads(marker.read_text())
+    meta = read_marker(path)
     tp = engine.config.tensor_parallel
     if meta.get("tp", tp) != tp:
         # the tensor-parallel layout is part of the saved tensors: the gated MLP's fc1 holds
@@ -132,13 +106,9 @@ def load(path: str, *, engine: Any) -> CheckpointInfo:
             f"it at another data-parallel or pipeline layout, but not at tensor_parallel={tp} "
             "(use engine megatron's checkpoints to change TP)"
         )
-    dcp.load(_state(engine), checkpoint_id=str(source))  # in place, into this layout's shards
+    dcp.load(_state(engine), checkpoint_id=path)  # in place, into this layout's shards
     for chunk in engine.model:  # the training (model) weights from the loaded main weights
         chunk.install_optimized_model_weights()
-    extra_file = source / f"extra_rank{dist.get_rank()}.pt"
-    if extra_file.is_file():  # absent when loading at a larger world size: RNG stays seeded
-        extra = torch.load(extra_file, weights_only=False)
-        random.setstate(extra["rng"]["python"])
-        torch.set_rng_state(extra["rng"]["torch"])
+    restore_rank_extra(path)
     engine.step = int(meta["step"])
-    return CheckpointInfo(str(source), int(meta["step"]))
+    return CheckpointInfo(path, int(meta["step"]))

@@ -14,20 +14,18 @@ after everyone finished, so ``path`` is complete or absent even if a process die
 from __future__ import annotations
 
 import contextlib
-import json
-import random
-import shutil
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from drivetrain.api import CheckpointInfo
-from drivetrain.api.atomic_dir import publish, staging_path
-
-MARKER = "drivetrain.json"
+from drivetrain.engine.megatron.checkpoint_dir import (
+    begin_save,
+    finish_save,
+    read_marker,
+    restore_rank_extra,
+)
 
 
 def _sharded_state(engine: Any, *, loading: bool) -> dict[str, Any]:
@@ -74,40 +72,15 @@ def _adam_step_kept(optimizer: Any) -> Iterator[None]:
             del inner._set_main_param_and_optimizer_states  # back to the class's method
 
 
-def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
 def save(path: str, *, step: int, engine: Any) -> CheckpointInfo:
     from megatron.core import dist_checkpointing
 
-    target = Path(path).absolute()
-    rank = dist.get_rank()
-    name = [staging_path(target).name if rank == 0 else None]
-    dist.broadcast_object_list(name, src=0)
-    staging = target.parent / str(name[0])
-    if rank == 0:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir()
-    dist.barrier()
+    target, staging = begin_save(path)
     dist_checkpointing.save(_sharded_state(engine, loading=False), str(staging))
-    torch.save({"rng": _rng_state(), "step": engine.step}, staging / f"extra_rank{rank}.pt")
-    dist.barrier()
-    if rank == 0:
-        cfg = engine.config
-        layout = {
-            "tp": cfg.tensor_parallel,
-            "pp": cfg.pipeline_parallel,
-            "vpp": cfg.virtual_pipeline,
-        }
-        (staging / MARKER).write_text(json.dumps({"step": step, "engine": "megatron", **layout}))
-        publish(staging, target)
-    dist.barrier()
-    return CheckpointInfo(str(target), step)
+    cfg = engine.config
+    layout = {"tp": cfg.tensor_parallel, "pp": cfg.pipeline_parallel, "vpp": cfg.virtual_pipeline}
+    meta = {"engine": "megatron", **layout}
+    return finish_save(target, staging, step=step, engine_step=engine.step, meta=meta)
 
 
 def _give_fresh_adam_state(optimizer: Any) -> None:
@@ -134,24 +107,14 @@ def _unshare_adam_steps(optimizer: Any) -> None:
 def load(path: str, *, engine: Any) -> CheckpointInfo:
     from megatron.core import dist_checkpointing
 
-    source = Path(path)
-    marker = source / MARKER
-    if not marker.is_file():
-        raise FileNotFoundError(f"{path} is not a complete drivetrain checkpoint (no {MARKER})")
-    meta = json.loads(marker.read_text())
+    meta = read_marker(path)
     _give_fresh_adam_state(engine.optimizer)
-    state = dist_checkpointing.load(_sharded_state(engine, loading=True), str(source))
+    state = dist_checkpointing.load(_sharded_state(engine, loading=True), path)
     for i, chunk in enumerate(engine.model):
         chunk.module.load_state_dict(state[f"model{i}"])
     with _adam_step_kept(engine.optimizer):
         engine.optimizer.load_state_dict(state["optimizer"])
     _unshare_adam_steps(engine.optimizer)
-    extra_file = source / f"extra_rank{dist.get_rank()}.pt"
-    if extra_file.is_file():  # absent when loading at a larger world size: RNG stays seeded
-        extra = torch.load(extra_file, weights_only=False)
-        random.setstate(extra["rng"]["python"])
-        torch.set_rng_state(extra["rng"]["torch"])
-        engine.step = extra["step"]
-    else:
-        engine.step = meta["step"]
-    return CheckpointInfo(str(source), int(meta["step"]))
+    saved_step = restore_rank_extra(path)
+    engine.step = meta["step"] if saved_step is None else saved_step
+    return CheckpointInfo(path, int(meta["step"]))
