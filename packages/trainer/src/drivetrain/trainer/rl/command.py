@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -119,33 +120,32 @@ Resume = Annotated[
 ]
 
 
-def grpo(
-    overrides: Overrides = None,
-    config: ConfigFiles = None,
-    engine: Engine = "fsdp2",
-    critic_engine: CriticEngine = "",
-    rollout: RolloutName = "hf",
-    weight_sync: WeightSync = "auto",
-    print_config: PrintConfig = False,
-    dry_run: DryRun = False,
-    resume: Resume = "auto",
-) -> None:
-    """GRPO. With no data and no model: the built-in addition task from the built-in SFT model."""
-    _run("grpo", overrides, config, engine, critic_engine, rollout, weight_sync, print_config,
-         dry_run, resume)  # fmt: skip
+def _command(algorithm: str, doc: str) -> Callable[..., None]:
+    """The typer command for ``algorithm`` (grpo and ppo take the same options)."""
+
+    def command(
+        overrides: Overrides = None,
+        config: ConfigFiles = None,
+        engine: Engine = "fsdp2",
+        critic_engine: CriticEngine = "",
+        rollout: RolloutName = "hf",
+        weight_sync: WeightSync = "auto",
+        print_config: PrintConfig = False,
+        dry_run: DryRun = False,
+        resume: Resume = "auto",
+    ) -> None:
+        _run(algorithm, overrides, config, engine, critic_engine, rollout, weight_sync,
+             print_config, dry_run, resume)  # fmt: skip
+
+    command.__name__ = command.__qualname__ = algorithm
+    command.__doc__ = doc
+    return command
 
 
-def ppo(
-    overrides: Overrides = None,
-    config: ConfigFiles = None,
-    engine: Engine = "fsdp2",
-    critic_engine: CriticEngine = "",
-    rollout: RolloutName = "hf",
-    weight_sync: WeightSync = "auto",
-    print_config: PrintConfig = False,
-    dry_run: DryRun = False,
-    resume: Resume = "auto",
-) -> None:
-    """PPO with GAE and a critic. With no data and no model: the built-in addition task."""
-    _run("ppo", overrides, config, engine, critic_engine, rollout, weight_sync, print_config,
-         dry_run, resume)  # fmt: skip
+grpo = _command(
+    "grpo",
+    "GRPO. With no data and no model: the built-in addition task from the built-in SFT model.",
+)
+ppo = _command(
+    "ppo", "PPO with GAE and a critic. With no data and no model: the built-in addition task."
+)
