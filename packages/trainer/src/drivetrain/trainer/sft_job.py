@@ -22,6 +22,7 @@ from drivetrain.trainer.builtin import addition
 from drivetrain.trainer.config_loader import load_config, to_yaml
 from drivetrain.trainer.data.batching import StepPlan
 from drivetrain.trainer.data.sft_dataset import SFTData, load_sft_data
+from drivetrain.trainer.data.tokenize import pad_token_id
 from drivetrain.trainer.errors import DataError
 from drivetrain.trainer.sft_config import SFTConfig, sft_config_type
 from drivetrain.trainer.sft_trainer import SFTResult, SFTTrainer, total_steps
@@ -99,10 +100,7 @@ def prepare(job: SFTJob) -> PreparedSFT:
         plan = StepPlan(len(data.train), config.run.batch_size, config.seed, config.data.shuffle)
     except ValueError as exc:
         raise DataError(str(exc)) from None
-    pad = tokenizer.pad_token_id
-    if pad is None:
-        pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-    return PreparedSFT(job, data, int(pad), total_steps(config, plan))
+    return PreparedSFT(job, data, pad_token_id(tokenizer), total_steps(config, plan))
 
 
 def engine_config_for_run(prepared: PreparedSFT) -> EngineConfig:

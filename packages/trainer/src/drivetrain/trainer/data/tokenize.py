@@ -122,3 +122,11 @@ def truncate(example: Example, max_length: int, policy: str, where: str) -> Exam
     if not any(mask):
         return None
     return Example(example.input_ids, mask)
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    """The tokenizer's pad token, else its EOS (padding is masked out either way), else 0."""
+    pad = tokenizer.pad_token_id
+    if pad is None:
+        pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    return int(pad)

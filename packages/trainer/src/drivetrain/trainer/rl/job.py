@@ -20,6 +20,7 @@ from drivetrain.api.config import RolloutConfig, WeightSyncConfig
 from drivetrain.api.errors import ConfigError
 from drivetrain.trainer.builtin import addition
 from drivetrain.trainer.config_loader import load_config, to_yaml
+from drivetrain.trainer.data.tokenize import pad_token_id
 from drivetrain.trainer.rl.advantages import ADVANTAGES, NEEDS_CRITIC
 from drivetrain.trainer.rl.config import RLConfig, rl_config_type
 from drivetrain.trainer.rl.placement import (
@@ -217,9 +218,6 @@ def prepare(job: RLJob) -> PreparedRL:
             f"run.prompts_per_step={c.run.prompts_per_step} exceeds the {len(train)} prompts"
         )
     roles, reference = role_specs(job, c.run.steps * updates_per_step(c))
-    pad = tokenizer.pad_token_id
-    if pad is None:
-        pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     state = {
         "algorithm": job.algorithm,
         "actor_engine": job.engine,
@@ -232,7 +230,7 @@ def prepare(job: RLJob) -> PreparedRL:
         state=state,
         train=train,
         val=val,
-        pad_token_id=int(pad),
+        pad_token_id=pad_token_id(tokenizer),
         tokenizer=tokenizer,
         reference=reference,
         critic=CRITIC in roles,

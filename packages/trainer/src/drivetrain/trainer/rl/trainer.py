@@ -27,7 +27,7 @@ from drivetrain.api.columns import (
     ROLLOUT_LOG_PROBS,
     VALUES,
 )
-from drivetrain.trainer.checkpoints import CheckpointManager
+from drivetrain.trainer.checkpoints import CheckpointManager, read_checkpoint
 from drivetrain.trainer.errors import CheckpointError
 from drivetrain.trainer.metrics import METRICS_FILE, MetricsLogger, plot_curve
 from drivetrain.trainer.progress import TrainingProgress
@@ -45,6 +45,7 @@ from drivetrain.trainer.rl.config import RLConfig
 from drivetrain.trainer.rl.kl import kl_penalty
 from drivetrain.trainer.rl.losses import OLD_VALUES, ActorLoss, CriticLoss, state_values
 from drivetrain.trainer.rl.placement import Placement
+from drivetrain.trainer.rl.policy_losses import ClipConfig
 from drivetrain.trainer.rl.prompts import PromptSampler, RLPrompt
 from drivetrain.trainer.rl.rewards import RewardScorer
 from drivetrain.trainer.rl.worker import ACTOR, CRITIC, REFERENCE, REWARD_MODEL
@@ -106,7 +107,7 @@ class RLTrainer:
         self.on_policy = alg.on_policy_shortcut and single_update and not needs_old
         self.actor_loss = ActorLoss(
             policy_loss=alg.policy_loss,
-            clip=_clip(alg),
+            clip=ClipConfig(alg.clip_low, alg.clip_high, alg.dual_clip),
             aggregation=alg.aggregation,
             entropy_coef=alg.entropy_coef,
             kl_loss_coef=0.0 if alg.kl_in_reward or setup.reference == "none" else alg.kl_coef,
@@ -299,7 +300,7 @@ class RLTrainer:
     def resume(self, how: str) -> int:
         if how == "none":
             return 0
-        found = self.checkpoints.latest() if how == "auto" else _read(Path(how))
+        found = self.checkpoints.latest() if how == "auto" else read_checkpoint(Path(how))
         if found is None:
             return 0
         for key, value in self.setup.state.items():
@@ -362,12 +363,6 @@ class RLTrainer:
         return result
 
 
-def _clip(alg: Any) -> Any:
-    from drivetrain.trainer.rl.policy_losses import ClipConfig
-
-    return ClipConfig(alg.clip_low, alg.clip_high, alg.dual_clip)
-
-
 def _mean_stats(stats: Sequence[StepStats]) -> StepStats:
     n = len(stats)
     keys = {k for s in stats for k in s.metrics}
@@ -378,12 +373,6 @@ def _mean_stats(stats: Sequence[StepStats]) -> StepStats:
         num_tokens=sum(s.num_tokens for s in stats),
         metrics={k: sum(float(s.metrics.get(k, 0.0)) for s in stats) / n for k in keys},
     )
-
-
-def _read(path: Path) -> Any:
-    from drivetrain.trainer.checkpoints import read_checkpoint
-
-    return read_checkpoint(path)
 
 
 def _fmt(metrics: dict[str, float]) -> str:
