@@ -57,6 +57,14 @@ def test_unknown_key_lists_valid_keys(job):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("command", ["sft", "grpo"])
+def test_error_text_is_printed_verbatim(tmp_path, command):
+    """Messages hold things like gloo's ``[/__w/.../pair.cc:537]``: printed as text, never parsed
+    as rich markup (which raised MarkupError instead of reporting the error)."""
+    missing = tmp_path / "[/__w/third_party/pair.cc:537]" / "job.yaml"
+    result = runner.invoke(app, [command, "--config", str(missing)], env={"COLUMNS": "250"})
+    fails(result, "error: config file", "[/__w/third_party/pair.cc:537]", "does not exist")
+
 def test_data_errors(job):
     tmp, out, base = job
     missing = [*base, f"data.train_path={tmp / 'missing.jsonl'}"]

@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
 from drivetrain.api import registry
+from drivetrain.trainer.console import plain_console, print_error
 from drivetrain.trainer.plugin_table import plugin_table
 from drivetrain.trainer.rl.command import grpo, ppo
 from drivetrain.trainer.sft_command import sft
@@ -19,7 +19,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
-console = Console()
+console = plain_console(stderr=False)
 
 
 def drivetrain_distributions() -> list[tuple[str, str]]:
@@ -88,7 +88,7 @@ def import_gguf_command(
     try:
         import_gguf(gguf_file, out_dir, dtype=dtype)
     except DrivetrainError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        print_error(console, exc)
         raise typer.Exit(2) from None
     console.print(f"wrote {out_dir}")
 

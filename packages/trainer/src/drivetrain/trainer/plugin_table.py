@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.table import Table
+from rich.text import Text
 
 from drivetrain.api.registry import Registry, Status
 
@@ -17,11 +18,11 @@ def plugin_table(registry: Registry) -> Table:
     for record in registry.inspect(load=True):
         spec = record.spec
         style = _STATUS_STYLE.get(record.status, "red")
-        table.add_row(
-            record.name,
-            f"{record.distribution} {record.version}".strip(),
-            spec.api if spec else "?",
-            ", ".join(sorted(spec.capabilities)) if spec else "",
-            f"[{style}]{record.describe()}[/{style}]",
+        table.add_row(  # Text, not markup: an import error may hold "[...]"
+            Text(record.name),
+            Text(f"{record.distribution} {record.version}".strip()),
+            Text(spec.api if spec else "?"),
+            Text(", ".join(sorted(spec.capabilities)) if spec else ""),
+            Text(record.describe(), style=style),
         )
     return table

@@ -8,12 +8,12 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
 from drivetrain.api.errors import DrivetrainError
 from drivetrain.trainer.checkpoints import read_checkpoint
+from drivetrain.trainer.console import plain_console, print_error, print_ok
 
-console = Console(stderr=True, soft_wrap=True)  # errors stay whole lines (greppable)
+console = plain_console()  # errors stay whole lines (greppable)
 
 
 def sft(
@@ -57,11 +57,11 @@ def sft(
             read_checkpoint(Path(resume))  # fail before any worker starts
         console.print(describe(prepared))
         if dry_run:
-            console.print("[green]dry run: config, engine, model and data are valid[/green]")
+            print_ok(console, "dry run: config, engine, model and data are valid")
             return
         result = run_sft(prepared, resume=resume, console=console)
     except DrivetrainError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        print_error(console, exc)
         raise typer.Exit(2) from None
     if result is None:  # a non-zero torchrun rank
         return

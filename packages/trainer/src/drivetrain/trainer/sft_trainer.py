@@ -17,6 +17,7 @@ from typing import Any
 from rich.console import Console
 
 from drivetrain.trainer.checkpoints import Checkpoint, CheckpointManager, read_checkpoint
+from drivetrain.trainer.console import plain_console
 from drivetrain.trainer.data.batching import StepPlan, eval_batches, make_batch
 from drivetrain.trainer.data.sft_dataset import SFTData
 from drivetrain.trainer.errors import CheckpointError
@@ -56,7 +57,7 @@ class SFTTrainer:
         self.group = group
         self.data = data
         self.pad_token_id = pad_token_id
-        self.console = console or Console(stderr=True)
+        self.console = console or plain_console()
         self.plan = StepPlan(
             len(data.train), config.run.batch_size, config.seed, config.data.shuffle
         )

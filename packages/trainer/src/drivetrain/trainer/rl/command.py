@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
 from drivetrain.api.errors import DrivetrainError
+from drivetrain.trainer.console import plain_console, print_error, print_ok
 
-console = Console(stderr=True, soft_wrap=True)
+console = plain_console()
 
 
 def _run(
@@ -53,7 +53,7 @@ def _run(
             read_checkpoint(Path(resume))  # fail before any worker starts
         console.print(describe(prepared))
         if dry_run:
-            console.print("[green]dry run: config, plugins, model and data are valid[/green]")
+            print_ok(console, "dry run: config, plugins, model and data are valid")
             return
         placement = start(prepared)
         try:
@@ -61,7 +61,7 @@ def _run(
         finally:
             placement.close()
     except DrivetrainError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        print_error(console, exc)
         raise typer.Exit(2) from None
     out = Path(job.config.run.output_dir)
     (out / "config.yaml").write_text(job.to_yaml())

@@ -20,6 +20,7 @@ from drivetrain.api.config import RolloutConfig, WeightSyncConfig
 from drivetrain.api.errors import ConfigError
 from drivetrain.trainer.builtin import addition
 from drivetrain.trainer.config_loader import load_config, to_yaml
+from drivetrain.trainer.console import plain_console
 from drivetrain.trainer.data.tokenize import pad_token_id
 from drivetrain.trainer.rl.advantages import ADVANTAGES, NEEDS_CRITIC
 from drivetrain.trainer.rl.config import RLConfig, rl_config_type
@@ -119,7 +120,7 @@ def ensure_sft_model(assets: addition.AdditionAssets, console: Console | None) -
         return cached
     from drivetrain.trainer.sft_job import builtin_report, load_sft_job, prepare, run_sft
 
-    (console or Console(stderr=True)).print(
+    (console or plain_console()).print(
         "no cached built-in SFT model: running the SFT default first (`drivetrain sft`)"
     )
     job = load_sft_job("fsdp2")

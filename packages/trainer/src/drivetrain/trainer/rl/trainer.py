@@ -28,6 +28,7 @@ from drivetrain.api.columns import (
     VALUES,
 )
 from drivetrain.trainer.checkpoints import CheckpointManager, read_checkpoint
+from drivetrain.trainer.console import plain_console
 from drivetrain.trainer.errors import CheckpointError
 from drivetrain.trainer.metrics import METRICS_FILE, MetricsLogger, plot_curve
 from drivetrain.trainer.progress import TrainingProgress
@@ -95,7 +96,7 @@ class RLTrainer:
         self.setup, self.placement = setup, placement
         self.config = c = setup.config
         self.group, self.pool, self.weights = placement.group, placement.pool, placement.weights
-        self.console = console or Console(stderr=True)
+        self.console = console or plain_console()
         self.scorer = RewardScorer(c.reward.functions, c.reward.weights)
         self.sampler = PromptSampler(len(setup.train), c.run.prompts_per_step, c.seed)
         alg = c.algorithm
