@@ -65,6 +65,7 @@ def test_error_text_is_printed_verbatim(tmp_path, command):
     result = runner.invoke(app, [command, "--config", str(missing)], env={"COLUMNS": "250"})
     fails(result, "error: config file", "[/__w/third_party/pair.cc:537]", "does not exist")
 
+
 def test_data_errors(job):
     tmp, out, base = job
     missing = [*base, f"data.train_path={tmp / 'missing.jsonl'}"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from drivetrain.api.errors import DrivetrainError
 from drivetrain.trainer.errors import WorkerError
 from drivetrain.trainer.sft_config import WorkersConfig
 
@@ -49,9 +50,16 @@ def ensure_ray(workers: WorkersConfig, *, min_cpus: float = 1.0) -> bool:
     return True
 
 
+#: How long a failed task's peers are watched for a death that caused the failure: a rank
+#: killed mid-collective makes its peers' gloo/NCCL calls fail, often before Ray reports the
+#: dead actor; the death is the error worth reporting.
+PEER_DEATH_GRACE_S = 10.0
+
+
 def wait_all(refs: Any, timeout: float | None, what: str) -> Any:
     """``ray.get`` that raises on the *first* failure among ``refs`` (a list or one ref):
-    :class:`WorkerError` for a dead actor or a timeout, the task's own exception otherwise."""
+    :class:`WorkerError` for a dead actor (also when a peer's failure is only its consequence),
+    a timeout or a crash (with the remote traceback); a task's own ``DrivetrainError`` as is."""
     import ray
 
     single = not isinstance(refs, list)
@@ -61,18 +69,43 @@ def wait_all(refs: Any, timeout: float | None, what: str) -> Any:
             ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
             if not ready:
                 raise WorkerError(f"Ray workers timed out after {timeout}s {what}")
-            ray.get(ready[0])  # raises now if this one failed, whatever the others do
+            try:
+                ray.get(ready[0])  # raises now if this one failed, whatever the others do
+            except ray.exceptions.RayTaskError:
+                dead = _dead_peer(pending, PEER_DEATH_GRACE_S)
+                if dead is not None:
+                    raise dead from None
+                raise
         results = ray.get([refs] if single else list(refs))
     except ray.exceptions.GetTimeoutError:
         raise WorkerError(f"Ray workers timed out after {timeout}s {what}") from None
     except ray.exceptions.RayActorError as exc:
         raise WorkerError(f"a Ray worker died while {what}: {_first_line(exc)}") from None
     except ray.exceptions.RayTaskError as exc:
-        cause = exc.as_instanceof_cause()
-        if isinstance(cause, Exception) and not isinstance(cause, ray.exceptions.RayError):
-            raise cause from None
+        if isinstance(exc.cause, DrivetrainError):  # a deliberate error: its message says it all
+            raise exc.cause from None
         raise WorkerError(f"a Ray worker failed while {what}: {exc}") from None
     return results[0] if single else results
+
+
+def _dead_peer(pending: list[Any], grace: float) -> BaseException | None:
+    """The ``RayActorError`` of a peer among ``pending`` that died, waiting at most ``grace``
+    seconds (returns as soon as one is found or all have finished)."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + grace
+    while pending and (left := deadline - time.monotonic()) > 0:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                return exc
+            except Exception:  # another failure: keep looking for a death
+                continue
+    return None
 
 
 def _first_line(exc: BaseException) -> str:
