@@ -5,6 +5,7 @@ from dataclasses import replace
 import pytest
 
 from drivetrain.api import Batch, LossContext, OutputSpec
+from drivetrain.api.columns import SHARED_PREFIX_LEN
 from drivetrain.api.testing import EngineConformance, FakeEngine, FakeHarness, run_conformance
 from drivetrain.api.testing import conformance as kit
 from drivetrain.api.testing.nested import flatten
@@ -128,6 +129,26 @@ class IgnoresPackedOffsets(FakeEngine):
             dict(batch.columns), seq_lens=[batch.num_tokens], layout=batch.layout
         )
         return super()._forward(merged, spec, weights)
+
+
+class SharesPrefixesByLengthOnly(FakeEngine):
+    """Trusts ``shared_prefix_len`` without checking that the prefixes hold the same tokens."""
+
+    def _forward(self, batch, spec, weights):
+        if SHARED_PREFIX_LEN not in batch:
+            return super()._forward(batch, spec, weights)
+        ids = [list(row) for row in batch["input_ids"]]
+        first: dict[int, list[int]] = {}
+        for row, n in zip(ids, batch[SHARED_PREFIX_LEN], strict=True):
+            prefix = first.setdefault(n, row[:n])
+            row[: len(prefix)] = prefix[: len(row)]
+        return super()._forward(batch.with_columns(input_ids=ids), spec, weights)
+
+
+def test_kit_fails_engine_that_shares_different_prefixes():
+    found = failures(SharesPrefixesByLengthOnly)
+    assert set(found) == {"check_shared_prefix_is_only_a_hint"}
+    assert "change with shared_prefix_len" in found["check_shared_prefix_is_only_a_hint"]
 
 
 def test_kit_fails_engine_that_leaks_across_packed_sequences():

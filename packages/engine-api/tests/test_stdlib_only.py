@@ -63,4 +63,4 @@ def test_kit_and_fakes_run_without_pytest(lonely_venv):
         "r = run_conformance(FakeHarness()); print(all(x.passed for x in r), len(r))"
     )
     out = subprocess.run([lonely_venv, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["True", "7"]
+    assert out.stdout.split() == ["True", "8"]

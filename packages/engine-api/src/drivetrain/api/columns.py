@@ -22,6 +22,10 @@ ADVANTAGES = "advantages"
 RETURNS = "returns"
 REWARDS = "rewards"  # per-token rewards (the sequence reward usually on the last token)
 WEIGHT_VERSION = "weight_version"  # per sample: which weights generated it
+#: Per sample, a hint: this many leading tokens (usually the prompt) may be shared with other
+#: samples of the batch that start with the *same* tokens. Engines may compute such a prefix
+#: once; outputs must not change (the conformance kit checks it). Engines may ignore it.
+SHARED_PREFIX_LEN = "shared_prefix_len"
 
 #: Columns holding one value per token (the rest hold one value per sample).
 TOKEN_COLUMNS = frozenset(

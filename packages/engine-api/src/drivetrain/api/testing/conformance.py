@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from drivetrain.api.batch import Batch
-from drivetrain.api.columns import ENTROPY, LOG_PROBS, LOSS_MASK
+from drivetrain.api.columns import ENTROPY, LOG_PROBS, LOSS_MASK, SHARED_PREFIX_LEN
 from drivetrain.api.config import MicroBatchConfig
 from drivetrain.api.engine import Engine, ParallelInfo, StepResult
 from drivetrain.api.errors import EngineStateError
@@ -272,6 +272,57 @@ def check_packed_matches_padded(h: EngineHarness) -> None:
     _assert_weights_close(h, packed_run.weights, padded_run.weights, "packed vs padded step")
 
 
+def shared_prefix_data(vocab_size: int, seed: int = 1) -> tuple[Any, list[int]]:
+    """Sequences and masks where groups of samples start with the same prompt (as GRPO's n
+    responses do), and each sample's ``shared_prefix_len``: prompts with 3, 2, 1 and 1
+    responses (two prompts of the same length), one response repeated, two samples shorter
+    than the prefix they name."""
+    rng = random.Random(seed)
+    sequences, masks, shared = [], [], []
+    for prompt_len, responses in ((6, 3), (4, 2), (9, 1), (4, 1)):
+        prompt = [rng.randrange(1, vocab_size) for _ in range(prompt_len)]
+        for _ in range(responses):
+            own = [rng.randrange(1, vocab_size) for _ in range(rng.randint(1, 5))]
+            sequences.append(prompt + own)
+            masks.append([0] * prompt_len + [1] * len(own))
+            shared.append(prompt_len)
+    sequences.append(list(sequences[0]))  # the same response twice
+    masks.append(list(masks[0]))
+    shared.append(6)
+    for _ in range(2):  # shorter than the shared_prefix_len they name
+        sequences.append(sequences[3][:3])
+        masks.append([0, 1, 1])
+        shared.append(4)
+    return (sequences, masks), shared
+
+
+def check_shared_prefix_is_only_a_hint(h: EngineHarness) -> None:
+    """A batch with ``shared_prefix_len`` gives the same outputs and the same training step as
+    without it (an engine may compute shared prompts once, or ignore the column)."""
+    (sequences, masks), shared = shared_prefix_data(h.vocab_size)
+    plain = h.make_batch(sequences, masks)
+    hinted = plain.with_columns(**{SHARED_PREFIX_LEN: shared})
+    config = MicroBatchConfig(max_tokens=10_000)  # one micro-batch: all groups together
+    engine = h.make_engine(config)
+    spec = OutputSpec(log_probs=True, entropy=True)
+    want = _infer_rows(h, engine, plain, spec)
+    got = _infer_rows(h, engine, hinted, spec)
+    want_run = _train_step(h, h.make_engine(config), plain)
+    got_run = _train_step(h, engine, hinted)
+    engine.close()
+    if want is not None:
+        assert got is not None
+        for k, name in enumerate(spec.names):
+            for i, (a, b) in enumerate(zip(got[k], want[k], strict=True)):
+                assert all(_close(h, x, y) for x, y in zip(a, b, strict=True)), (
+                    f"{name} of sample {i} change with shared_prefix_len: {a} != {b}"
+                )
+    _assert_close(h, got_run.loss, want_run.loss, "loss with vs without shared_prefix_len")
+    _assert_weights_close(
+        h, got_run.weights, want_run.weights, "step with vs without shared_prefix_len"
+    )
+
+
 def check_modes(h: EngineHarness) -> None:
     """eval is deterministic and leaves weights alone; a train step changes them."""
     engine = h.make_engine(MicroBatchConfig(micro_batch_size=4))
@@ -347,6 +398,7 @@ ENGINE_CHECKS: tuple[Callable[[EngineHarness], None], ...] = (
     check_micro_batch_invariance,
     check_order_restored,
     check_packed_matches_padded,
+    check_shared_prefix_is_only_a_hint,
     check_modes,
     check_checkpoint_round_trip,
     check_weight_export,

@@ -33,6 +33,9 @@ class EngineConformance:
     def test_packed_matches_padded(self) -> None:
         conformance.check_packed_matches_padded(self.harness())
 
+    def test_shared_prefix_is_only_a_hint(self) -> None:
+        conformance.check_shared_prefix_is_only_a_hint(self.harness())
+
     def test_modes(self) -> None:
         conformance.check_modes(self.harness())
 
