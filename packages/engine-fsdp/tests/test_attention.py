@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from drivetrain.engine.fsdp.attention import attend_documents, length_groups
+from drivetrain.engine.fsdp.attention import Span, attend_documents, attend_spans, length_groups
 
 
 def _per_document(q, k, v, cu):
@@ -55,3 +55,40 @@ def test_groups_bound_the_padding():
     groups = length_groups([10, 11, 100, 12, 0, 30, 99])
     assert sorted(i for g in groups for i in g) == [0, 1, 2, 3, 5, 6]  # the empty one dropped
     assert [0, 1, 3] in groups and [6, 2] in groups and [5] in groups
+
+
+def test_spans_with_a_shared_prefix_match_separate_sequences():
+    """Row [prompt, own 1, own 2, own 3, other doc]: each own span sees the prompt, then
+    itself causally — as if every sample carried its own copy of the prompt."""
+    prompt, owns, other = 6, [3, 1, 5], 4
+    gen = torch.Generator().manual_seed(1)
+    total = prompt + sum(owns) + other
+    q, k, v = (
+        torch.randn(1, 2, total, 8, dtype=torch.float64, generator=gen).requires_grad_()
+        for _ in range(3)
+    )
+    spans, at = [Span(0, prompt)], prompt
+    for n in owns:
+        spans.append(Span(at, n, 0, prompt))
+        at += n
+    spans.append(Span(at, other))
+    got = attend_spans(q, k, v, spans, 0.0, None)
+    # reference: every sample expanded to its own [prompt; own] sequence
+    want = torch.zeros_like(got)
+    for span in spans:
+        index = torch.cat(
+            [torch.arange(span.prefix_start, span.prefix_start + span.prefix_len),
+             torch.arange(span.start, span.start + span.length)]
+        )  # fmt: skip
+        out = F.scaled_dot_product_attention(
+            q[:, :, index], k[:, :, index], v[:, :, index], is_causal=True
+        )
+        want = want.index_add(2, index[span.prefix_len :], out[:, :, span.prefix_len :])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    g = torch.randn(want.shape, dtype=torch.float64, generator=gen)
+    for a, b in zip(
+        torch.autograd.grad((want * g).sum(), (q, k, v)),
+        torch.autograd.grad((got * g).sum(), (q, k, v)),
+        strict=True,
+    ):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-12)

@@ -1,19 +1,24 @@
 """Causal attention over packed sequences, one document at a time, with optional Ulysses.
 
 Registered with transformers as the attention implementation ``drivetrain_varlen``. Before
-each forward the engine sets the packed row's sequence offsets (``cu_seqlens``, over the *full*
-row) and the sequence-parallel group with :func:`set_packed_row`. The setting stays until the
-next forward, because activation checkpointing re-runs attention during backward, possibly on
+each forward the engine describes the packed row with :func:`set_packed_row`: its spans of
+queries, over the *full* row, and the sequence-parallel group. The setting stays until the next
+forward, because activation checkpointing re-runs attention during backward, possibly on
 autograd's device thread (so a context variable would not do). Transformers builds no mask for
 it; attention never crosses a sequence boundary, and costs about sum(len_i^2) rather than T^2:
-documents of similar length are padded into one batched SDPA call each (a per-document loop
+spans of similar length are padded into one batched SDPA call each (a per-document loop
 measured faster than one block-diagonal mask on CPU, but thousands of short RL sequences made
 the loop's per-call overhead dominate, backward most of all).
+
+A span may also see a *shared prefix* elsewhere in the row: samples that start with the same
+prompt carry it once, and each sample's own tokens attend to that copy and then causally to
+themselves (see :mod:`drivetrain.engine.fsdp.prefix_sharing`).
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,17 +33,38 @@ NAME = "drivetrain_varlen"
 
 
 @dataclass(frozen=True)
+class Span:
+    """Queries at row positions ``[start, start + length)``: they attend to the ``prefix_len``
+    keys at ``[prefix_start, ...)`` (a shared prompt), then causally to their own positions."""
+
+    start: int
+    length: int
+    prefix_start: int = 0
+    prefix_len: int = 0
+
+    @property
+    def keys(self) -> int:
+        return self.prefix_len + self.length
+
+
+def plain_spans(cu_seqlens: Sequence[int]) -> tuple[Span, ...]:
+    """One span per document of a packed row given by its offsets."""
+    return tuple(Span(a, b - a) for a, b in itertools.pairwise(cu_seqlens))
+
+
+@dataclass(frozen=True)
 class PackedContext:
-    cu_seqlens: tuple[int, ...]
+    spans: tuple[Span, ...]
+    total: int  # row length
     sp_group: dist.ProcessGroup | None = None
 
 
 _CURRENT: list[PackedContext] = []
 
 
-def set_packed_row(cu_seqlens: tuple[int, ...], sp_group: dist.ProcessGroup | None) -> None:
+def set_packed_row(spans: Sequence[Span], total: int, sp_group: dist.ProcessGroup | None) -> None:
     """Describe the packed row of the next forward (kept for recomputation in backward)."""
-    _CURRENT[:] = [PackedContext(tuple(cu_seqlens), sp_group)]
+    _CURRENT[:] = [PackedContext(tuple(spans), total, sp_group)]
 
 
 def _repeat_kv(x: torch.Tensor, times: int) -> torch.Tensor:
@@ -75,13 +101,9 @@ def varlen_attention(
     # each rank's query heads map onto its own KV heads (GQA groups stay whole)
     key = _repeat_kv(key, query.shape[1] // key.shape[1])
     value = _repeat_kv(value, query.shape[1] // value.shape[1])
-    if query.shape[2] != ctx.cu_seqlens[-1]:
-        raise RuntimeError(
-            f"packed row has {query.shape[2]} tokens, offsets say {ctx.cu_seqlens[-1]}"
-        )
-    out = attend_documents(
-        query, key, value, ctx.cu_seqlens, dropout if module.training else 0.0, scaling
-    )
+    if query.shape[2] != ctx.total:
+        raise RuntimeError(f"packed row has {query.shape[2]} tokens, its spans say {ctx.total}")
+    out = attend_spans(query, key, value, ctx.spans, dropout if module.training else 0.0, scaling)
     if ctx.sp_group is not None:  # back to [1, h, s/sp, d]
         out = all_to_all(out, ctx.sp_group, 2, 1)
     return out.transpose(1, 2).contiguous(), None
@@ -113,12 +135,25 @@ def attend_documents(
     scale: float | None,
 ) -> torch.Tensor:
     """Causal attention within each document of a packed ``[1, h, T, d]`` row."""
-    starts, lengths = list(cu_seqlens[:-1]), [b - a for a, b in itertools.pairwise(cu_seqlens)]
+    return attend_spans(query, key, value, plain_spans(cu_seqlens), dropout, scale)
+
+
+def attend_spans(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    spans: Sequence[Span],
+    dropout: float,
+    scale: float | None,
+) -> torch.Tensor:
+    """Attention of a packed ``[1, h, T, d]`` row whose spans cover every position once."""
+    spans = [s for s in spans if s.length > 0]
     device = query.device
     pieces, positions = [], []
-    for group in length_groups(lengths):
-        if len(group) == 1:
-            a, n = starts[group[0]], lengths[group[0]]
+    for group in length_groups([s.keys for s in spans]):
+        members = [spans[i] for i in group]
+        if len(members) == 1 and not members[0].prefix_len:
+            a, n = members[0].start, members[0].length
             out = F.scaled_dot_product_attention(
                 query[:, :, a : a + n], key[:, :, a : a + n], value[:, :, a : a + n],
                 dropout_p=dropout, is_causal=True, scale=scale,
@@ -126,20 +161,27 @@ def attend_documents(
             pieces.append(out[0])
             positions.append(torch.arange(a, a + n, device=device))
             continue
-        width = max(lengths[i] for i in group)
-        lens = torch.tensor([lengths[i] for i in group], device=device)
-        offs = torch.arange(width, device=device)
-        valid = offs[None, :] < lens[:, None]  # [g, L]
-        index = torch.tensor([starts[i] for i in group], device=device)[:, None] + offs
-        index = torch.where(valid, index, index[:, :1])  # padding reads the document's first token
-        q, k, v = (t[0][:, index].transpose(0, 1) for t in (query, key, value))  # [g, h, L, d]
-        causal = offs[None, :] <= offs[:, None]  # [L(query), L(key)]
-        mask = (causal[None] & valid[:, None, :])[:, None]  # [g, 1, L, L]
+        fields = torch.tensor(
+            [(s.start, s.length, s.prefix_start, s.prefix_len) for s in members], device=device
+        )
+        start, length, pstart, plen = (fields[:, j : j + 1] for j in range(4))  # [g, 1] each
+        q_offs = torch.arange(max(s.length for s in members), device=device)[None, :]
+        k_offs = torch.arange(max(s.keys for s in members), device=device)[None, :]
+        q_valid, k_valid = q_offs < length, k_offs < plen + length  # [g, Lq], [g, Lk]
+        # padding reads the span's first query / key (finite values, never attended from)
+        q_index = torch.where(q_valid, start + q_offs, start)
+        k_index = torch.where(k_offs < plen, pstart + k_offs, start + k_offs - plen)
+        k_index = torch.where(k_valid, k_index, k_index[:, :1])
+        q = query[0][:, q_index].transpose(0, 1)  # [g, h, Lq, d]
+        k, v = (t[0][:, k_index].transpose(0, 1) for t in (key, value))  # [g, h, Lk, d]
+        # query j of a span sits at key position prefix_len + j: causal, bottom-right aligned
+        visible = k_offs[:, None, :] <= (plen + q_offs)[:, :, None]  # [g, Lq, Lk]
+        mask = (visible & k_valid[:, None, :])[:, None]
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale
         )
-        pieces.append(out.transpose(0, 1)[:, valid])  # [h, valid tokens, d]
-        positions.append(index[valid])
+        pieces.append(out.transpose(0, 1)[:, q_valid])  # [h, valid queries, d]
+        positions.append(q_index[q_valid])
     order = torch.argsort(torch.cat(positions))
     return torch.cat(pieces, dim=1)[:, order].unsqueeze(0)
 

@@ -23,6 +23,9 @@ class FSDPConfig(EngineConfig):
     use the model's own; on GPUs with flash-attn installed ``flash_attention_2`` runs packed
     rows through its variable-length kernel (transformers reads the restarting position ids).
     ``remove_padding``: compute on packed sequences whatever the input layout.
+    ``share_prefixes``: samples of a micro-batch that carry the api column
+    ``shared_prefix_len`` and start with the same tokens (GRPO's n responses to one prompt)
+    compute that prefix once (``attention='varlen'``, no Ulysses); outputs are unchanged.
     ``ulysses_size``: sequence-parallel group size (divides the world size).
     ``logits_chunk``: tokens per chunk when turning hidden states into log-probs/entropy, so
     full-vocabulary logits exist for at most this many tokens at a time; 0 picks the count whose
@@ -36,6 +39,7 @@ class FSDPConfig(EngineConfig):
     reduce_dtype: str = "float32"
     attention: str = "varlen"
     remove_padding: bool = True
+    share_prefixes: bool = True
     ulysses_size: int = 1
     logits_chunk: int = 0
     logits_chunk_mib: int = 256

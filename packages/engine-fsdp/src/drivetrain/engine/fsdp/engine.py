@@ -43,7 +43,13 @@ from drivetrain.engine.fsdp.config import FSDPConfig
 from drivetrain.engine.fsdp.distributed import build_meshes, ensure_process_group, resolve_device
 from drivetrain.engine.fsdp.model import DTYPES, TokenOutputModel, load_hf_model, unwrap_peft
 from drivetrain.engine.fsdp.optim import build_optimizer, clip_grad_norm
-from drivetrain.engine.fsdp.packing import PackedRow, align_to_inputs, flat_column, pack, to_layout
+from drivetrain.engine.fsdp.packing import (
+    PackedRow,
+    flat_column,
+    outputs_per_token,
+    pack,
+    to_layout,
+)
 from drivetrain.engine.fsdp.sequence_parallel import gather_sequence, local_slice
 from drivetrain.engine.fsdp.sharding import broadcast_from_rank0, wrap_fsdp1, wrap_fsdp2
 
@@ -223,12 +229,17 @@ class FSDPEngine(ModalEngine):
     ) -> tuple[dict[str, torch.Tensor], PackedRow]:
         cfg, m = self.config, self.meshes
         if cfg.remove_padding:
-            row = pack(micro, self.device, multiple=m.sp_size)
+            # extra outputs index the whole row: not under Ulysses, where a rank holds a slice
+            share = cfg.share_prefixes and cfg.attention == "varlen" and m.sp_size == 1
+            row = pack(micro, self.device, multiple=m.sp_size, share_prefixes=share)
             ids, pos, tgt = (
                 local_slice(t, m.sp_group) for t in (row.input_ids, row.position_ids, row.targets)
             )
-            set_packed_row(row.cu_seqlens, m.sp_group)
-            raw = self.model(ids[None], pos[None], tgt, None, spec.temperature, spec.entropy)
+            set_packed_row(row.spans, len(row.input_ids), m.sp_group)
+            raw = self.model(
+                ids[None], pos[None], tgt, None, spec.temperature, spec.entropy,
+                row.extra_src, row.extra_targets,
+            )  # fmt: skip
             raw = {name: gather_sequence(value, m.sp_group) for name, value in raw.items()}
             return raw, row
         padded = micro.to_padded()
@@ -253,7 +264,7 @@ class FSDPEngine(ModalEngine):
         raw, row = self._run_model(micro, spec)
         wanted = {LOG_PROBS: "log_probs", ENTROPY: "entropy", VALUES: "values"}
         return {
-            column: to_layout(align_to_inputs(raw[key], row), micro)
+            column: to_layout(outputs_per_token(raw[key], row), micro)
             for column, key in wanted.items()
             if column in spec.names
         }

@@ -90,7 +90,8 @@ class TokenOutputModel(nn.Module):
 
     For causal LMs, ``log_probs[t]``/``entropy[t]`` describe the token *after* position ``t``
     (``targets[t]``); the engine shifts them to align with the inputs. For value-head models,
-    ``values[t]`` is the value at position ``t``.
+    ``values[t]`` is the value at position ``t``. ``extra_src``/``extra_targets`` append
+    outputs for more (position, next token) pairs after the row's own.
     """
 
     def __init__(self, hf: nn.Module, *, value_head: bool, logits_chunk: int) -> None:
@@ -107,6 +108,8 @@ class TokenOutputModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         temperature: float = 1.0,
         want_entropy: bool = False,
+        extra_src: torch.Tensor | None = None,
+        extra_targets: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         base = unwrap_peft(self.hf)
         body = getattr(base, base.base_model_prefix)
@@ -117,6 +120,9 @@ class TokenOutputModel(nn.Module):
             use_cache=False,
         ).last_hidden_state
         hidden = hidden[attention_mask.bool()] if attention_mask is not None else hidden[0]
+        if extra_src is not None and len(extra_src):  # a shared prompt's last position, once
+            hidden = torch.cat([hidden, hidden[extra_src]])  # per sample that continues it
+            targets = torch.cat([targets, extra_targets])
         if self.value_head:
             return {"values": base.score(hidden).squeeze(-1).float()}
         head = base.get_output_embeddings()
