@@ -66,6 +66,22 @@ def test_sampled_log_probs_match_engine_fsdp(model_dir):
     assert all(lp <= 0 for c in top for lp in c.log_probs)
 
 
+def test_shared_prompt_prefill_changes_nothing_but_the_work(model_dir):
+    """n samples of a prompt prefill it once (the default) and sample exactly what a prefill
+    per row samples; prompts of different lengths, one repeated as its own prompt."""
+    prompts = [*CHAT_PROMPTS, CHAT_PROMPTS[0], Prompt(token_ids=(8, 9, 10))]
+    for params in (SAMPLED, SamplingParams(temperature=0, max_new_tokens=8, n=3)):
+        shared = hf(model_dir).generate(prompts, params)
+        alone = hf(model_dir, share_prompt_prefill=False).generate(prompts, params)
+        assert [c.token_ids for c in shared] == [c.token_ids for c in alone]
+        gap = max(
+            abs(a - b)
+            for x, y in zip(shared, alone, strict=True)
+            for a, b in zip(x.log_probs, y.log_probs, strict=True)
+        )
+        assert gap < 1e-4, gap
+
+
 def test_seeds_samples_and_stops(model_dir):
     rollout = hf(model_dir)
     assert rollout.generate(CHAT_PROMPTS, SAMPLED) == rollout.generate(CHAT_PROMPTS, SAMPLED)

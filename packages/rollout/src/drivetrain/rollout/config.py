@@ -43,11 +43,14 @@ CACHES = ("dynamic", "static")
 class HFRolloutConfig(BackendConfig):
     """transformers ``generate``. ``cache``: the KV-cache kind (``dynamic`` measured fastest on
     CPU, see ``benchmarks/rollout.py``); ``max_batch_size``: sequences per ``generate`` call;
-    ``num_threads``: torch intra-op threads for this process (0 leaves torch's choice)."""
+    ``num_threads``: torch intra-op threads for this process (0 leaves torch's choice);
+    ``share_prompt_prefill``: with the dynamic cache, a prompt sampled ``n`` times is prefilled
+    once and its KV cache copied to the other rows (see ``hf/prefill.py``)."""
 
     cache: str = "dynamic"
     max_batch_size: int = 64
     num_threads: int = 0
+    share_prompt_prefill: bool = True
     attn_implementation: str = "sdpa"
 
     def __post_init__(self) -> None:

@@ -13,6 +13,7 @@ from drivetrain.api.engine import NamedTensor
 from drivetrain.api.rollout import Completion, Prompt, Rollout, SamplingParams
 from drivetrain.rollout.config import HFRolloutConfig
 from drivetrain.rollout.devices import model_dir, resolve_device
+from drivetrain.rollout.hf.prefill import prompt_groups, shared_prompt_cache
 from drivetrain.rollout.hf.sampling import sampling_processors
 from drivetrain.rollout.hf.stops import cut_at_stop
 from drivetrain.rollout.prompts import check_stop_token_ids, new_token_budgets, render_prompts
@@ -103,10 +104,19 @@ class HFEngine(Rollout):
             cache_implementation="static" if self.config.cache == "static" else None,
             return_dict_in_generate=True,
         )
+        ids, mask = ids.to(self.device), mask.to(self.device)
         with torch.inference_mode():
+            cache = (
+                shared_prompt_cache(
+                    self.model, ids, mask, prompt_groups([tuple(r.prompt_ids) for r in requests])
+                )
+                if self.config.share_prompt_prefill and self.config.cache == "dynamic"
+                else None
+            )
             out = self.model.generate(
-                input_ids=ids.to(self.device),
-                attention_mask=mask.to(self.device),
+                input_ids=ids,
+                attention_mask=mask,
+                past_key_values=cache,
                 generation_config=generation,
                 logits_processor=processors,
                 tokenizer=self.tokenizer if params.stop else None,
