@@ -10,13 +10,14 @@ import torch
 
 from drivetrain.api import Batch, Completion
 from drivetrain.api.batch import restore_order
-from drivetrain.api.columns import INPUT_IDS, LOSS_MASK, ROLLOUT_LOG_PROBS
+from drivetrain.api.columns import INPUT_IDS, LOSS_MASK, ROLLOUT_LOG_PROBS, SHARED_PREFIX_LEN
 from drivetrain.api.partition import dp_shard_indices
-from drivetrain.api.rollout_batch import PROMPT_INDEX, completions_to_batch
+from drivetrain.api.rollout_batch import PROMPT_INDEX, PROMPT_LENGTH, completions_to_batch
 from drivetrain.trainer.workers.group import WorkerGroup
 
-#: What the engines get: token ids, the loss mask, and the RL columns added per step.
-ENGINE_COLUMNS = (INPUT_IDS, LOSS_MASK)
+#: What the engines get: token ids, the loss mask, the prompt length as a prefix-sharing hint
+#: (the n samples of a prompt may compute it once), and the RL columns added per step.
+ENGINE_COLUMNS = (INPUT_IDS, LOSS_MASK, SHARED_PREFIX_LEN)
 
 
 def completions_batch(completions: Sequence[Completion], pad_token_id: int) -> Batch:
@@ -24,6 +25,7 @@ def completions_batch(completions: Sequence[Completion], pad_token_id: int) -> B
     return batch.with_columns(
         rollout_log_probs=batch[ROLLOUT_LOG_PROBS].to(torch.float32),
         loss_mask=batch[LOSS_MASK].to(torch.long),
+        **{SHARED_PREFIX_LEN: torch.as_tensor(batch[PROMPT_LENGTH], dtype=torch.long)},
     )
 
 
