@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from drivetrain.api.testing.conformance import ENGINE_CHECKS
 from megatron_harness import build_tiny_model
 from megatron_launch import launch
 
@@ -29,7 +30,7 @@ def _run(model_dir, out, cases, timeout):
 def _assert_conformance(entry):
     failures = [c for c in entry["result"] if not c["passed"]]
     assert not failures, json.dumps(failures, indent=1)[:4000]
-    assert len(entry["result"]) == 7
+    assert len(entry["result"]) == len(ENGINE_CHECKS)
     return {c["check"]: c for c in entry["result"]}
 
 

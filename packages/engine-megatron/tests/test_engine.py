@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from drivetrain.api.testing.conformance import ENGINE_CHECKS
 from megatron_harness import build_tiny_model
 from megatron_launch import launch
 
@@ -45,7 +46,7 @@ def test_conformance(results, layout):
     ]
     failures = [c for c in entry["result"] if not c["passed"]]
     assert not failures, json.dumps(failures, indent=1)[:4000]
-    assert len(entry["result"]) == 7
+    assert len(entry["result"]) == len(ENGINE_CHECKS)
 
 
 def test_checkpoint_saved_at_tp2_loads_at_pp2_and_tp1(results):
