@@ -5,6 +5,7 @@ import json
 import pytest
 
 from drivetrain.api.testing import EngineConformance
+from drivetrain.api.testing.conformance import ENGINE_CHECKS
 from fsdp_harness import FSDPHarness, build_tiny_model, single_thread
 from launch import torchrun
 
@@ -48,4 +49,4 @@ def test_conformance_world_two(model_dir, tmp_path):
     ranks = torchrun("worker_conformance.py", tmp_path, model_dir, json.dumps(CASES), timeout=850)
     failures = [r for rank in ranks for r in rank if not r["passed"]]
     assert not failures, json.dumps(failures, indent=1)[:4000]
-    assert len(ranks[0]) == len(CASES) * 7
+    assert len(ranks[0]) == len(CASES) * len(ENGINE_CHECKS)
