@@ -23,6 +23,18 @@ def _per_document(q, k, v, cu):
     )
 
 
+def _assert_same_values_and_grads(got, want, inputs, gen):
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    g = torch.randn(want.shape, dtype=torch.float64, generator=gen)
+    for a, b in zip(
+        torch.autograd.grad((want * g).sum(), inputs),
+        torch.autograd.grad((got * g).sum(), inputs),
+        strict=True,
+    ):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize(
     "lengths",
     [
@@ -40,15 +52,7 @@ def test_matches_per_document_attention(lengths):
         for _ in range(3)
     )
     want, got = _per_document(q, k, v, cu), attend_documents(q, k, v, cu, 0.0, None)
-    assert got.shape == want.shape
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
-    g = torch.randn(want.shape, dtype=torch.float64, generator=gen)
-    for a, b in zip(
-        torch.autograd.grad((want * g).sum(), (q, k, v)),
-        torch.autograd.grad((got * g).sum(), (q, k, v)),
-        strict=True,
-    ):
-        torch.testing.assert_close(b, a, rtol=0, atol=1e-12)
+    _assert_same_values_and_grads(got, want, (q, k, v), gen)
 
 
 def test_groups_bound_the_padding():
@@ -84,11 +88,4 @@ def test_spans_with_a_shared_prefix_match_separate_sequences():
             q[:, :, index], k[:, :, index], v[:, :, index], is_causal=True
         )
         want = want.index_add(2, index[span.prefix_len :], out[:, :, span.prefix_len :])
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
-    g = torch.randn(want.shape, dtype=torch.float64, generator=gen)
-    for a, b in zip(
-        torch.autograd.grad((want * g).sum(), (q, k, v)),
-        torch.autograd.grad((got * g).sum(), (q, k, v)),
-        strict=True,
-    ):
-        torch.testing.assert_close(b, a, rtol=0, atol=1e-12)
+    _assert_same_values_and_grads(got, want, (q, k, v), gen)

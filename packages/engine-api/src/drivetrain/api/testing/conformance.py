@@ -120,6 +120,27 @@ def _infer_rows(
     return [_rows(h, out, name) for name in spec.names]
 
 
+def _assert_same_results(
+    h: EngineHarness,
+    spec: OutputSpec,
+    got: tuple[list[list[list[float]]] | None, _Run],
+    want: tuple[list[list[list[float]]] | None, _Run],
+    got_name: str,
+    want_name: str,
+) -> None:
+    """Two ways of feeding the same samples gave the same outputs, loss and step."""
+    (got_rows, got_run), (want_rows, want_run) = got, want
+    if want_rows is not None:
+        assert got_rows is not None
+        for k, name in enumerate(spec.names):
+            for i, (a, b) in enumerate(zip(got_rows[k], want_rows[k], strict=True)):
+                assert all(_close(h, x, y) for x, y in zip(a, b, strict=True)), (
+                    f"{got_name}: {name} of sample {i} differ from {want_name}: {a} != {b}"
+                )
+    _assert_close(h, got_run.loss, want_run.loss, f"loss {got_name} vs {want_name}")
+    _assert_weights_close(h, got_run.weights, want_run.weights, f"step {got_name} vs {want_name}")
+
+
 # ---- the checks ------------------------------------------------------------------------
 def check_contract_shapes(h: EngineHarness) -> None:
     """Types, parallel info, outputs aligned with inputs, state errors outside the modes."""
@@ -261,15 +282,7 @@ def check_packed_matches_padded(h: EngineHarness) -> None:
     padded_run = _train_step(h, h.make_engine(MicroBatchConfig(micro_batch_size=3)), batch)
     packed_run = _train_step(h, engine, batch.to_packed())
     engine.close()
-    if padded is not None:
-        assert packed is not None
-        for k, name in enumerate(spec.names):
-            for i, (a, b) in enumerate(zip(packed[k], padded[k], strict=True)):
-                assert all(_close(h, x, y) for x, y in zip(a, b, strict=True)), (
-                    f"packed {name} of sample {i} differ from padded"
-                )
-    _assert_close(h, packed_run.loss, padded_run.loss, "packed vs padded loss")
-    _assert_weights_close(h, packed_run.weights, padded_run.weights, "packed vs padded step")
+    _assert_same_results(h, spec, (packed, packed_run), (padded, padded_run), "packed", "padded")
 
 
 def shared_prefix_data(vocab_size: int, seed: int = 1) -> tuple[Any, list[int]]:
@@ -310,16 +323,8 @@ def check_shared_prefix_is_only_a_hint(h: EngineHarness) -> None:
     want_run = _train_step(h, h.make_engine(config), plain)
     got_run = _train_step(h, engine, hinted)
     engine.close()
-    if want is not None:
-        assert got is not None
-        for k, name in enumerate(spec.names):
-            for i, (a, b) in enumerate(zip(got[k], want[k], strict=True)):
-                assert all(_close(h, x, y) for x, y in zip(a, b, strict=True)), (
-                    f"{name} of sample {i} change with shared_prefix_len: {a} != {b}"
-                )
-    _assert_close(h, got_run.loss, want_run.loss, "loss with vs without shared_prefix_len")
-    _assert_weights_close(
-        h, got_run.weights, want_run.weights, "step with vs without shared_prefix_len"
+    _assert_same_results(
+        h, spec, (got, got_run), (want, want_run), "with shared_prefix_len", "without"
     )
 
 
