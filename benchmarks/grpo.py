@@ -59,7 +59,7 @@ def trl_worker(out: Path, steps: int) -> None:
     torch.set_num_threads(1)
     assets = addition.ensure_assets()
     model_dir = addition.cached_sft_model()
-    rows = [json.loads(x) for x in assets.train_path.read_text().splitlines()]
+    rows = [json.loads(x) for x in assets.rl_path.read_text().splitlines()]
     data = Dataset.from_list(
         [
             {"prompt": [r["messages"][0]], "answer": r["messages"][1]["content"]}

@@ -4,6 +4,13 @@
 locally from a config, the character tokenizer, and train/test JSONL files written into the
 cache directory (``$DRIVETRAIN_CACHE``, default ``~/.cache/drivetrain``). Everything is derived
 from fixed seeds, so every machine builds the same assets.
+
+The training answers come from a careless annotator: a quarter of them are off by 1, 2 or 10
+(the held-out test answers are all correct). SFT learns addition from them, and also the
+annotator's slips: greedy answers are right, sampled ones often are not. That is the gap the
+built-in GRPO job closes with an exact-match verifier, as RL with verifiable rewards does for
+models trained on imperfect demonstrations. Operands are written with two digits ("07+60"),
+which measured here to let the small model learn the carry within the default SFT run.
 """
 
 from __future__ import annotations
@@ -19,10 +26,13 @@ from drivetrain.api.atomic_dir import fsync_dir, publish, staging_path
 from drivetrain.trainer.builtin.char_tokenizer import build_char_tokenizer
 from drivetrain.trainer.builtin.tiny_model import build_llama_model
 
-ASSETS_VERSION = "addition-v2"
+ASSETS_VERSION = "addition-v3"
 MAX_DIGITS = 2
 TRAIN_SIZE = 20000
 TEST_SIZE = 200
+RL_SIZE = 5000
+#: Share of training answers the careless annotator gets wrong, and by how much.
+NOISE, SLIPS = 0.25, (-10, -2, -1, 1, 2, 10)
 MODEL_SHAPE = {
     "hidden_size": 128,
     "intermediate_size": 384,
@@ -49,6 +59,11 @@ class AdditionAssets:
     def test_path(self) -> Path:
         return self.root / "test.jsonl"
 
+    @property
+    def rl_path(self) -> Path:
+        """Prompts for the GRPO default, with correct answers: the verifier is not the annotator."""
+        return self.root / "rl.jsonl"
+
 
 def cache_dir() -> Path:
     return Path(os.environ.get("DRIVETRAIN_CACHE") or Path.home() / ".cache" / "drivetrain")
@@ -56,15 +71,20 @@ def cache_dir() -> Path:
 
 def problem(rng: random.Random) -> tuple[str, str]:
     a, b = (rng.randrange(10 ** rng.randint(1, MAX_DIGITS)) for _ in range(2))
-    return f"What is {a}+{b}?", str(a + b)
+    return f"What is {a:02d}+{b:02d}?", str(a + b)
 
 
-def make_rows(count: int, seed: int, exclude: set[str] = frozenset()) -> list[dict[str, object]]:
+def make_rows(
+    count: int, seed: int, exclude: set[str] = frozenset(), noise: float = 0.0
+) -> list[dict[str, object]]:
+    """``count`` chat rows; a ``noise`` share of the answers is off by one of ``SLIPS``."""
     rng, rows = random.Random(seed), []
     while len(rows) < count:
         prompt, answer = problem(rng)
         if prompt in exclude:
             continue
+        if rng.random() < noise:
+            answer = str(abs(int(answer) + rng.choice(SLIPS)))
         rows.append(
             {
                 "messages": [
@@ -95,7 +115,9 @@ def ensure_assets(root: Path | None = None) -> AdditionAssets:
         test = make_rows(TEST_SIZE, seed=1)
         held_out = {row["messages"][0]["content"] for row in test}  # type: ignore[index]
         _write_jsonl(staging / "test.jsonl", test)
-        _write_jsonl(staging / "train.jsonl", make_rows(TRAIN_SIZE, seed=0, exclude=held_out))
+        train = make_rows(TRAIN_SIZE, seed=0, exclude=held_out, noise=NOISE)
+        _write_jsonl(staging / "train.jsonl", train)
+        _write_jsonl(staging / "rl.jsonl", make_rows(RL_SIZE, seed=2, exclude=held_out))
         build_char_tokenizer(staging / "model")
         build_llama_model(staging / "model", tokenizer_dir=staging / "model", **MODEL_SHAPE)
         fsync_dir(staging)

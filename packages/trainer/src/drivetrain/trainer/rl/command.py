@@ -65,18 +65,28 @@ def _run(
         raise typer.Exit(2) from None
     out = Path(job.config.run.output_dir)
     (out / "config.yaml").write_text(job.to_yaml())
+    rewards = [result.rewards[step] for step in sorted(result.rewards)]
+    window = min(10, len(rewards) // 2)  # steps averaged at each end (one step is noisy)
     summary = {
         "output_dir": str(result.output_dir),
         "steps": result.final_step,
         "seconds": round(result.seconds, 1),
-        "reward_first_step": result.rewards.get(min(result.rewards, default=0)),
-        "reward_last_step": result.rewards.get(result.final_step),
+        "reward_first_step": rewards[0] if rewards else None,
+        "reward_last_step": rewards[-1] if rewards else None,
+        "reward_first_steps_mean": sum(rewards[:window]) / window if window else None,
+        "reward_last_steps_mean": sum(rewards[-window:]) / window if window else None,
         "val_before": result.val_before,
         "val_after": result.val_after,
         "hf_model": str(result.hf_dir) if result.hf_dir else None,
         "reward_curve": str(out / "reward_curve.png"),
         "weight_digests": result.weight_digests,
     }
+    if window:
+        console.print(
+            f"train reward (sampled, mean of {window} steps): "
+            f"{summary['reward_first_steps_mean']:.3f} first, "
+            f"{summary['reward_last_steps_mean']:.3f} last"
+        )
     if job.builtin is not None and result.val_before and result.val_after:
         console.print(
             f"exact-match accuracy on {len(prepared.setup.val)} held-out problems: "

@@ -22,6 +22,7 @@ from drivetrain.trainer.builtin import addition
 from drivetrain.trainer.config_loader import load_config, to_yaml
 from drivetrain.trainer.console import plain_console
 from drivetrain.trainer.data.tokenize import pad_token_id
+from drivetrain.trainer.errors import CheckpointError
 from drivetrain.trainer.rl.advantages import ADVANTAGES, NEEDS_CRITIC
 from drivetrain.trainer.rl.config import RLConfig, rl_config_type
 from drivetrain.trainer.rl.placement import (
@@ -90,7 +91,7 @@ def load_rl_job(
         model = ensure_sft_model(builtin, console)
         extra = [
             f"actor.model.path={model}",
-            f"data.train_path={builtin.train_path}",
+            f"data.train_path={builtin.rl_path}",
             f"data.val_path={builtin.test_path}",
         ]
         config = load_config(
@@ -120,11 +121,16 @@ def ensure_sft_model(assets: addition.AdditionAssets, console: Console | None) -
         return cached
     from drivetrain.trainer.sft_job import builtin_report, load_sft_job, prepare, run_sft
 
-    (console or plain_console()).print(
-        "no cached built-in SFT model: running the SFT default first (`drivetrain sft`)"
-    )
+    console = console or plain_console()
+    console.print("no cached built-in SFT model: running the SFT default first (`drivetrain sft`)")
     job = load_sft_job("fsdp2")
-    result = run_sft(prepare(job), resume="auto", console=console)
+    try:  # "auto": an interrupted default SFT run continues
+        result = run_sft(prepare(job), resume="auto", console=console)
+    except CheckpointError as exc:  # its directory holds another model's run (an older release)
+        out = f"{job.config.run.output_dir}-{addition.ASSETS_VERSION}"
+        console.print(f"{exc}: training the SFT default in {out} instead")
+        job = load_sft_job("fsdp2", overrides=[f"run.output_dir={out}"])
+        result = run_sft(prepare(job), resume="auto", console=console)
     assert result is not None
     builtin_report(job, result)
     cached = addition.cached_sft_model(assets.root.parent)
