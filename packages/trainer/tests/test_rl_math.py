@@ -232,3 +232,12 @@ def test_on_policy_actor_loss_equals_recomputed_old_log_probs() -> None:
     g1 = torch.autograd.grad(recomputed, logp, retain_graph=True)[0]
     g2 = torch.autograd.grad(shortcut, logp)[0]
     assert torch.equal(g1, g2)
+
+
+def test_digit_match_credits_aligned_digits():
+    from drivetrain.trainer.rl.rewards import digit_match
+
+    assert digit_match("46", "46") == 1.0
+    assert digit_match("47", "46") == 0.5  # tens right, units wrong
+    assert digit_match("146", "46") == pytest.approx(2 / 3)  # aligned from the units digit
+    assert digit_match("no number", "46") == 0.0

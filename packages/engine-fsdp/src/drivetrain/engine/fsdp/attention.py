@@ -55,16 +55,20 @@ def plain_spans(cu_seqlens: Sequence[int]) -> tuple[Span, ...]:
 @dataclass(frozen=True)
 class PackedContext:
     spans: tuple[Span, ...]
-    total: int  # row length
     sp_group: dist.ProcessGroup | None = None
+
+    @property
+    def total(self) -> int:
+        """The row's length (spans cover every position once)."""
+        return sum(s.length for s in self.spans)
 
 
 _CURRENT: list[PackedContext] = []
 
 
-def set_packed_row(spans: Sequence[Span], total: int, sp_group: dist.ProcessGroup | None) -> None:
+def set_packed_row(spans: Sequence[Span], sp_group: dist.ProcessGroup | None) -> None:
     """Describe the packed row of the next forward (kept for recomputation in backward)."""
-    _CURRENT[:] = [PackedContext(tuple(spans), total, sp_group)]
+    _CURRENT[:] = [PackedContext(tuple(spans), sp_group)]
 
 
 def _repeat_kv(x: torch.Tensor, times: int) -> torch.Tensor:

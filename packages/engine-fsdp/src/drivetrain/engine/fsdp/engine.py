@@ -235,7 +235,7 @@ class FSDPEngine(ModalEngine):
             ids, pos, tgt = (
                 local_slice(t, m.sp_group) for t in (row.input_ids, row.position_ids, row.targets)
             )
-            set_packed_row(row.spans, len(row.input_ids), m.sp_group)
+            set_packed_row(row.spans, m.sp_group)
             raw = self.model(
                 ids[None], pos[None], tgt, None, spec.temperature, spec.entropy,
                 row.extra_src, row.extra_targets,

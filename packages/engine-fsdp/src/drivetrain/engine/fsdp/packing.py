@@ -69,10 +69,10 @@ class _RowBuilder:
         span = Span(
             self.length, count, prefix.start if prefix else 0, prefix.length if prefix else 0
         )
-        row = torch.arange(self.length, self.length + count, device=self.device)
-        self.sources.append(row - self.length + flat_start)
-        self.positions.append(row - self.length + position)
-        self.row_of_token[flat_start : flat_start + count] = row
+        steps = torch.arange(count, device=self.device)
+        self.sources.append(flat_start + steps)
+        self.positions.append(position + steps)
+        self.row_of_token[flat_start : flat_start + count] = self.length + steps
         self.spans.append(span)
         self.length += count
         return span
@@ -85,14 +85,11 @@ def pack(
     offsets, lens, real = batch.offsets, batch.seq_lens, batch.num_tokens
     groups = prefix_groups(batch, ids.tolist()) if share_prefixes else []
     builder = _RowBuilder(real, device)
-    grouped: dict[int, int] = {}  # first member -> group, for the row's order
-    in_group: set[int] = set()
-    for g, group in enumerate(groups):
-        grouped[group.samples[0]] = g
-        in_group.update(group.samples)
+    leaders = {g.samples[0]: g for g in groups}  # a group goes where its first sample was
+    followers = {j for g in groups for j in g.samples[1:]}
     for i, n in enumerate(lens):
-        if i in grouped:
-            group = groups[grouped[i]]
+        group = leaders.get(i)
+        if group is not None:
             prefix = builder.add(offsets[i], group.length, 0)
             for j in group.samples:
                 builder.add(offsets[j] + group.length, lens[j] - group.length, group.length, prefix)
@@ -100,7 +97,7 @@ def pack(
                     builder.row_of_token[offsets[j] : offsets[j] + group.length] = (
                         builder.row_of_token[offsets[i] : offsets[i] + group.length]
                     )
-        elif i not in in_group and n:
+        elif i not in followers and n:
             builder.add(offsets[i], n, 0)
     row_ids = ids[torch.cat(builder.sources)] if builder.sources else ids[:0]
     positions = torch.cat(builder.positions) if builder.positions else ids[:0]

@@ -203,3 +203,10 @@ def rl_config_type(
         bases=(RLConfig,),
         frozen=True,
     )
+
+
+def updates_per_step(config: RLConfig) -> int:
+    """Optimizer steps per RL step: PPO epochs x mini-batches of the step's samples."""
+    samples = config.run.prompts_per_step * config.sampling.n
+    mini = config.algorithm.mini_batch_size or samples
+    return config.algorithm.ppo_epochs * -(-samples // mini)

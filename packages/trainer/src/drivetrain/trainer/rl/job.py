@@ -24,7 +24,7 @@ from drivetrain.trainer.console import plain_console
 from drivetrain.trainer.data.tokenize import pad_token_id
 from drivetrain.trainer.errors import CheckpointError
 from drivetrain.trainer.rl.advantages import ADVANTAGES, NEEDS_CRITIC
-from drivetrain.trainer.rl.config import RLConfig, rl_config_type
+from drivetrain.trainer.rl.config import RLConfig, rl_config_type, updates_per_step
 from drivetrain.trainer.rl.placement import (
     Placement,
     build_placement,
@@ -173,12 +173,6 @@ def role_specs(job: RLJob, total_updates: int) -> tuple[dict[str, RoleSpec], str
 def _for_run(config: EngineConfig, total_updates: int, seed: int) -> Any:
     optim = dataclasses.replace(config.optim, total_steps=total_updates)
     return dataclasses.replace(config, optim=optim, seed=seed)
-
-
-def updates_per_step(config: RLConfig) -> int:
-    samples = config.run.prompts_per_step * config.sampling.n
-    mini = config.algorithm.mini_batch_size or samples
-    return config.algorithm.ppo_epochs * -(-samples // mini)
 
 
 @dataclass(frozen=True)

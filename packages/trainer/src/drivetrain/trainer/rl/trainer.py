@@ -42,7 +42,7 @@ from drivetrain.trainer.rl.batch_ops import (
     last_token_rewards,
     masked_mean,
 )
-from drivetrain.trainer.rl.config import RLConfig
+from drivetrain.trainer.rl.config import RLConfig, updates_per_step
 from drivetrain.trainer.rl.kl import kl_penalty
 from drivetrain.trainer.rl.losses import OLD_VALUES, ActorLoss, CriticLoss, state_values
 from drivetrain.trainer.rl.placement import Placement
@@ -100,12 +100,8 @@ class RLTrainer:
         self.scorer = RewardScorer(c.reward.functions, c.reward.weights)
         self.sampler = PromptSampler(len(setup.train), c.run.prompts_per_step, c.seed)
         alg = c.algorithm
-        samples = c.run.prompts_per_step * c.sampling.n
-        single_update = alg.ppo_epochs == 1 and (
-            alg.mini_batch_size == 0 or alg.mini_batch_size >= samples
-        )
         needs_old = alg.kl_in_reward and setup.reference != "none"
-        self.on_policy = alg.on_policy_shortcut and single_update and not needs_old
+        self.on_policy = alg.on_policy_shortcut and updates_per_step(c) == 1 and not needs_old
         self.actor_loss = ActorLoss(
             policy_loss=alg.policy_loss,
             clip=ClipConfig(alg.clip_low, alg.clip_high, alg.dual_clip),

@@ -5,6 +5,7 @@ a collective."""
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 from drivetrain.api.errors import DrivetrainError
@@ -91,8 +92,6 @@ def wait_all(refs: Any, timeout: float | None, what: str) -> Any:
 def _dead_peer(pending: list[Any], grace: float) -> BaseException | None:
     """The ``RayActorError`` of a peer among ``pending`` that died, waiting at most ``grace``
     seconds (returns as soon as one is found or all have finished)."""
-    import time
-
     import ray
 
     deadline = time.monotonic() + grace
