@@ -3,46 +3,23 @@ CUDA IPC handles on a GPU."""
 
 from __future__ import annotations
 
-import contextlib
-import mmap
-import os
 from collections.abc import Mapping
-from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 import torch
 
 from drivetrain.api.weight_sync import WeightSyncError
-
-
-class _Mapping:
-    """A receiver's view of a segment the sender created: mapped from ``/dev/shm`` directly,
-    so no resource tracker (Python < 3.13 registers attached segments and would unlink them
-    at exit, or un-register the sender's own when both share a tracker) ever touches it."""
-
-    def __init__(self, name: str) -> None:
-        fd = os.open(f"/dev/shm/{name.lstrip('/')}", os.O_RDWR)
-        try:
-            self._mmap = mmap.mmap(fd, os.fstat(fd).st_size)
-        finally:
-            os.close(fd)
-        self.buf = memoryview(self._mmap)
-        self.name = name
-
-    def close(self) -> None:
-        self.buf.release()
-        self._mmap.close()
-
-    def unlink(self) -> None:
-        raise RuntimeError("only the sender unlinks its segments")
+from drivetrain.ckpt import shm_segments
+from drivetrain.ckpt.shm_segments import Segment
 
 
 class SharedMemoryBuffers:
-    """Named shared-memory segments viewed as ``uint8`` tensors."""
+    """Named shared-memory segments viewed as ``uint8`` tensors (see :mod:`shm_segments` for
+    how they are named, unlinked and reaped)."""
 
     kind = "shm"
 
-    def __init__(self, segments: list[Any], size: int) -> None:
+    def __init__(self, segments: list[Segment], size: int) -> None:
         self.segments = segments
         self.buffers = [
             torch.frombuffer(seg.buf, dtype=torch.uint8, count=size) for seg in segments
@@ -50,35 +27,18 @@ class SharedMemoryBuffers:
 
     @classmethod
     def create(cls, size: int) -> SharedMemoryBuffers:
-        segments: list[shared_memory.SharedMemory] = []
+        shm_segments.reap_orphans()  # what killed senders left, before adding our own
         try:
-            for _ in (0, 1):
-                segments.append(shared_memory.SharedMemory(create=True, size=size))
-                # reserve the pages now: tmpfs only promises them, and a full /dev/shm would
-                # otherwise kill the first pack with SIGBUS instead of raising here
-                os.posix_fallocate(segments[-1]._fd, 0, size)  # type: ignore[attr-defined]
+            return cls(shm_segments.create_owned(size, 2), size)
         except OSError as exc:
-            for seg in segments:
-                seg.close()
-                seg.unlink()
             raise WeightSyncError(
                 f"cannot allocate 2 x {size} bytes of shared memory ({exc}); lower "
                 "weight_sync.bucket_bytes or enlarge /dev/shm"
             ) from exc
-        return cls(segments, size)
 
     @classmethod
     def attach(cls, endpoint: Mapping[str, Any]) -> SharedMemoryBuffers:
-        segments: list[Any] = []
-        for name in endpoint["segments"]:
-            if os.path.isdir("/dev/shm"):
-                segments.append(_Mapping(name))
-                continue
-            seg = shared_memory.SharedMemory(name=name)  # other POSIX systems
-            with contextlib.suppress(Exception):
-                resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
-            segments.append(seg)
-        return cls(segments, int(endpoint["bucket_bytes"]))
+        return cls([Segment(name) for name in endpoint["segments"]], int(endpoint["bucket_bytes"]))
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -93,11 +53,9 @@ class SharedMemoryBuffers:
     def close(self, *, owner: bool) -> None:
         self.buffers = []  # tensors export the mapping; drop them before closing it
         for seg in self.segments:
-            with contextlib.suppress(BufferError):
-                seg.close()
+            seg.close()
             if owner:
-                with contextlib.suppress(FileNotFoundError):
-                    seg.unlink()
+                shm_segments.unlink(seg.name)
         self.segments = []
 
 
