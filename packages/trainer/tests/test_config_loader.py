@@ -70,3 +70,18 @@ def test_yaml_round_trip(tmp_path):
     path = tmp_path / "printed.yaml"
     path.write_text(to_yaml(config))
     assert load_config(EngineConfig, files=[path]) == config
+
+
+def test_yaml_file_errors_name_the_position(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("optim:\n  lr: 0.5\n   eps: 1\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml:3:7: YAML syntax error: mapping values"):
+        load_config(EngineConfig, files=[path])
+    path.write_bytes(b"optim:\n  lr: \xe9\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml:2: not UTF-8 \(byte offset 13"):
+        load_config(EngineConfig, files=[path])
+    path.write_text("42\n")
+    with pytest.raises(ConfigError, match="bad.yaml: not a YAML mapping"):
+        load_config(EngineConfig, files=[path])
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_config(EngineConfig, files=[tmp_path])

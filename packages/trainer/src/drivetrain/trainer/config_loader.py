@@ -8,15 +8,18 @@ naming the key and, for unknown keys, the valid ones at that level.
 from __future__ import annotations
 
 import dataclasses
+import io
 import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from omegaconf import OmegaConf
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from drivetrain.api.errors import ConfigError
+from drivetrain.trainer.utf8 import decode_utf8
 
 T = TypeVar("T")
 
@@ -44,6 +47,24 @@ def _explain(config_type: type, exc: OmegaConfBaseException) -> ConfigError:
     return ConfigError(f"invalid config value for '{key}': {first_line}" if key else first_line)
 
 
+def _load_yaml(file: Path) -> DictConfig | ListConfig:
+    """One YAML file; a syntax error names ``file:line:column`` instead of a traceback."""
+    if file.is_dir():
+        raise ConfigError(f"config file {str(file)!r} is a directory")
+    if not file.is_file():
+        raise ConfigError(f"config file {str(file)!r} does not exist")
+    # decoded here, not by the YAML reader: its decode errors count bytes per read chunk
+    text = decode_utf8(file.read_bytes(), file, ConfigError)
+    try:
+        return OmegaConf.load(io.StringIO(text))
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{file}:{mark.line + 1}:{mark.column + 1}" if mark else str(file)
+        raise ConfigError(f"{where}: YAML syntax error: {exc.problem or exc.context}") from None
+    except (yaml.YAMLError, OSError) as exc:  # OSError: a scalar at the top, not a mapping
+        raise ConfigError(f"{file}: not a YAML mapping ({exc})") from None
+
+
 def load_config(
     config_type: type[T], *, files: Sequence[str | Path] = (), overrides: Sequence[str] = ()
 ) -> T:
@@ -56,9 +77,7 @@ def load_config(
     try:
         merged: Any = OmegaConf.structured(config_type)
         for path in files:
-            if not Path(path).is_file():
-                raise ConfigError(f"config file {str(path)!r} does not exist")
-            loaded = OmegaConf.load(path)
+            loaded = _load_yaml(Path(path))
             if not isinstance(loaded, type(merged)):
                 raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top")
             merged = OmegaConf.merge(merged, loaded)
