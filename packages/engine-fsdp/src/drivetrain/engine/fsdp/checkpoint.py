@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from drivetrain.api import CheckpointInfo
 from drivetrain.api.atomic_dir import publish, staging_path
+from drivetrain.api.untrusted import DCP_METADATA_GLOBALS, check_pickle, torch_loads_weights_only
 
 MARKER = "drivetrain.json"
 
@@ -97,16 +98,19 @@ def load(
     source = Path(path).absolute()
     if not is_complete(str(source)):
         raise FileNotFoundError(f"{source} is not a complete drivetrain checkpoint (no {MARKER})")
+    check_pickle(source / ".metadata", DCP_METADATA_GLOBALS)  # DCP unpickles it
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(source))
+    with torch_loads_weights_only(source):  # DCP's planner unpickles non-tensor entries
+        dcp.load(state, checkpoint_id=str(source))
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
     extra_path = source / f"extra_rank{dist.get_rank()}.pt"
     if not extra_path.exists():  # saved at a smaller world size: rank 0's schedule and step
         extra_path = source / "extra_rank0.pt"
-    extra = torch.load(extra_path, weights_only=False)
+    with torch_loads_weights_only(extra_path):
+        extra = torch.load(extra_path, weights_only=True)
     scheduler.load_state_dict(extra["scheduler"])
     _set_rng_state(extra["rng"])
     return CheckpointInfo(str(source), int(extra["step"]))

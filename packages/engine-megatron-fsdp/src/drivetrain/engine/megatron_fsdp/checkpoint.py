@@ -25,6 +25,7 @@ from drivetrain.api import CheckpointInfo
 from drivetrain.engine.megatron.checkpoint_dir import (
     begin_save,
     finish_save,
+    loading_safely,
     read_marker,
     restore_rank_extra,
 )
@@ -106,7 +107,8 @@ def load(path: str, *, engine: Any) -> CheckpointInfo:
             f"it at another data-parallel or pipeline layout, but not at tensor_parallel={tp} "
             "(use engine megatron's checkpoints to change TP)"
         )
-    dcp.load(_state(engine), checkpoint_id=path)  # in place, into this layout's shards
+    with loading_safely(path):
+        dcp.load(_state(engine), checkpoint_id=path)  # in place, into this layout's shards
     for chunk in engine.model:  # the training (model) weights from the loaded main weights
         chunk.install_optimized_model_weights()
     restore_rank_extra(path)

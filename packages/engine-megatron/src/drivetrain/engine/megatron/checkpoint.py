@@ -23,6 +23,7 @@ from drivetrain.api import CheckpointInfo
 from drivetrain.engine.megatron.checkpoint_dir import (
     begin_save,
     finish_save,
+    loading_safely,
     read_marker,
     restore_rank_extra,
 )
@@ -109,7 +110,8 @@ def load(path: str, *, engine: Any) -> CheckpointInfo:
 
     meta = read_marker(path)
     _give_fresh_adam_state(engine.optimizer)
-    state = dist_checkpointing.load(_sharded_state(engine, loading=True), path)
+    with loading_safely(path):
+        state = dist_checkpointing.load(_sharded_state(engine, loading=True), path)
     for i, chunk in enumerate(engine.model):
         chunk.module.load_state_dict(state[f"model{i}"])
     with _adam_step_kept(engine.optimizer):

@@ -5,10 +5,11 @@ a killed save never looks complete."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from drivetrain.api import CheckpointInfo
 from drivetrain.api.atomic_dir import publish, staging_path
+from drivetrain.api.untrusted import DCP_METADATA_GLOBALS, check_pickle, torch_loads_weights_only
 
 MARKER = "drivetrain.json"
 
@@ -59,13 +61,24 @@ def read_marker(path: str) -> dict[str, Any]:
     return json.loads(marker.read_text())
 
 
+@contextlib.contextmanager
+def loading_safely(path: str) -> Iterator[None]:
+    """Around a checkpoint load: DCP's ``.metadata`` (which torch and megatron-core unpickle) is
+    first read with an allow-list unpickler, and every ``torch.load`` inside is weights-only,
+    so a checkpoint directory cannot run code."""
+    check_pickle(Path(path) / ".metadata", DCP_METADATA_GLOBALS)
+    with torch_loads_weights_only(path):
+        yield
+
+
 def restore_rank_extra(path: str) -> int | None:
     """This rank's RNG state, and its saved step; ``None`` when the checkpoint was written at a
     smaller world size (no file for this rank: its RNG stays as seeded)."""
     extra_file = Path(path) / f"extra_rank{dist.get_rank()}.pt"
     if not extra_file.is_file():
         return None
-    extra = torch.load(extra_file, weights_only=False)
+    with torch_loads_weights_only(extra_file):
+        extra = torch.load(extra_file, weights_only=True)
     random.setstate(extra["rng"]["python"])
     torch.set_rng_state(extra["rng"]["torch"])
     if "cuda" in extra["rng"] and torch.cuda.is_available():
