@@ -27,6 +27,19 @@ def test_bytes_round_trip_is_bitwise(dtype, shape):
     assert torch.equal(back.view(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8))
 
 
+@pytest.mark.parametrize(
+    ("meta", "size", "error"),
+    [
+        ({"dtype": "load", "shape": (2,)}, 8, "'load' is not a torch dtype"),
+        ({"dtype": "nonesuch", "shape": (2,)}, 8, "'nonesuch' is not a torch dtype"),
+        ({"dtype": "float32", "shape": (3,)}, 8, r"shape \(3,\) is 12 bytes, got 8"),
+    ],
+)
+def test_tensor_headers_from_another_process_are_checked(meta, size, error):
+    with pytest.raises(ValueError, match=error):
+        tensor_from_bytes(meta, bytes(size))
+
+
 def test_non_contiguous_tensors_are_sent_in_logical_order():
     tensor = torch.arange(12.0).reshape(3, 4).t()
     meta, data = tensor_to_bytes(tensor)

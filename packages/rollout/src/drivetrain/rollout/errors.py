@@ -11,3 +11,8 @@ class BackendNotInstalledError(PluginError):
 
 class RolloutProcessError(DrivetrainError):
     """A rollout server process failed to start, died, or stopped answering."""
+
+
+class ProtocolError(RolloutProcessError):
+    """A message on the rollout server connection is not drivetrain wire data (it is refused,
+    never unpickled)."""

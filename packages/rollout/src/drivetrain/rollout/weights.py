@@ -3,6 +3,7 @@ nothing; and tensors as bytes, for crossing into another Python environment."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -50,8 +51,18 @@ def tensor_to_bytes(tensor: torch.Tensor) -> tuple[dict[str, Any], memoryview]:
 
 
 def tensor_from_bytes(meta: Mapping[str, Any], data: bytes | bytearray) -> torch.Tensor:
-    dtype = getattr(torch, meta["dtype"])
+    """The tensor :func:`tensor_to_bytes` described; ``ValueError`` when ``meta`` (read from
+    another process) names no dtype or does not match the byte count."""
+    dtype = getattr(torch, str(meta["dtype"]), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{meta['dtype']!r} is not a torch dtype")
+    shape = tuple(int(size) for size in meta["shape"])
+    expected = math.prod(shape) * dtype.itemsize
+    if len(data) != expected:
+        raise ValueError(
+            f"a {meta['dtype']} tensor of shape {shape} is {expected} bytes, got {len(data)}"
+        )
     if len(data) == 0:
-        return torch.empty(meta["shape"], dtype=dtype)
+        return torch.empty(shape, dtype=dtype)
     buffer = data if isinstance(data, bytearray) else bytearray(data)
-    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).reshape(meta["shape"])
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).reshape(shape)

@@ -2,9 +2,9 @@
 
 The server (:mod:`server`) is started with the given interpreter in its own session (so its
 children, e.g. vLLM's workers, go down with it), connects back over an authenticated loopback
-connection, and builds the engine there. Every call waits on the reply *and* on the process:
-a server that dies raises :class:`RolloutProcessError` with the tail of its log instead of
-hanging.
+connection (:mod:`listener`; messages are JSON, :mod:`wire`), and builds the engine there.
+Every call waits on the reply *and* on the process: a server that dies raises
+:class:`RolloutProcessError` with the tail of its log instead of hanging.
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ import secrets
 import signal
 import subprocess
 import tempfile
-import threading
 import time
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,9 @@ from drivetrain.api.engine import NamedTensor
 from drivetrain.api.rollout import Completion, Prompt, Rollout, SamplingParams
 from drivetrain.api.weight_sync import SyncStats, Topology
 from drivetrain.rollout.config import BackendConfig
-from drivetrain.rollout.errors import RolloutProcessError
+from drivetrain.rollout.errors import ProtocolError, RolloutProcessError
+from drivetrain.rollout.process import wire
+from drivetrain.rollout.process.listener import AuthenticatedListener
 from drivetrain.rollout.process.protocol import ADDRESS_ENV, AUTHKEY_ENV, remote_error
 from drivetrain.rollout.weights import tensor_to_bytes
 
@@ -57,7 +58,7 @@ class RolloutProcess(Rollout):
         self.backend = backend
         self.request_timeout_s = launch.request_timeout_s
         authkey = secrets.token_bytes(32)
-        listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        listener = AuthenticatedListener(authkey)
         fd, log_name = tempfile.mkstemp(prefix=f"drivetrain-{backend}-", suffix=".log")
         self.log_path = Path(log_name)
         env = {k: v for k, v in os.environ.items() if k not in _ISOLATE}
@@ -66,14 +67,18 @@ class RolloutProcess(Rollout):
         env[ADDRESS_ENV] = f"{host}:{port}"
         env[AUTHKEY_ENV] = authkey.hex()
         with os.fdopen(fd, "wb") as log:
-            self.process = subprocess.Popen(
-                [str(python), "-m", "drivetrain.rollout.process.server"],
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+            try:
+                self.process = subprocess.Popen(
+                    [str(python), "-m", "drivetrain.rollout.process.server"],
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            except BaseException:
+                listener.close()
+                raise
         self._finalizer = weakref.finalize(self, _kill, self.process)
         deadline = time.monotonic() + launch.start_timeout_s
         try:
@@ -89,8 +94,6 @@ class RolloutProcess(Rollout):
         except BaseException:
             self._finalizer()
             raise
-        finally:
-            listener.close()
 
     # ---- plumbing ------------------------------------------------------------------------
     def _log_tail(self, lines: int = 40) -> str:
@@ -109,17 +112,15 @@ class RolloutProcess(Rollout):
             f"{self.log_path}:\n{self._log_tail()}"
         )
 
-    def _accept(self, listener: Listener, deadline: float) -> Connection:
-        accepted: list[Connection] = []
-        thread = threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True)
-        thread.start()
-        while thread.is_alive() and time.monotonic() < deadline:
+    def _accept(self, listener: AuthenticatedListener, deadline: float) -> Connection:
+        def check() -> None:
             if self.process.poll() is not None:
                 raise self._died("exited before connecting")
-            thread.join(0.2)
-        if not accepted:
+
+        conn = listener.accept(deadline, check)
+        if conn is None:
             raise self._died("did not connect in time")
-        return accepted[0]
+        return conn
 
     def _reply(self, timeout: float | None) -> Any:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -130,18 +131,28 @@ class RolloutProcess(Rollout):
                 self._finalizer()
                 raise self._died(f"did not answer within {timeout:.0f} s")
         try:
-            status, *payload = self.conn.recv()
+            reply = wire.receive(self.conn)
         except (EOFError, ConnectionResetError):
             raise self._died("closed the connection") from None
-        if status == "ok":
-            return payload[0]
-        raise remote_error(*payload)
+        except ProtocolError as exc:  # e.g. an older drivetrain-rollout there, which pickled
+            raise ProtocolError(
+                f"the {self.backend} rollout process's reply is {exc}; is drivetrain-rollout in "
+                "its environment the same version as here?"
+            ) from None
+        match reply:
+            case ("ok", result):
+                return result
+            case ("error", str(name), str(message), str(remote_traceback)):
+                raise remote_error(name, message, remote_traceback)
+        raise ProtocolError(
+            f"the {self.backend} rollout process sent an unknown reply {reply!r:.200}"
+        )
 
     def _call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
         if self.process.poll() is not None:
             raise self._died("is not running")
         try:
-            self.conn.send((method, args))
+            wire.send(self.conn, (method, args))
         except (BrokenPipeError, ConnectionResetError) as exc:
             raise self._died(f"dropped the connection ({exc})") from exc
         return self._reply(self.request_timeout_s if timeout is None else timeout)
@@ -153,21 +164,21 @@ class RolloutProcess(Rollout):
     def update_weights(self, weights: Iterable[NamedTensor], *, version: int) -> None:
         """Streams tensors as bytes; the server applies them only once the stream ended
         cleanly, so a failing stream leaves the old weights in use."""
-        self.conn.send(("update_weights", (version,)))
+        wire.send(self.conn, ("update_weights", (version,)))
         try:
             for name, tensor in weights:
                 meta, data = tensor_to_bytes(tensor)
-                self.conn.send(("tensor", name, meta))
+                wire.send(self.conn, ("tensor", name, meta))
                 self.conn.send_bytes(data)
         except (BrokenPipeError, ConnectionResetError) as exc:  # the server is gone
             raise self._died(f"dropped the weight stream ({exc})") from exc
         except BaseException:
             if self.process.poll() is None:
-                self.conn.send(("abort",))
+                wire.send(self.conn, ("abort",))
                 with contextlib.suppress(Exception):
                     self._reply(self.request_timeout_s)
             raise
-        self.conn.send(("end",))
+        wire.send(self.conn, ("end",))
         self._reply(self.request_timeout_s)
 
     @property

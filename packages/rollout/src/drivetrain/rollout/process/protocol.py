@@ -1,16 +1,18 @@
-"""The wire between :mod:`client` and :mod:`server`: pickled plain data over an authenticated
-``multiprocessing.connection``, tensors as raw bytes (torch versions may differ at the ends).
+"""The conversation between :mod:`client` and :mod:`server`: JSON messages (:mod:`wire`, never
+pickle) over an authenticated loopback ``multiprocessing.connection``, tensors as raw bytes
+(torch versions may differ at the ends).
 
 Requests are ``(method, args)``; replies ``("ok", result)`` or
 ``("error", type name, message, remote traceback)``. A weight update is the request
-``("update_weights", (version,))`` followed by ``("tensor", name, meta)`` + one bytes message
-per tensor and a closing ``("end",)`` or ``("abort",)``; one reply comes after the close.
+``("update_weights", (version,))`` followed by ``("tensor", name, {"shape", "dtype"})`` + one
+raw bytes message per tensor and a closing ``("end",)`` or ``("abort",)``; one reply comes
+after the close. A message that is not wire data gets a ``ProtocolError`` reply.
 """
 
 from __future__ import annotations
 
 from drivetrain.api.errors import ConfigError, PluginError
-from drivetrain.rollout.errors import BackendNotInstalledError, RolloutProcessError
+from drivetrain.rollout.errors import BackendNotInstalledError, ProtocolError, RolloutProcessError
 
 ADDRESS_ENV = "DRIVETRAIN_ROLLOUT_ADDRESS"
 AUTHKEY_ENV = "DRIVETRAIN_ROLLOUT_AUTHKEY"
@@ -27,6 +29,7 @@ REMOTE_ERRORS: dict[str, type[Exception]] = {
         ConfigError,
         PluginError,
         BackendNotInstalledError,
+        ProtocolError,
     )
 }
 

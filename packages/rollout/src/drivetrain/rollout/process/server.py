@@ -12,7 +12,9 @@ from multiprocessing.connection import Client, Connection
 from typing import Any
 
 from drivetrain.api.rollout import Rollout
+from drivetrain.rollout.errors import ProtocolError
 from drivetrain.rollout.frontends import IMPLEMENTATIONS, load_engine_class
+from drivetrain.rollout.process import wire
 from drivetrain.rollout.process.protocol import ADDRESS_ENV, AUTHKEY_ENV
 from drivetrain.rollout.weights import tensor_from_bytes
 
@@ -28,19 +30,30 @@ def _versions(backend: str) -> dict[str, str]:
 
 
 def _receive_weights(conn: Connection, rollout: Rollout, version: int) -> None:
-    """Stage every tensor of the update, then hand them over in one call (all or nothing)."""
+    """Stage every tensor of the update, then hand them over in one call (all or nothing).
+    A bad tensor still reads the stream to its end, so the next request starts in step."""
     staged = []
+    failure: Exception | None = None
     while True:
-        message = conn.recv()
-        if message[0] == "tensor":
-            _, name, meta = message
-            staged.append((name, tensor_from_bytes(meta, conn.recv_bytes())))
-        elif message[0] == "abort":
-            raise RuntimeError("the weight stream failed on the sending side; nothing applied")
-        elif message[0] == "end":
-            break
-        else:
-            raise RuntimeError(f"unexpected message {message[0]!r} inside a weight update")
+        try:
+            match wire.receive(conn):
+                case ("tensor", str(name), dict(meta)):
+                    data = conn.recv_bytes()
+                    if failure is None:
+                        staged.append((name, tensor_from_bytes(meta, data)))
+                case ("abort",):
+                    failure = RuntimeError(
+                        "the weight stream failed on the sending side; nothing applied"
+                    )
+                    break
+                case ("end",):
+                    break
+                case message:
+                    raise ProtocolError(f"unexpected message {message!r:.200} in a weight update")
+        except (ProtocolError, ValueError) as exc:
+            failure = failure or exc
+    if failure is not None:
+        raise failure
     rollout.update_weights(staged, version=version)
 
 
@@ -48,11 +61,16 @@ def serve(conn: Connection) -> None:
     rollout: Rollout | None = None
     while True:
         try:
-            method, args = conn.recv()
+            data = conn.recv_bytes()
         except EOFError:  # the client went away: nothing left to serve
             break
         try:
             result: Any = None
+            match wire.decode(data):
+                case (str(method), tuple(args)):
+                    pass
+                case request:
+                    raise ProtocolError(f"a request is (method, args), not {request!r:.200}")
             if method == "start":
                 backend, config = args
                 rollout = load_engine_class(backend)(config)
@@ -75,13 +93,13 @@ def serve(conn: Connection) -> None:
             elif method == "shutdown":
                 rollout.disconnect_weight_sync()
                 rollout.shutdown()
-                conn.send(("ok", None))
+                wire.send(conn, ("ok", None))
                 break
             else:
                 raise RuntimeError(f"unknown request {method!r}")
-            conn.send(("ok", result))
+            wire.send(conn, ("ok", result))
         except Exception as exc:
-            conn.send(("error", type(exc).__name__, str(exc), traceback.format_exc()))
+            wire.send(conn, ("error", type(exc).__name__, str(exc), traceback.format_exc()))
 
 
 def main() -> None:
