@@ -40,6 +40,12 @@ def make_rl_job(root: Path, *, rows: int = 32) -> list[str]:
     ]
 
 
+def varied_reward(response: str, ground_truth: str) -> float:
+    """A reward that differs between a random model's samples (``rl_support:varied_reward``),
+    so advantages, and with them the updates, are not all zero."""
+    return (sum(map(ord, response)) % 5) / 4
+
+
 def rl_command(algorithm: str, *args: str) -> list[str]:
     return [sys.executable, "-m", "drivetrain.trainer", algorithm, *args]
 

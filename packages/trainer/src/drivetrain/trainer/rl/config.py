@@ -90,6 +90,8 @@ class AlgorithmConfig:
             raise ConfigError("algorithm.clip_low must be in [0, 1), clip_high >= 0")
         if self.dual_clip and self.dual_clip <= 1:
             raise ConfigError(f"algorithm.dual_clip={self.dual_clip} must be > 1 (or 0: off)")
+        if self.kl_coef < 0:
+            raise ConfigError(f"algorithm.kl_coef={self.kl_coef} must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -177,6 +179,31 @@ class RLConfig:
     workers: WorkersConfig = field(default_factory=WorkersConfig)  # the actor's ranks
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        # the reference and the KL coefficient must agree: a reference nothing uses, or a KL
+        # term without a reference to measure it against, is a mistake, not a run to start
+        kl_coef, mode = self.algorithm.kl_coef, self.reference_mode
+        if mode == "adapter" and not self.actor.model.lora.enabled:
+            raise ConfigError(
+                "reference.mode=adapter needs a LoRA actor (actor.model.lora.rank > 0)"
+            )
+        if mode != "none" and kl_coef == 0:
+            raise ConfigError(f"reference.mode={mode} but algorithm.kl_coef is 0: nothing uses it")
+        if mode == "none" and kl_coef != 0:
+            raise ConfigError(
+                f"algorithm.kl_coef={kl_coef} needs a reference model, but reference.mode=none "
+                "(auto, engine or adapter; or algorithm.kl_coef=0)"
+            )
+
+    @property
+    def reference_mode(self) -> str:
+        """The reference actually used: ``none``, ``engine`` or ``adapter`` (``auto`` resolved)."""
+        if self.reference.mode != "auto":
+            return self.reference.mode
+        if self.algorithm.kl_coef == 0:
+            return "none"
+        return "adapter" if self.actor.model.lora.enabled else "engine"
 
 
 def _plugged(cls: type, base_default: Any) -> Any:

@@ -143,16 +143,7 @@ def role_specs(job: RLJob, total_updates: int) -> tuple[dict[str, RoleSpec], str
     c = job.config
     actor = _for_run(c.actor, total_updates, c.seed)
     roles = {ACTOR: RoleSpec(job.engine, actor)}
-    reference = c.reference.mode
-    if reference == "auto":
-        if c.algorithm.kl_coef == 0:
-            reference = "none"
-        else:
-            reference = "adapter" if c.actor.model.lora.enabled else "engine"
-    if reference == "adapter" and not c.actor.model.lora.enabled:
-        raise ConfigError("reference.mode=adapter needs a LoRA actor (actor.model.lora.rank > 0)")
-    if reference != "none" and c.algorithm.kl_coef == 0:
-        raise ConfigError(f"reference.mode={reference} but algorithm.kl_coef is 0: nothing uses it")
+    reference = c.reference_mode
     if reference == "engine":
         roles[REFERENCE] = RoleSpec(job.engine, actor)
     if c.algorithm.advantage in NEEDS_CRITIC:

@@ -99,11 +99,18 @@ class ActorLoss:
             metrics["actor/rollout_log_prob_diff"] = agg(diff, "token-mean")
         if self.entropy_coef != 0.0:
             loss = loss - self.entropy_coef * entropy
-        if self.kl_loss_coef != 0.0:
+        # on-policy, this pass is the old policy: KL(old ‖ ref) is measured here, since the
+        # controller has no old log-probs to measure it with
+        measure_kl = self.on_policy and REF_LOG_PROBS in mb
+        if self.kl_loss_coef != 0.0 or measure_kl:
             ref = mb[REF_LOG_PROBS].to(log_probs.dtype)
-            kl = agg(kl_penalty(log_probs, ref, self.kl_estimator))
-            loss = loss + self.kl_loss_coef * kl
-            metrics["actor/kl_loss"] = kl.detach()
+            kl = kl_penalty(log_probs, ref, self.kl_estimator)
+            if measure_kl:
+                metrics["actor/kl_ref"] = agg(kl.detach(), "token-mean")
+            if self.kl_loss_coef != 0.0:
+                kl_loss = agg(kl)
+                loss = loss + self.kl_loss_coef * kl_loss
+                metrics["actor/kl_loss"] = kl_loss.detach()
         return loss, metrics
 
 

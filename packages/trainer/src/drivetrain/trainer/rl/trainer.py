@@ -244,7 +244,9 @@ class RLTrainer:
         alg, mask = self.config.algorithm, batch[LOSS_MASK].float()
         rewards = last_token_rewards(batch, scores)
         metrics: dict[str, float] = {}
-        if REF_LOG_PROBS in batch:
+        if REF_LOG_PROBS in batch and not self.on_policy:
+            # KL(old ‖ ref); on-policy, the old log-probs come from the update's own forward,
+            # which reports it (the KL in the reward always has them: it turns on-policy off)
             kl = kl_penalty(batch[OLD_LOG_PROBS], batch[REF_LOG_PROBS], alg.kl_estimator)
             metrics["actor/kl_ref"] = masked_mean(kl, mask)
             if alg.kl_in_reward:
