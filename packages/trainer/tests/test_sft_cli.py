@@ -76,7 +76,7 @@ def test_data_errors(job):
     empty = tmp / "empty.jsonl"
     empty.write_text("")
     fails(invoke("--engine", "fake", *base, f"data.train_path={empty}"), "no usable example")
-    fails(invoke("--engine", "fake", *base, "data.max_length=5"), "row 0", "data.max_length=5")
+    fails(invoke("--engine", "fake", *base, "data.max_length=5"), "train.jsonl:1:", "max_length=5")
     fails(invoke("--engine", "fake", *base, "run.batch_size=64"), "larger than the 12")
     assert not out.exists()
 

@@ -1,8 +1,9 @@
 """Assemble an SFT job from the command line: config, validation, workers, training, report.
 
 Everything that can be checked without training is checked before the first output file is
-written: the engine is installed and compatible, the model and tokenizer load, every data row
-tokenizes within the truncation policy, the batch size fits the data.
+written: the engine is installed and compatible, the output directory can be written, the
+requested GPU exists, the model and tokenizer load, every data row tokenizes within the
+truncation policy and the model's context, the batch size fits the data.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from drivetrain.trainer.data.batching import StepPlan
 from drivetrain.trainer.data.sft_dataset import SFTData, load_sft_data
 from drivetrain.trainer.data.tokenize import pad_token_id
 from drivetrain.trainer.errors import DataError
+from drivetrain.trainer.preflight import check_devices, check_output_dir, model_context
 from drivetrain.trainer.sft_config import SFTConfig, sft_config_type
 from drivetrain.trainer.sft_trainer import SFTResult, SFTTrainer, total_steps
 from drivetrain.trainer.workers.launch import make_group
@@ -82,20 +84,22 @@ class PreparedSFT:
 
 def prepare(job: SFTJob) -> PreparedSFT:
     """Validate everything a run needs, without writing anything."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     registry.engines.load(job.engine_name)
     config = job.config
+    check_output_dir("run.output_dir", config.run.output_dir)
+    check_devices({"engine.device": config.engine.device}, ray_address=config.workers.ray_address)
     model_path = Path(config.engine.model.path)
     trust = config.engine.model.trust_remote_code
+    context = model_context(str(model_path), trust_remote_code=trust)
     try:
-        AutoConfig.from_pretrained(str(model_path), trust_remote_code=trust)
         tokenizer = AutoTokenizer.from_pretrained(
             config.data.tokenizer_path or str(model_path), trust_remote_code=trust
         )
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot load model/tokenizer at {str(model_path)!r}: {exc}") from None
-    data = load_sft_data(config.data, tokenizer, config.seed)
+    data = load_sft_data(config.data, tokenizer, config.seed, context)
     try:
         plan = StepPlan(len(data.train), config.run.batch_size, config.seed, config.data.shuffle)
     except ValueError as exc:

@@ -7,9 +7,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from drivetrain.trainer.data.files import read_rows
-from drivetrain.trainer.data.tokenize import Example, RowKeys, tokenize_row, truncate
+from drivetrain.trainer.data.files import iter_rows
+from drivetrain.trainer.data.tokenize import (
+    Example,
+    LengthLimit,
+    RowKeys,
+    longest_token_chars,
+    tokenize_row,
+    truncate,
+)
 from drivetrain.trainer.errors import DataError
+from drivetrain.trainer.preflight import Context
 from drivetrain.trainer.sft_config import DataConfig
 
 
@@ -24,15 +32,24 @@ class SFTData:
         return sum(len(e) for e in self.train)
 
 
-def tokenize_file(path: str, tokenizer: Any, config: DataConfig) -> tuple[list[Example], int]:
+def length_limit(config: DataConfig, tokenizer: Any, context: Context | None) -> LengthLimit:
+    """``data.max_length``, or the model's context where that is shorter."""
+    tokens, source = config.max_length, f"data.max_length={config.max_length}"
+    if context is not None and context.tokens < tokens:
+        tokens, source = context.tokens, context.source
+    return LengthLimit(tokens, source, config.truncation, longest_token_chars(tokenizer))
+
+
+def tokenize_file(
+    path: str, tokenizer: Any, config: DataConfig, context: Context | None = None
+) -> tuple[list[Example], int]:
+    """Examples of ``path`` (streamed row by row) and how many lost every target token to
+    truncation; ``context``: the model's, when known."""
     keys = RowKeys(config.prompt_key, config.response_key, config.messages_key)
-    rows = read_rows(path)
+    limit = length_limit(config, tokenizer, context)
     examples, dropped = [], 0
-    for index, row in enumerate(rows):
-        where = f"{path} row {index}"
-        example = truncate(
-            tokenize_row(tokenizer, row, keys, where), config.max_length, config.truncation, where
-        )
+    for where, row in iter_rows(path):
+        example = truncate(tokenize_row(tokenizer, row, keys, where, limit), limit, where)
         if example is None:
             dropped += 1
         else:
@@ -57,10 +74,12 @@ def split_validation(
     return train, [e for i, e in enumerate(examples) if i in held]
 
 
-def load_sft_data(config: DataConfig, tokenizer: Any, seed: int) -> SFTData:
-    train, dropped = tokenize_file(config.train_path, tokenizer, config)
+def load_sft_data(
+    config: DataConfig, tokenizer: Any, seed: int, context: Context | None = None
+) -> SFTData:
+    train, dropped = tokenize_file(config.train_path, tokenizer, config, context)
     if config.val_path:
-        val, val_dropped = tokenize_file(config.val_path, tokenizer, config)
+        val, val_dropped = tokenize_file(config.val_path, tokenizer, config, context)
         dropped += val_dropped
     else:
         train, val = split_validation(train, config.val_ratio, seed)

@@ -8,6 +8,14 @@ tokenizer has one (as a user and an assistant turn), else plain text + EOS.
 Assistant tokens are found by rendering the conversation up to each assistant turn with and
 without that turn and masking the characters in between (via the fast tokenizer's offsets), so
 any template works as long as rendering a prefix of the conversation gives a prefix of the text.
+
+Characters are bounded before tokenising: tokenising costs hundreds of bytes per character
+(one 50 MB row took > 8 GB), and no token covers more characters than the tokenizer's longest
+vocabulary entry, so a text longer than ``max_tokens x`` that many characters cannot fit.
+Such a row is refused under ``truncation=error`` without being tokenised; under ``left`` or
+``right`` each message is first cut to that many characters on the kept side (tokens next to
+the cut may differ from those of the whole text; the cut lies one token's worth of characters
+beyond what the kept tokens can cover).
 """
 
 from __future__ import annotations
@@ -26,6 +34,29 @@ class Example:
 
     def __len__(self) -> int:
         return len(self.input_ids)
+
+
+@dataclass(frozen=True)
+class LengthLimit:
+    """The most tokens an example may have, what sets that limit (named in errors), the
+    truncation policy, and the most characters one token of the tokenizer covers."""
+
+    max_tokens: int
+    source: str  # "data.max_length=1024", "the model's context (max_position_embeddings=256)"
+    policy: str
+    chars_per_token: int
+
+    @property
+    def max_chars(self) -> int:
+        """Text longer than this (message contents summed) has more than ``max_tokens``."""
+        return self.max_tokens * self.chars_per_token
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """Characters of the longest vocabulary entry: no token covers more characters of the text
+    (byte-level and SentencePiece entries spell one character per byte or character they
+    cover). Characters a normaliser would remove count too: such text is refused, not missed."""
+    return max(map(len, tokenizer.get_vocab()), default=1)
 
 
 @dataclass(frozen=True)
@@ -98,8 +129,32 @@ def tokenize_plain(tokenizer: Any, prompt: str, response: str) -> Example:
     return Example(tuple(ids), tuple([0] * len(prompt_ids) + [1] * len(response_ids)))
 
 
-def tokenize_row(tokenizer: Any, row: Mapping[str, Any], keys: RowKeys, where: str) -> Example:
-    messages = row_to_messages(row, keys, where)
+def fit_characters(
+    messages: list[dict[str, str]], limit: LengthLimit, where: str
+) -> list[dict[str, str]]:
+    """Bound the characters before tokenising (see the module docstring)."""
+    chars = sum(len(m["content"]) for m in messages)
+    if chars <= limit.max_chars:
+        return messages
+    if limit.policy == "error":
+        raise DataError(
+            f"{where}: {chars:,} characters cannot fit in {limit.max_tokens} tokens "
+            f"({limit.source}; no token of this tokenizer covers more than "
+            f"{limit.chars_per_token} characters); set data.truncation=left or right to cut "
+            "such examples"
+        )
+    # one token more than the limit, so the last kept token is never the one cut in two
+    keep = limit.max_chars + limit.chars_per_token
+    window = slice(-keep, None) if limit.policy == "left" else slice(keep)
+    return [{**m, "content": m["content"][window]} for m in messages]
+
+
+def tokenize_row(
+    tokenizer: Any, row: Mapping[str, Any], keys: RowKeys, where: str, limit: LengthLimit
+) -> Example:
+    """The row's tokens, its characters bounded by ``limit`` first (tokens are cut by
+    :func:`truncate`)."""
+    messages = fit_characters(row_to_messages(row, keys, where), limit, where)
     if getattr(tokenizer, "chat_template", None):
         return tokenize_chat(tokenizer, messages, where)
     if keys.messages in row:
@@ -107,15 +162,18 @@ def tokenize_row(tokenizer: Any, row: Mapping[str, Any], keys: RowKeys, where: s
     return tokenize_plain(tokenizer, messages[0]["content"], messages[1]["content"])
 
 
-def truncate(example: Example, max_length: int, policy: str, where: str) -> Example | None:
+def truncate(example: Example, limit: LengthLimit, where: str) -> Example | None:
     """Apply the truncation policy; ``None`` when nothing to train on is left."""
+    max_length = limit.max_tokens
     if len(example) > max_length:
-        if policy == "error":
+        if limit.policy == "error":
             raise DataError(
-                f"{where}: {len(example)} tokens is longer than data.max_length={max_length} "
+                f"{where}: {len(example)} tokens is longer than {limit.source} "
                 "(set data.truncation=left or right to cut such examples)"
             )
-        cut = slice(len(example) - max_length, None) if policy == "left" else slice(max_length)
+        cut = (
+            slice(len(example) - max_length, None) if limit.policy == "left" else slice(max_length)
+        )
         example = Example(example.input_ids[cut], example.loss_mask[cut])
     # Position 0 has no prediction (columns.py), so it can never be a target.
     mask = (0, *example.loss_mask[1:])

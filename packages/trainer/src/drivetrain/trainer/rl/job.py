@@ -23,6 +23,12 @@ from drivetrain.trainer.config_loader import load_config, to_yaml
 from drivetrain.trainer.console import plain_console
 from drivetrain.trainer.data.tokenize import pad_token_id
 from drivetrain.trainer.errors import CheckpointError
+from drivetrain.trainer.preflight import (
+    Context,
+    check_devices,
+    check_output_dir,
+    model_context,
+)
 from drivetrain.trainer.rl.advantages import ADVANTAGES, NEEDS_CRITIC
 from drivetrain.trainer.rl.config import RLConfig, rl_config_type, updates_per_step
 from drivetrain.trainer.rl.placement import (
@@ -188,6 +194,14 @@ def prepare(job: RLJob) -> PreparedRL:
     registry.rollouts.load(job.rollout)
     if job.transport != "direct":
         registry.ckpt_engines.load(job.transport)
+    check_output_dir("run.output_dir", c.run.output_dir)
+    devices = {
+        "actor.device": c.actor.device,
+        "critic.device": c.critic.device,
+        "rollout.device": c.rollout.device,
+        "weight_sync.device": c.weight_sync.device,
+    }
+    check_devices(devices, ray_address=c.workers.ray_address)
     path = c.data.tokenizer_path or c.actor.model.path
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -198,6 +212,8 @@ def prepare(job: RLJob) -> PreparedRL:
         "messages_key": c.data.messages_key,
         "answer_key": c.data.answer_key,
         "max_prompt_length": c.data.max_prompt_length,
+        "max_new_tokens": c.sampling.max_new_tokens,
+        "context": generation_context(job),
     }
     train, dropped = load_prompts(c.data.train_path, tokenizer, **keys)
     train = train[: c.data.max_prompts or None]
@@ -229,6 +245,22 @@ def prepare(job: RLJob) -> PreparedRL:
         reward_model=REWARD_MODEL in roles,
     )
     return PreparedRL(job, setup, roles, dropped)
+
+
+def generation_context(job: RLJob) -> Context:
+    """The most tokens a sample (prompt and response) may have: the rollout's
+    ``max_model_len``, or the actor's or rollout model's context where that is shorter."""
+    c = job.config
+    shortest = Context(
+        c.rollout.max_model_len,
+        f"the rollout's context (rollout.max_model_len={c.rollout.max_model_len})",
+    )
+    trust = c.actor.model.trust_remote_code
+    for path in dict.fromkeys((c.actor.model.path, rollout_config(job).model_path)):
+        context = model_context(path, trust_remote_code=trust)
+        if context is not None and context.tokens < shortest.tokens:
+            shortest = context
+    return shortest
 
 
 def rollout_config(job: RLJob) -> RolloutConfig:

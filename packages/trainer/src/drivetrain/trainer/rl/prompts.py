@@ -9,12 +9,14 @@ the row has no ``answer_key``, becomes the ground truth: SFT data works as RL pr
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from drivetrain.trainer.data.files import read_rows
+from drivetrain.trainer.data.files import Row, iter_rows
+from drivetrain.trainer.data.tokenize import longest_token_chars
 from drivetrain.trainer.errors import DataError
+from drivetrain.trainer.preflight import Context
 
 
 @dataclass(frozen=True)
@@ -33,30 +35,40 @@ def _messages(row: Mapping[str, Any], prompt_key: str, messages_key: str) -> lis
 
 
 def rows_to_prompts(
-    rows: Sequence[Mapping[str, Any]],
+    rows: Iterable[Row],
     tokenizer: Any,
     *,
     prompt_key: str,
     messages_key: str,
     answer_key: str,
     max_prompt_length: int,
-    source: str,
-) -> list[RLPrompt]:
+    max_new_tokens: int,
+    context: Context,
+) -> tuple[list[RLPrompt], int]:
+    """The prompts, and how many rows were dropped as longer than ``max_prompt_length``. A kept
+    prompt that leaves no room for ``max_new_tokens`` in ``context`` is an error: its samples
+    would be cut short or fail in a later step."""
     out: list[RLPrompt] = []
+    dropped = 0
     chat = getattr(tokenizer, "chat_template", None) is not None
-    for i, row in enumerate(rows):
+    # no token covers more characters than this: a longer prompt is dropped untokenised
+    max_chars = max_prompt_length * longest_token_chars(tokenizer)
+    for where, row in rows:
         try:
             messages = _messages(row, prompt_key, messages_key)
         except KeyError:
             raise DataError(
-                f"{source} row {i}: neither {prompt_key!r} nor {messages_key!r} is present"
+                f"{where}: neither {prompt_key!r} nor {messages_key!r} is present"
             ) from None
         truth = row.get(answer_key)
         if messages and messages[-1].get("role") == "assistant":
             last = messages.pop()
             truth = last["content"] if truth is None else truth
         if truth is None:
-            raise DataError(f"{source} row {i}: no ground truth ({answer_key!r})")
+            raise DataError(f"{where}: no ground truth ({answer_key!r})")
+        if sum(len(str(m.get("content", ""))) for m in messages) > max_chars:
+            dropped += 1
+            continue
         if chat:
             text = tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True
@@ -65,18 +77,24 @@ def rows_to_prompts(
             text = "\n".join(m["content"] for m in messages)
         ids = tokenizer(text, add_special_tokens=not chat)["input_ids"]
         if len(ids) > max_prompt_length:
-            continue  # too long to generate from within the budget: dropped (counted by caller)
+            dropped += 1  # too long to generate from within the budget
+            continue
+        if len(ids) + max_new_tokens > context.tokens:
+            raise DataError(
+                f"{where}: {len(ids)} prompt tokens + sampling.max_new_tokens={max_new_tokens} "
+                f"exceed {context.source}; lower data.max_prompt_length to drop such prompts, "
+                "or sampling.max_new_tokens"
+            )
         out.append(RLPrompt(tuple(ids), str(truth), text))
-    return out
+    return out, dropped
 
 
 def load_prompts(path: str, tokenizer: Any, **kwargs: Any) -> tuple[list[RLPrompt], int]:
-    """Prompts of ``path`` and how many rows were dropped as too long."""
-    rows = read_rows(path)
-    prompts = rows_to_prompts(rows, tokenizer, source=path, **kwargs)
+    """Prompts of ``path`` (streamed row by row) and how many rows were dropped as too long."""
+    prompts, dropped = rows_to_prompts(iter_rows(path), tokenizer, **kwargs)
     if not prompts:
-        raise DataError(f"{path}: no usable prompt (all {len(rows)} rows too long or empty)")
-    return prompts, len(rows) - len(prompts)
+        raise DataError(f"{path}: no usable prompt (all {dropped} rows too long, or none)")
+    return prompts, dropped
 
 
 class PromptSampler:
