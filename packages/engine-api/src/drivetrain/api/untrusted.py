@@ -69,6 +69,11 @@ DCP_METADATA_GLOBALS: frozenset[str] = frozenset(
             )
         ),
         "torch.distributed.checkpoint.filesystem._StorageInfo",
+        # megatron-core keeps the global save plan beside the metadata (plain dataclasses, enum)
+        *(
+            f"torch.distributed.checkpoint.planner.{name}"
+            for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")
+        ),
         "torch.Size",
         "torch.serialization._get_layout",
         *(f"pathlib.{name}" for name in ("PosixPath", "WindowsPath", "PurePosixPath")),

@@ -1,32 +1,44 @@
-"""Trainer checkpoints: the engine's state plus the trainer's, published atomically.
+"""Trainer checkpoints: the engine's state plus the trainer's, verified, published atomically.
 
 Layout under ``<output_dir>/checkpoints``::
 
     step_00000010/
-        engine/              written by the engine (model, optimizer, scheduler, RNG)
-        trainer_state.json   step, engine name, model path (written last, before the rename)
+        engine/                     written by the engine (model, optimizer, scheduler, RNG)
+        trainer_state.json          step, engine name, model path, run id
+        drivetrain-manifest.json    size and sha256 of every file above (written last)
 
 Each checkpoint is assembled in a staging directory (``.step_00000010.partial``) and renamed
-into place, so a directory named ``step_*`` is always complete; staging leftovers of a killed
-run are removed on start and never resumed from.
+into place, so a directory named ``step_*`` was complete when written; staging leftovers of a
+killed run are removed on start and never resumed from. What happened to it afterwards (a
+flipped bit, a truncated copy) the manifest finds: a checkpoint is resumed from only once every
+file matches it. ``--resume auto`` takes the newest checkpoint that verifies and says which
+newer ones it skipped and why; pruning removes only the current run's checkpoints.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
-from collections.abc import Mapping
+import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from drivetrain.api.atomic_dir import STAGING_SUFFIX, publish, remove_stale_staging
+from drivetrain.api.manifest import ManifestError, has_manifest, verify_manifest, write_manifest
 from drivetrain.trainer.errors import CheckpointError
 
 STATE_FILE = "trainer_state.json"
 ENGINE_DIR = "engine"
 PREFIX = "step_"
+_STEP_DIR = re.compile(rf"{PREFIX}(\d+)")
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:12]
 
 
 @dataclass(frozen=True)
@@ -42,36 +54,81 @@ class Checkpoint:
     def engine_path(self) -> str:
         return str(self.path / ENGINE_DIR)
 
+    @property
+    def run_id(self) -> str | None:
+        return self.state.get("run_id")
+
 
 def read_checkpoint(path: Path) -> Checkpoint:
+    """The checkpoint's state, without checking its files (see :func:`verify_checkpoint`)."""
     state_file = path / STATE_FILE
     if not state_file.is_file():
         raise CheckpointError(f"{path} is not a complete drivetrain checkpoint (no {STATE_FILE})")
     try:
-        return Checkpoint(path, json.loads(state_file.read_text()))
-    except json.JSONDecodeError as exc:
+        state = json.loads(state_file.read_text())
+        int(state["step"])
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{state_file} is corrupt: {exc}") from None
+    return Checkpoint(path, state)
+
+
+def verify_checkpoint(path: Path) -> Checkpoint:
+    """The checkpoint at ``path`` once every file matches its manifest; :class:`CheckpointError`
+    (one line, naming the file) otherwise. Checkpoints written before manifests existed carry
+    none and are taken as they are."""
+    checkpoint = read_checkpoint(path)
+    if has_manifest(path):
+        try:
+            verify_manifest(path)
+        except ManifestError as exc:
+            raise CheckpointError(str(exc)) from None
+    return checkpoint
+
+
+def checkpoint_step(path: Path) -> int | None:
+    match = _STEP_DIR.fullmatch(path.name)
+    return int(match.group(1)) if match and path.is_dir() else None
 
 
 class CheckpointManager:
-    def __init__(self, root: Path, *, keep_last: int, writer: bool) -> None:
+    def __init__(
+        self, root: Path, *, keep_last: int, writer: bool, run_id: str | None = None
+    ) -> None:
         self.root = root
         self.keep_last = keep_last
         self.writer = writer
+        #: written into every checkpoint; pruning removes only this run's checkpoints
+        self.run_id = run_id or new_run_id()
 
-    def complete(self) -> list[Checkpoint]:
-        """Complete checkpoints, oldest first."""
+    def step_dirs(self) -> list[Path]:
+        """Every ``step_*`` directory, oldest first (by the step in its name)."""
         if not self.root.is_dir():
             return []
+        found = [(step, p) for p in self.root.iterdir() if (step := checkpoint_step(p)) is not None]
+        return [p for _step, p in sorted(found)]
+
+    def complete(self) -> list[Checkpoint]:
+        """Checkpoints whose state is readable (files not verified), oldest first."""
         found = []
-        for path in self.root.glob(f"{PREFIX}*"):
-            if path.is_dir() and (path / STATE_FILE).is_file():
+        for path in self.step_dirs():
+            try:
                 found.append(read_checkpoint(path))
+            except CheckpointError:
+                continue
         return sorted(found, key=lambda c: c.step)
 
     def latest(self) -> Checkpoint | None:
         done = self.complete()
         return done[-1] if done else None
+
+    def latest_verified(self, skipped: Callable[[Path, str], None]) -> Checkpoint | None:
+        """The newest checkpoint that verifies; ``skipped(path, why)`` for each newer one."""
+        for path in reversed(self.step_dirs()):
+            try:
+                return verify_checkpoint(path)
+            except CheckpointError as exc:
+                skipped(path, str(exc))
+        return None
 
     def clean_staging(self) -> list[Path]:
         """Remove what a killed save left behind (call before any rank starts saving)."""
@@ -86,16 +143,19 @@ class CheckpointManager:
 
     def publish(self, step: int, state: Mapping[str, Any]) -> Path | None:
         """After every rank saved the engine into :meth:`engine_staging_path`: write the trainer
-        state, rename into place, prune old checkpoints. Only the writer does anything."""
+        state and the manifest, rename into place, prune this run's old checkpoints. Only the
+        writer does anything."""
         if not self.writer:
             return None
         staging = self.staging(step)
         with open(staging / STATE_FILE, "w") as f:
-            json.dump({**state, "step": step}, f, indent=2)
+            json.dump({**state, "step": step, "run_id": self.run_id}, f, indent=2)
             f.flush()
             os.fsync(f.fileno())
+        write_manifest(staging)
         target = self.root / f"{PREFIX}{step:08d}"
         publish(staging, target)
-        for old in self.complete()[: -self.keep_last]:
+        ours = [c for c in self.complete() if c.run_id == self.run_id]
+        for old in ours[: -self.keep_last]:
             shutil.rmtree(old.path, ignore_errors=True)
         return target

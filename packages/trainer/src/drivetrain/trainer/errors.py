@@ -15,3 +15,7 @@ class CheckpointError(DrivetrainError):
 
 class WorkerError(DrivetrainError):
     """A worker process failed to start or died; the message carries its error."""
+
+
+class RunDirectoryError(DrivetrainError):
+    """The output directory holds another run that this one would mix with or overwrite."""

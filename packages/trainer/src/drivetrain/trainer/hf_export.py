@@ -15,6 +15,8 @@ from typing import Any
 
 from drivetrain.api import NamedTensor
 from drivetrain.api.atomic_dir import publish, staging_path
+from drivetrain.api.manifest import ManifestError, has_manifest, verify_manifest, write_manifest
+from drivetrain.trainer.errors import DataError
 
 #: Files copied from the source model directory next to the weights, when present.
 COMPANION_FILES = (
@@ -76,6 +78,7 @@ def write_hf_model(
             return
         flush()
         _finish(staging, shards, total, Path(source_dir), adapter_config)
+        write_manifest(staging)
         publish(staging, target)
     except BaseException:
         if writer:
@@ -106,3 +109,14 @@ def _finish(
         (staging / "drivetrain_merged_adapter.json").write_text(
             json.dumps(dict(adapter_config), indent=2, default=str)
         )
+
+
+def verify_model_dir(path: str) -> None:
+    """A model directory we exported (it carries a manifest) must still hold what was written;
+    other directories (a hub download, a user's model) are taken as they are. Files added later
+    (a README, our cache's report) are allowed."""
+    if path and has_manifest(path):
+        try:
+            verify_manifest(path, allow_extra=True)
+        except ManifestError as exc:
+            raise DataError(f"model {exc}") from None

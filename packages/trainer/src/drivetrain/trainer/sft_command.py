@@ -10,8 +10,9 @@ from typing import Annotated
 import typer
 
 from drivetrain.api.errors import DrivetrainError
-from drivetrain.trainer.checkpoints import read_checkpoint
+from drivetrain.trainer.checkpoints import verify_checkpoint
 from drivetrain.trainer.console import plain_console, print_error, print_ok
+from drivetrain.trainer.run_options import Overwrite, Resume
 
 console = plain_console()  # errors stay whole lines (greppable)
 
@@ -35,10 +36,8 @@ def sft(
         bool,
         typer.Option("--dry-run", help="Validate engine, model and data; exit without training."),
     ] = False,
-    resume: Annotated[
-        str,
-        typer.Option("--resume", help="auto (latest complete checkpoint), none, or a path."),
-    ] = "auto",
+    resume: Resume = "auto",
+    overwrite: Overwrite = False,
 ) -> None:
     """Supervised fine-tuning. With no data and no model: the built-in addition task."""
     # Our progress bar is the one to watch; read by huggingface_hub when transformers loads
@@ -54,12 +53,12 @@ def sft(
             return
         prepared = prepare(job)
         if resume not in ("auto", "none"):
-            read_checkpoint(Path(resume))  # fail before any worker starts
+            verify_checkpoint(Path(resume))  # fail before any worker starts
         console.print(describe(prepared))
         if dry_run:
             print_ok(console, "dry run: config, engine, model and data are valid")
             return
-        result = run_sft(prepared, resume=resume, console=console)
+        result = run_sft(prepared, resume=resume, overwrite=overwrite, console=console)
     except DrivetrainError as exc:
         print_error(console, exc)
         raise typer.Exit(2) from None

@@ -25,6 +25,7 @@ from drivetrain.trainer.data.batching import StepPlan
 from drivetrain.trainer.data.sft_dataset import SFTData, load_sft_data
 from drivetrain.trainer.data.tokenize import pad_token_id
 from drivetrain.trainer.errors import DataError
+from drivetrain.trainer.hf_export import verify_model_dir
 from drivetrain.trainer.preflight import check_devices, check_output_dir, model_context
 from drivetrain.trainer.sft_config import SFTConfig, sft_config_type
 from drivetrain.trainer.sft_trainer import SFTResult, SFTTrainer, total_steps
@@ -91,6 +92,7 @@ def prepare(job: SFTJob) -> PreparedSFT:
     check_output_dir("run.output_dir", config.run.output_dir)
     check_devices({"engine.device": config.engine.device}, ray_address=config.workers.ray_address)
     model_path = Path(config.engine.model.path)
+    verify_model_dir(str(model_path))
     trust = config.engine.model.trust_remote_code
     context = model_context(str(model_path), trust_remote_code=trust)
     try:
@@ -124,7 +126,7 @@ def describe(prepared: PreparedSFT) -> str:
 
 
 def run_sft(
-    prepared: PreparedSFT, *, resume: str, console: Console | None = None
+    prepared: PreparedSFT, *, resume: str, overwrite: bool = False, console: Console | None = None
 ) -> SFTResult | None:
     """Train; returns the result on the writing process (rank 0 / the controller)."""
     config = prepared.job.config
@@ -138,7 +140,7 @@ def run_sft(
             pad_token_id=prepared.pad_token_id,
             console=console,
         )
-        result = trainer.fit(resume=resume)
+        result = trainer.fit(resume=resume, overwrite=overwrite)
     finally:
         group.close()
     if not group.is_writer:

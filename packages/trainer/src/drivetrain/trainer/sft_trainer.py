@@ -16,13 +16,14 @@ from typing import Any
 
 from rich.console import Console
 
-from drivetrain.trainer.checkpoints import Checkpoint, CheckpointManager, read_checkpoint
+from drivetrain.trainer.checkpoints import Checkpoint, CheckpointManager
 from drivetrain.trainer.console import plain_console
 from drivetrain.trainer.data.batching import StepPlan, eval_batches, make_batch
 from drivetrain.trainer.data.sft_dataset import SFTData
 from drivetrain.trainer.errors import CheckpointError
 from drivetrain.trainer.metrics import METRICS_FILE, MetricsLogger, plot_loss_curve
 from drivetrain.trainer.progress import TrainingProgress
+from drivetrain.trainer.run_dir import claim_run_dir, resume_point
 from drivetrain.trainer.sft_config import SFTConfig
 from drivetrain.trainer.workers.engine_worker import StepStats
 from drivetrain.trainer.workers.group import WorkerGroup
@@ -68,23 +69,24 @@ class SFTTrainer:
         )
 
     # ---- resume -------------------------------------------------------------------------
-    def _resume_from(self, resume: str) -> Checkpoint | None:
-        if resume == "none":
-            return None
-        found = self.checkpoints.latest() if resume == "auto" else read_checkpoint(Path(resume))
+    def _resume_from(self, resume: str, overwrite: bool) -> Checkpoint | None:
+        found = resume_point(self.checkpoints, resume, overwrite=overwrite, console=self.console)
+        claim_run_dir(self.out, resuming=found is not None, overwrite=overwrite,
+                      writer=self.group.is_writer, console=self.console)  # fmt: skip
         if found is None:
             return None
         state = found.state
         if state.get("engine") != self.engine_name:
             raise CheckpointError(
                 f"{found.path} was written by engine {state.get('engine')!r}, not "
-                f"{self.engine_name!r}; use another run.output_dir or --resume none"
+                f"{self.engine_name!r}; use another run.output_dir or --overwrite"
             )
         if state.get("model_path") != self.config.engine.model.path:
             raise CheckpointError(
                 f"{found.path} trained model {state.get('model_path')!r}, not "
-                f"{self.config.engine.model.path!r}; use another run.output_dir or --resume none"
+                f"{self.config.engine.model.path!r}; use another run.output_dir or --overwrite"
             )
+        self.checkpoints.run_id = found.run_id or self.checkpoints.run_id
         return found
 
     def _state(self) -> Mapping[str, Any]:
@@ -145,10 +147,10 @@ class SFTTrainer:
         self.checkpoints.publish(step, self._state())
 
     # ---- the loop -----------------------------------------------------------------------
-    def fit(self, *, resume: str = "auto") -> SFTResult:
+    def fit(self, *, resume: str = "auto", overwrite: bool = False) -> SFTResult:
         run = self.config.run
         self.checkpoints.clean_staging()
-        start_from = self._resume_from(resume)
+        start_from = self._resume_from(resume, overwrite)
         start = 0
         if start_from is not None:
             start = self.group.run_all("load_checkpoint", start_from.engine_path)

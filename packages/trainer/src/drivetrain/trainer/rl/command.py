@@ -13,6 +13,7 @@ import typer
 
 from drivetrain.api.errors import DrivetrainError
 from drivetrain.trainer.console import plain_console, print_error, print_ok
+from drivetrain.trainer.run_options import Overwrite, Resume
 
 console = plain_console()
 
@@ -28,9 +29,10 @@ def _run(
     print_config: bool,
     dry_run: bool,
     resume: str,
+    overwrite: bool,
 ) -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    from drivetrain.trainer.checkpoints import read_checkpoint
+    from drivetrain.trainer.checkpoints import verify_checkpoint
     from drivetrain.trainer.rl.job import describe, load_rl_job, prepare, start
     from drivetrain.trainer.rl.trainer import RLTrainer
 
@@ -50,14 +52,16 @@ def _run(
             return
         prepared = prepare(job)
         if resume not in ("auto", "none"):
-            read_checkpoint(Path(resume))  # fail before any worker starts
+            verify_checkpoint(Path(resume))  # fail before any worker starts
         console.print(describe(prepared))
         if dry_run:
             print_ok(console, "dry run: config, plugins, model and data are valid")
             return
         placement = start(prepared)
         try:
-            result = RLTrainer(prepared.setup, placement, console).fit(resume=resume)
+            result = RLTrainer(prepared.setup, placement, console).fit(
+                resume=resume, overwrite=overwrite
+            )
         finally:
             placement.close()
     except DrivetrainError as exc:
@@ -125,9 +129,6 @@ PrintConfig = Annotated[bool, typer.Option("--print-config", help="Print the con
 DryRun = Annotated[
     bool, typer.Option("--dry-run", help="Validate plugins, model and data; exit without training.")
 ]
-Resume = Annotated[
-    str, typer.Option("--resume", help="auto (latest complete checkpoint), none, or a path.")
-]
 
 
 def _command(algorithm: str, doc: str) -> Callable[..., None]:
@@ -143,9 +144,10 @@ def _command(algorithm: str, doc: str) -> Callable[..., None]:
         print_config: PrintConfig = False,
         dry_run: DryRun = False,
         resume: Resume = "auto",
+        overwrite: Overwrite = False,
     ) -> None:
         _run(algorithm, overrides, config, engine, critic_engine, rollout, weight_sync,
-             print_config, dry_run, resume)  # fmt: skip
+             print_config, dry_run, resume, overwrite)  # fmt: skip
 
     command.__name__ = command.__qualname__ = algorithm
     command.__doc__ = doc

@@ -22,7 +22,8 @@ from drivetrain.trainer.builtin import addition
 from drivetrain.trainer.config_loader import load_config, to_yaml
 from drivetrain.trainer.console import plain_console
 from drivetrain.trainer.data.tokenize import pad_token_id
-from drivetrain.trainer.errors import CheckpointError
+from drivetrain.trainer.errors import CheckpointError, RunDirectoryError
+from drivetrain.trainer.hf_export import verify_model_dir
 from drivetrain.trainer.preflight import (
     Context,
     check_devices,
@@ -132,7 +133,7 @@ def ensure_sft_model(assets: addition.AdditionAssets, console: Console | None) -
     job = load_sft_job("fsdp2")
     try:  # "auto": an interrupted default SFT run continues
         result = run_sft(prepare(job), resume="auto", console=console)
-    except CheckpointError as exc:  # its directory holds another model's run (an older release)
+    except (CheckpointError, RunDirectoryError) as exc:  # another model's run (older release)
         out = f"{job.config.run.output_dir}-{addition.ASSETS_VERSION}"
         console.print(f"{exc}: training the SFT default in {out} instead")
         job = load_sft_job("fsdp2", overrides=[f"run.output_dir={out}"])
@@ -202,6 +203,8 @@ def prepare(job: RLJob) -> PreparedRL:
         "weight_sync.device": c.weight_sync.device,
     }
     check_devices(devices, ray_address=c.workers.ray_address)
+    for model in (c.actor.model.path, c.critic.model.path):
+        verify_model_dir(model)
     path = c.data.tokenizer_path or c.actor.model.path
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)

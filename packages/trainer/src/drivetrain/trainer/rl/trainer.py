@@ -27,7 +27,7 @@ from drivetrain.api.columns import (
     ROLLOUT_LOG_PROBS,
     VALUES,
 )
-from drivetrain.trainer.checkpoints import CheckpointManager, read_checkpoint
+from drivetrain.trainer.checkpoints import CheckpointManager
 from drivetrain.trainer.console import plain_console
 from drivetrain.trainer.errors import CheckpointError
 from drivetrain.trainer.metrics import METRICS_FILE, MetricsLogger, plot_curve
@@ -50,6 +50,7 @@ from drivetrain.trainer.rl.policy_losses import ClipConfig
 from drivetrain.trainer.rl.prompts import PromptSampler, RLPrompt
 from drivetrain.trainer.rl.rewards import RewardScorer
 from drivetrain.trainer.rl.worker import ACTOR, CRITIC, REFERENCE, REWARD_MODEL
+from drivetrain.trainer.run_dir import claim_run_dir, resume_point
 from drivetrain.trainer.workers.engine_worker import StepStats
 
 
@@ -296,28 +297,29 @@ class RLTrainer:
         self.group.run_all("save_checkpoint", path, step, self.trainable)
         self.checkpoints.publish(step, {**self.setup.state, "step": step, "time": time.time()})
 
-    def resume(self, how: str) -> int:
-        if how == "none":
-            return 0
-        found = self.checkpoints.latest() if how == "auto" else read_checkpoint(Path(how))
+    def resume(self, how: str, overwrite: bool) -> int:
+        found = resume_point(self.checkpoints, how, overwrite=overwrite, console=self.console)
+        claim_run_dir(self.out, resuming=found is not None, overwrite=overwrite, writer=True,
+                      console=self.console)  # fmt: skip
         if found is None:
             return 0
         for key, value in self.setup.state.items():
             if found.state.get(key) != value:
                 raise CheckpointError(
                     f"{found.path} has {key}={found.state.get(key)!r}, this run {value!r}; use "
-                    "another run.output_dir or --resume none"
+                    "another run.output_dir or --overwrite"
                 )
+        self.checkpoints.run_id = found.run_id or self.checkpoints.run_id
         step = self.group.run_all("load_checkpoint", found.engine_path, self.trainable)
         self.weights.sync(step)  # the rollouts generate with the checkpoint's weights
         self.console.print(f"resumed from {found.path} at step {step}")
         return step
 
-    def fit(self, *, resume: str = "auto") -> RLResult:
+    def fit(self, *, resume: str = "auto", overwrite: bool = False) -> RLResult:
         c = self.config
         began = time.perf_counter()
         self.checkpoints.clean_staging()
-        start = self.resume(resume)
+        start = self.resume(resume, overwrite)
         result = RLResult(self.out, final_step=start)
         result.val_before = self.validate()
         if result.val_before:

@@ -1,0 +1,79 @@
+"""Which checkpoint a run starts from, and whose run directory it writes into.
+
+A new run never writes into a directory that holds another run's files: pruning, the metrics
+file and ``--resume auto`` would mix the two (an older run's ``step_10`` pruned the new run's
+checkpoints as they were written, and was later resumed as if it were the new run's). So:
+
+- ``--resume auto`` continues the newest checkpoint in the directory that verifies (saying
+  which newer ones it skipped and why); with none, the directory must hold no run;
+- ``--resume none`` and ``--resume PATH`` start writing into a directory that holds no run;
+- ``--overwrite`` starts a new run in any case, after moving the old directory aside to
+  ``<dir>.replaced-<time>`` (never deleting it).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from drivetrain.api.atomic_dir import STAGING_SUFFIX
+from drivetrain.trainer.checkpoints import Checkpoint, CheckpointManager, verify_checkpoint
+from drivetrain.trainer.errors import CheckpointError, RunDirectoryError
+
+
+def resume_point(
+    checkpoints: CheckpointManager, how: str, *, overwrite: bool, console: Console
+) -> Checkpoint | None:
+    """The verified checkpoint to continue from (``how``: auto, none or a path), or None."""
+    if how == "none" or (how == "auto" and overwrite):
+        return None
+    if how != "auto":
+        path = Path(how).absolute()
+        if overwrite and checkpoints.root.parent.absolute() in path.parents:
+            raise CheckpointError(
+                f"--overwrite moves {checkpoints.root.parent} aside, and --resume {how} is in it:"
+                " resume from a copy outside it, or drop --overwrite"
+            )
+        return verify_checkpoint(path)
+
+    def skipped(path: Path, why: str) -> None:
+        console.print(f"skipping checkpoint {path}: {why}")
+
+    return checkpoints.latest_verified(skipped)
+
+
+def holds_a_run(out: Path) -> bool:
+    """Any file below ``out`` but the staging leftovers a killed save leaves (cleaned on start
+    by the writer; the other ranks may still see them)."""
+    if not out.is_dir():
+        return False
+    for _root, dirs, files in os.walk(out):
+        dirs[:] = [d for d in dirs if not d.endswith(STAGING_SUFFIX)]
+        if files:
+            return True
+    return False
+
+
+def claim_run_dir(
+    out: Path, *, resuming: bool, overwrite: bool, writer: bool, console: Console
+) -> None:
+    """Before a run writes anything: refuse ``out`` if it holds another run (unless this run
+    resumes from it), or move that run aside with ``overwrite``."""
+    if resuming and not overwrite:
+        return
+    if not holds_a_run(out):
+        return
+    if not overwrite:
+        raise RunDirectoryError(
+            f"{out} holds another run's files: pick another run.output_dir, continue that run "
+            "(--resume auto, when it has a checkpoint), or pass --overwrite to move it aside"
+        )
+    if writer:
+        aside = out.with_name(f"{out.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+        while aside.exists():
+            aside = aside.with_name(aside.name + "-1")
+        os.replace(out, aside)
+        console.print(f"--overwrite: moved the previous run in {out} to {aside}")

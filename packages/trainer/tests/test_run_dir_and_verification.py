@@ -1,0 +1,73 @@
+"""Checkpoints are resumed from only when they verify; a run never mixes with another's."""
+
+from __future__ import annotations
+
+import pytest
+
+from drivetrain.trainer.checkpoints import CheckpointManager
+from drivetrain.trainer.console import plain_console
+from drivetrain.trainer.errors import CheckpointError, RunDirectoryError
+from drivetrain.trainer.run_dir import claim_run_dir, holds_a_run, resume_point
+
+
+def save(manager, step):
+    engine_dir = manager.staging(step) / "engine"
+    engine_dir.mkdir(parents=True)
+    (engine_dir / "weights").write_bytes(bytes([step]) * 4096)
+    return manager.publish(step, {"engine": "e"})
+
+
+def test_pruning_removes_only_this_runs_checkpoints(tmp_path):
+    old = CheckpointManager(tmp_path, keep_last=2, writer=True, run_id="old")
+    save(old, 9), save(old, 10)
+    new = CheckpointManager(tmp_path, keep_last=2, writer=True, run_id="new")
+    for step in (1, 2, 3, 4):
+        save(new, step)
+    kept = {(c.run_id, c.step) for c in new.complete()}
+    assert kept == {("old", 9), ("old", 10), ("new", 3), ("new", 4)}
+
+
+def test_auto_resume_skips_damaged_checkpoints_and_says_why(tmp_path):
+    manager = CheckpointManager(tmp_path, keep_last=5, writer=True)
+    for step in (1, 2, 3):
+        save(manager, step)
+    weights = tmp_path / "step_00000003" / "engine" / "weights"
+    data = bytearray(weights.read_bytes())
+    data[100] ^= 0x40
+    weights.write_bytes(bytes(data))
+    (tmp_path / "step_00000002" / "trainer_state.json").write_text("{trunc")
+    skipped = []
+    found = manager.latest_verified(lambda path, why: skipped.append((path.name, why)))
+    assert found.step == 1
+    assert [name for name, _ in skipped] == ["step_00000003", "step_00000002"]
+    assert "weights differs from what was written" in skipped[0][1]
+    assert "corrupt" in skipped[1][1]
+    with pytest.raises(CheckpointError, match=r"step_00000003/engine/weights differs") as err:
+        resume_point(manager, str(tmp_path / "step_00000003"), overwrite=False,
+                     console=plain_console())  # fmt: skip
+    assert "\n" not in str(err.value)
+
+
+def test_a_new_run_refuses_a_directory_holding_another_run(tmp_path):
+    out = tmp_path / "run"
+    (out / "checkpoints" / ".step_00000001.partial").mkdir(parents=True)
+    (out / "checkpoints" / ".step_00000001.partial" / "x").write_text("torn save")
+    assert not holds_a_run(out)  # staging leftovers are not a run
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(RunDirectoryError, match="--overwrite"):
+        claim_run_dir(out, resuming=False, overwrite=False, writer=True, console=plain_console())
+    claim_run_dir(out, resuming=True, overwrite=False, writer=True, console=plain_console())
+    assert (out / "metrics.jsonl").exists()
+    claim_run_dir(out, resuming=False, overwrite=True, writer=True, console=plain_console())
+    assert not out.exists()
+    (aside,) = tmp_path.glob("run.replaced-*")
+    assert (aside / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_overwrite_with_a_checkpoint_inside_the_directory_is_refused(tmp_path):
+    manager = CheckpointManager(tmp_path / "run" / "checkpoints", keep_last=2, writer=True)
+    path = save(manager, 1)
+    with pytest.raises(CheckpointError, match="--overwrite moves"):
+        resume_point(manager, str(path), overwrite=True, console=plain_console())
+    assert resume_point(manager, "auto", overwrite=True, console=plain_console()) is None
+    assert resume_point(manager, "auto", overwrite=False, console=plain_console()).step == 1

@@ -1,0 +1,70 @@
+"""Nothing drivetrain reads may be unpickled: a pickle runs whatever callable it names.
+
+Scans every package's source: ``torch.load`` only with ``weights_only=True``; no ``pickle`` /
+``dill`` / ``cloudpickle`` / ``marshal`` loads and no ``Connection.recv()`` (which unpickles)
+outside the one allow-listed module that reads DCP metadata through an allow-list."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ALLOWED = {"packages/engine-api/src/drivetrain/api/untrusted.py"}
+UNPICKLERS = {"pickle", "dill", "cloudpickle", "marshal", "_pickle"}
+
+
+def sources() -> list[Path]:
+    return sorted(ROOT.glob("packages/*/src/**/*.py"))
+
+
+def violations(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+            continue
+        owner = node.func.value
+        name = node.func.attr
+        where = f"{path.relative_to(ROOT)}:{node.lineno}"
+        if isinstance(owner, ast.Name) and owner.id == "torch" and name == "load":
+            weights_only = [k for k in node.keywords if k.arg == "weights_only"]
+            if not weights_only or not (
+                isinstance(weights_only[0].value, ast.Constant) and weights_only[0].value.value
+            ):
+                found.append(f"{where}: torch.load without weights_only=True")
+        if isinstance(owner, ast.Name) and owner.id in UNPICKLERS and name in (
+            "load", "loads", "Unpickler"
+        ):  # fmt: skip
+            found.append(f"{where}: {owner.id}.{name}")
+        if name == "recv" and not node.args and not node.keywords:
+            found.append(f"{where}: .recv() (multiprocessing.connection unpickles)")
+    return found
+
+
+def test_the_scan_finds_what_it_looks_for(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "import pickle, torch\n"
+        "torch.load(f)\ntorch.load(f, weights_only=False)\npickle.loads(b)\nconn.recv()\n"
+        "torch.load(f, weights_only=True)\nsock.recv(4096)\n"
+    )
+    global ROOT
+    saved, ROOT = ROOT, tmp_path
+    try:
+        assert [v.split(": ", 1)[1] for v in violations(bad)] == [
+            "torch.load without weights_only=True",
+            "torch.load without weights_only=True",
+            "pickle.loads",
+            ".recv() (multiprocessing.connection unpickles)",
+        ]
+    finally:
+        ROOT = saved
+
+
+@pytest.mark.parametrize("path", sources(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_source_unpickles(path):
+    if str(path.relative_to(ROOT)) in ALLOWED:
+        return
+    assert violations(path) == []
