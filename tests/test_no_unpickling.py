@@ -7,6 +7,7 @@ outside the one allow-listed module that reads DCP metadata through an allow-lis
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 import pytest
@@ -68,3 +69,29 @@ def test_no_source_unpickles(path):
     if str(path.relative_to(ROOT)) in ALLOWED:
         return
     assert violations(path) == []
+
+
+class _RunsACommand:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_libraries_asking_for_full_unpickling_get_weights_only_inside_the_context(tmp_path):
+    """DCP's planner calls ``torch.load(..., weights_only=False)`` for non-tensor entries."""
+    import torch
+
+    from drivetrain.api.untrusted import UnsafeFileError, torch_loads_weights_only
+
+    marker, path = tmp_path / "pwned", tmp_path / "entry.pt"
+    torch.save({"lr": 0.1, "evil": _RunsACommand(marker)}, path)
+    refused = pytest.raises(UnsafeFileError, match=r"entry\.pt holds more than tensors")
+    with refused, torch_loads_weights_only(path):
+        torch.load(path, weights_only=False)
+    assert not marker.exists()
+    assert "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in os.environ
+    torch.save({"lr": 0.1, "t": torch.ones(2)}, path)
+    with torch_loads_weights_only(path):
+        assert torch.load(path, weights_only=False)["lr"] == 0.1
