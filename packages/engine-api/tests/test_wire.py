@@ -1,0 +1,40 @@
+"""The JSON wire codec: plain data round-trips; anything else is refused and nothing runs."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+
+from drivetrain.api.rollout import FinishReason, SamplingParams
+from drivetrain.api.wire import PLAIN, Codec, WireError
+
+
+def test_plain_data_round_trips_with_its_types():
+    message = ("bucket", 1, {"version": 3, "tensors": [("w", (2, 3), "float32", 0, 24)]},
+               {1: b"\x00\xff"}, {"$odd": None}, [1.5, True])  # fmt: skip
+    assert PLAIN.decode(PLAIN.encode(message)) == message
+
+
+def test_classes_only_where_the_codec_allows_them():
+    codec = Codec((SamplingParams, FinishReason))
+    message = (SamplingParams(n=2, temperature=0.5), FinishReason.ABORT)
+    assert codec.decode(codec.encode(message)) == message
+    with pytest.raises(WireError, match="not allowed"):
+        PLAIN.decode(codec.encode(message))
+    with pytest.raises(WireError, match="plain data only"):
+        PLAIN.encode(object())
+
+
+class _Runs:
+    def __reduce__(self):
+        return (os.system, ("true",))
+
+
+@pytest.mark.parametrize(
+    "data", [pickle.dumps(_Runs()), b'{"$dataclass": "os:system", "fields": {}}', b"\xff"]
+)
+def test_anything_else_is_a_wire_error(data):
+    with pytest.raises(WireError, match="not a drivetrain wire message"):
+        PLAIN.decode(data)
