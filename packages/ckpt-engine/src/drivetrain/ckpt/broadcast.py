@@ -39,43 +39,44 @@ class _Link:
     """What both ends of one sync read from the connected transport."""
 
     def __init__(self, transport: BroadcastTransport) -> None:
+        assert transport.group is not None
         self.group = transport.group
         self.buffers = transport.buffers
         self.device = transport.device
         self.root = transport.root
-        self.timeout = transport.config.timeout_s
+        self.timeout = transport.config.deadline_s(self.buffers[0].numel())  # one bucket
+        self.broken = False
 
 
 class _Sender(_Link):
     def __init__(self, transport: BroadcastTransport) -> None:
         super().__init__(transport)
-        self._pending: dict[int, list[Any]] = {}
+        self._pending: dict[int, list[int]] = {}  # buffer -> tickets of its broadcasts
         self._keep: dict[int, list[torch.Tensor]] = {}
-        self.broken = False
 
-    def _announce(self, kind: int, meta: Mapping[str, Any], data_len: int, index: int) -> list:
+    def _announce(self, kind: int, meta: Mapping[str, Any], data_len: int, index: int) -> list[int]:
         body = _meta_tensor(meta, self.device)
         head = torch.tensor([kind, body.numel(), data_len, index], dtype=torch.int64)
         head = head.to(self.device)
-        works = [groups.broadcast(self.group, t, self.root) for t in (head, body)]
+        tickets = [self.group.broadcast(t, self.root) for t in (head, body)]
         self._keep[index] = [head, body]
-        return works
+        return tickets
 
-    def _wait_all(self, works: list[Any]) -> None:
+    def _wait_all(self, tickets: list[int]) -> None:
         try:
-            for work in works:
-                groups.wait(work, self.timeout)
-        except Exception as exc:
+            for ticket in tickets:
+                self.group.wait(ticket, self.timeout)
+        except WeightSyncError as exc:
             self.broken = True
             raise WeightSyncError(
                 f"broadcast failed (a receiver died or timed out): {exc}"
             ) from exc
 
     def post(self, index: int, header: dict[str, Any]) -> None:
-        works = self._announce(BUCKET, header, header["nbytes"], index)
+        tickets = self._announce(BUCKET, header, header["nbytes"], index)
         data = self.buffers[index][: header["nbytes"]]
-        works.append(groups.broadcast(self.group, data, self.root))
-        self._pending[index] = works
+        tickets.append(self.group.broadcast(data, self.root))
+        self._pending[index] = tickets
 
     def wait(self, index: int) -> None:
         self._wait_all(self._pending.pop(index, []))
@@ -84,8 +85,8 @@ class _Sender(_Link):
         self._wait_all(self._announce(END, summary, 0, -1))
         verdict = torch.zeros(1, dtype=torch.int64, device=self.device)
         try:
-            groups.all_reduce_max(self.group, verdict, self.timeout)
-        except Exception as exc:
+            self.group.all_reduce_max(verdict, self.timeout)
+        except WeightSyncError as exc:
             self.broken = True
             raise WeightSyncError(f"a receiver did not confirm the stream: {exc}") from exc
         if int(verdict.item()) != 0:
@@ -93,7 +94,7 @@ class _Sender(_Link):
 
     def abort(self, reason: str) -> None:
         if self.broken:
-            return  # the group is unusable; the transport aborts it so peers fail fast
+            return  # the group is unusable; its abort key already told the receivers
         try:
             self._wait_all(list(self._pending.pop(0, [])) + list(self._pending.pop(1, [])))
             self._wait_all(self._announce(ABORT, {"reason": reason}, 0, -1))
@@ -109,8 +110,9 @@ class _Receiver(_Link):
 
     def _receive(self, tensor: torch.Tensor) -> None:
         try:
-            groups.wait(groups.broadcast(self.group, tensor, self.root), self.timeout)
-        except Exception as exc:
+            self.group.wait(self.group.broadcast(tensor, self.root), self.timeout)
+        except WeightSyncError as exc:
+            self.broken = True
             raise WeightSyncError(f"broadcast from the sender failed: {exc}") from exc
 
     def next(self) -> tuple[str, dict[str, Any], int]:
@@ -143,8 +145,9 @@ class _Receiver(_Link):
     def confirm(self, ok: bool, detail: str) -> None:
         verdict = torch.tensor([0 if ok else 1], dtype=torch.int64).to(self.device)
         try:
-            groups.all_reduce_max(self.group, verdict, self.timeout)
-        except Exception as exc:
+            self.group.all_reduce_max(verdict, self.timeout)
+        except WeightSyncError as exc:
+            self.broken = True
             raise WeightSyncError(f"confirming the stream to the sender failed: {exc}") from exc
 
 
@@ -154,7 +157,7 @@ class BroadcastTransport(BucketTransport):
     def __init__(self, config: BroadcastConfig) -> None:
         super().__init__(config)
         self._store: Any = None
-        self.group: Any = None
+        self.group: groups.Group | None = None
         self.buffers: list[torch.Tensor] = []
         self.device = torch.device("cpu")
         self.role: TransportRole | None = None
@@ -195,14 +198,16 @@ class BroadcastTransport(BucketTransport):
         else:
             store = groups.client_store(endpoint["host"], endpoint["port"], timeout)
             self._store = store
-        self.group = groups.new_group(backend, store, rank, topology.world_size, timeout)
+        size = int(endpoint["bucket_bytes"])  # the sender's size, whatever ours says
+        # the group's own timeout must not end a wait before its deadline (one bucket's)
+        group_timeout = self.config.deadline_s(size)
+        self.group = groups.Group(backend, store, rank, topology.world_size, group_timeout)
         self.root = topology.senders[0]
         try:  # everyone joined: the first sync does not pay for connection setup
             zero = torch.zeros(1, dtype=torch.int64).to(self.device)
-            groups.all_reduce_max(self.group, zero, timeout)
-        except Exception as exc:
+            self.group.all_reduce_max(zero, timeout)
+        except WeightSyncError as exc:
             raise WeightSyncError(f"joining the weight-sync group failed: {exc}") from exc
-        size = int(endpoint["bucket_bytes"])  # the sender's size, whatever ours says
         self.buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in (0, 1)]
         self.role = role
 
@@ -221,14 +226,15 @@ class BroadcastTransport(BucketTransport):
         return _Receiver(self)
 
     def _on_broken(self) -> None:
-        """A failed collective leaves the group unusable: abort it so the other peers stop
-        waiting, and require a new connect()."""
-        groups.shut_down(self.group, abort=True)
+        """A failed collective leaves the group unusable (every participant saw the abort
+        key): abort it, so nothing stays blocked on a dead peer, and require a new connect()."""
+        if self.group is not None:
+            self.group.shut_down(abort=True)
         self.group = None
 
     def finalize(self) -> None:
         if self.group is not None:
-            groups.shut_down(self.group, abort=False)
+            self.group.shut_down(abort=False)
         self.group = None
         self.buffers = []
         self._store = None

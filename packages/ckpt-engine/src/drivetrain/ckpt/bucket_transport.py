@@ -32,7 +32,8 @@ class BucketTransport(WeightTransport):
         """A link for one sync; raises :class:`WeightSyncError` when not connected to receive."""
 
     def _on_broken(self) -> None:
-        """Called after a sync whose link broke (a peer died): make the next use reconnect."""
+        """Called after a sync whose link broke (a peer died), at either end: make the next
+        use reconnect."""
 
     async def send(self, weights: Iterable[NamedTensor], *, version: int) -> SyncStats:
         link = self._sender_link()
@@ -50,13 +51,20 @@ class BucketTransport(WeightTransport):
                 self._on_broken()
 
     def receive_blocking(self) -> Iterator[NamedTensor]:
-        return receive_stream(
-            self._receiver_link(),
-            device=self.device,
-            verify=self.config.verify,
-            timeout_s=self.config.timeout_s,
-            on_stats=self._record,
-        )
+        return self._receiving(self._receiver_link())  # "not connected" raises here, not later
+
+    def _receiving(self, link: ReceiverLink) -> Iterator[NamedTensor]:
+        try:
+            yield from receive_stream(
+                link,
+                device=self.device,
+                verify=self.config.verify,
+                timeout_s=self.config.deadline_s(link.buffers[0].numel()),  # one bucket
+                on_stats=self._record,
+            )
+        finally:
+            if getattr(link, "broken", False):
+                self._on_broken()
 
     def receive(self) -> AsyncIterator[NamedTensor]:
         return iterate_in_thread(self.receive_blocking())

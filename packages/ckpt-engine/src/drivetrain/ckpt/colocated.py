@@ -192,12 +192,16 @@ class ColocatedTransport(BucketTransport):
     def _sender_link(self) -> _Sender:
         if self.role is not TransportRole.SENDER or not self.conns or self.shared is None:
             raise WeightSyncError("not connected as the sender (or a receiver failed: reconnect)")
-        return _Sender(self.shared.buffers, self.conns, self.config.timeout_s)
+        return _Sender(self.shared.buffers, self.conns, self._bucket_deadline())
 
     def _receiver_link(self) -> _Receiver:
         if self.role is not TransportRole.RECEIVER or self.conn is None or self.shared is None:
             raise WeightSyncError("not connected as a receiver")
-        return _Receiver(self.shared.buffers, self.conn, self.config.timeout_s)
+        return _Receiver(self.shared.buffers, self.conn, self._bucket_deadline())
+
+    def _bucket_deadline(self) -> float:
+        assert self.shared is not None
+        return self.config.deadline_s(self.shared.buffers[0].numel())
 
     def _on_broken(self) -> None:
         self._close_conns()

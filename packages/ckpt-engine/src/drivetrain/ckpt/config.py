@@ -41,8 +41,13 @@ class DiskConfig(WeightSyncConfig):
     path: str = ""
     #: Published versions kept on disk after every receiver confirmed the newest.
     keep_versions: int = 1
+    #: A peer whose heartbeat file (rewritten every 0.5 s) stood still this long is dead;
+    #: raise it on a network filesystem that shows other machines' writes late.
+    liveness_s: float = 10.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.keep_versions < 1:
             raise ConfigError(f"weight_sync.keep_versions={self.keep_versions} must be >= 1")
+        if self.liveness_s < 2:
+            raise ConfigError(f"weight_sync.liveness_s={self.liveness_s} must be >= 2 s")

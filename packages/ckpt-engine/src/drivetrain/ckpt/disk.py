@@ -7,11 +7,17 @@ earlier run is never mistaken for new weights)::
         shard-00000.safetensors     at most bucket_bytes each (one larger tensor alone)
         manifest.json               order, counts, digest
     acks/v00000007.rank1.json       each receiver's verdict after reading everything
+    alive/sender, alive/rank1       heartbeats (``heartbeat.py``): a dead peer is noticed in
+                                    ``liveness_s``, not at the deadline
     v00000008.aborted               the sender failed; waiting receivers raise
 
 The sender returns once every receiver acknowledged, then keeps only the newest
-``keep_versions`` versions. Disk is also the route for LoRA adapters to rollouts that can only
-load adapters from a path: the stream may hold adapter tensors only.
+``keep_versions`` versions. Deadlines (``WeightSyncConfig.deadline_s``) cover whole versions:
+the sender waits for acknowledgements for the version's bytes, a receiver waits for a new
+version for the bytes the sender has written since it began to wait.
+
+Disk is also the route for LoRA adapters to rollouts that can only load adapters from a path:
+the stream may hold adapter tensors only.
 """
 
 from __future__ import annotations
@@ -41,10 +47,12 @@ from drivetrain.api.weight_sync import (
 from drivetrain.ckpt.buckets import StreamDigest, byte_view
 from drivetrain.ckpt.config import DiskConfig
 from drivetrain.ckpt.devices import resolve_device
+from drivetrain.ckpt.heartbeat import Heartbeat, Watch
 from drivetrain.ckpt.pipeline import iterate_in_thread
 from drivetrain.ckpt.shard_files import aligned, read_shard, write_shard
 
 POLL_S = 0.005  # between looks at the directory; every wait also has a deadline
+ALIVE = "alive"
 
 
 def _version_dir(root: Path, version: int) -> Path:
@@ -77,6 +85,16 @@ class DiskTransport(WeightTransport):
         self.receivers: tuple[int, ...] = ()
         self.seen = -1
         self._temporary: Path | None = None
+        self._heartbeat: Heartbeat | None = None
+
+    def _beat(self, root: Path, who: str) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+        self._heartbeat = Heartbeat(root / ALIVE / who)
+
+    def _watch(self, who: str, label: str) -> Watch:
+        assert self.root is not None
+        return Watch(self.root / ALIVE / who, label, self.config.liveness_s)
 
     def prepare(self) -> Mapping[str, Any]:
         if self.config.path:
@@ -86,6 +104,8 @@ class DiskTransport(WeightTransport):
             base = self._temporary = Path(tempfile.mkdtemp(prefix="drivetrain-weight-sync-"))
         session = base / f"session-{uuid.uuid4().hex[:12]}"
         (session / "acks").mkdir(parents=True)
+        (session / ALIVE).mkdir()
+        self._beat(session, "sender")  # beating before any receiver learns the path
         return {"path": str(session), "bucket_bytes": self.config.bucket_bytes}
 
     def connect(
@@ -107,6 +127,7 @@ class DiskTransport(WeightTransport):
         # a handshake, as the other transports have: the sender learns at connect time that
         # every receiver sees the directory, instead of at the first sync's timeout
         if role is TransportRole.RECEIVER:
+            self._beat(root, f"rank{rank}")
             _write_json(root / "acks" / f"joined.rank{rank}.json", {"pid": os.getpid()})
         else:
             self._wait_for([root / "acks" / f"joined.rank{r}.json" for r in self.receivers], "join")
@@ -136,7 +157,7 @@ class DiskTransport(WeightTransport):
             if isinstance(exc, Exception) and not isinstance(exc, WeightSyncError):
                 raise WeightSyncError(f"writing version {version} failed: {exc}") from exc
             raise
-        self._wait_for_acks(version)
+        self._wait_for_acks(version, manifest["bytes"])
         self._prune()
         return SyncStats(
             version,
@@ -164,6 +185,8 @@ class DiskTransport(WeightTransport):
             write_shard(staging / file, entries, data)
             order.extend([name, file] for name, _, _ in entries)
             shards += 1
+            if self._heartbeat is not None:  # lets waiting receivers extend their deadline
+                self._heartbeat.progress += sum(t.numel() * t.element_size() for _, t, _ in entries)
 
         for name, tensor in weights:
             data = byte_view(tensor.detach().to("cpu"))
@@ -196,26 +219,37 @@ class DiskTransport(WeightTransport):
         _write_json(staging / "manifest.json", manifest)
         return manifest
 
-    def _wait_for(self, paths: list[Path], what: str) -> None:
+    def _wait_for(
+        self, paths: list[Path], what: str, *, nbytes: int = 0, watch: bool = False
+    ) -> None:
         """Wait until every path exists (each receiver writes its own), or raise naming the
-        receivers that did not within ``timeout_s``."""
-        deadline = time.monotonic() + self.config.timeout_s
+        receivers that did not within ``deadline_s(nbytes)``. With ``watch`` (once they have
+        joined) their heartbeats are watched too, so a dead one fails the wait in seconds."""
+        limit = self.config.deadline_s(nbytes)
+        deadline = time.monotonic() + limit
         pending = dict(zip(paths, self.receivers, strict=True))
+        watches = {r: self._watch(f"rank{r}", f"receiver {r}") for r in self.receivers if watch}
         while True:
             pending = {path: rank for path, rank in pending.items() if not path.is_file()}
             if not pending:
                 return
+            try:
+                for rank in pending.values():
+                    if rank in watches:
+                        watches[rank].progress()
+            except WeightSyncError as exc:
+                raise WeightSyncError(f"receivers did not {what}: {exc}") from None
             if time.monotonic() > deadline:
                 raise WeightSyncError(
                     f"receivers {sorted(pending.values())} did not {what} within "
-                    f"{self.config.timeout_s:.0f} s (dead, or not reading {self.root})"
+                    f"{limit:.0f} s (hung, or not reading {self.root})"
                 )
             time.sleep(POLL_S)
 
-    def _wait_for_acks(self, version: int) -> None:
+    def _wait_for_acks(self, version: int, nbytes: int) -> None:
         assert self.root is not None
         paths = [self.root / "acks" / f"v{version:08d}.rank{r}.json" for r in self.receivers]
-        self._wait_for(paths, f"confirm version {version}")
+        self._wait_for(paths, f"confirm version {version}", nbytes=nbytes, watch=True)
         verdicts = {
             rank: json.loads(path.read_text())
             for path, rank in zip(paths, self.receivers, strict=True)
@@ -246,7 +280,9 @@ class DiskTransport(WeightTransport):
         """The oldest version after the last one received, published or aborted (in order:
         an aborted sync raises for its own receive, the next receive gets the next one)."""
         assert self.root is not None
-        deadline = time.monotonic() + self.config.timeout_s
+        sender = self._watch("sender", "the sender")
+        written_before = sender.progress()
+        start = time.monotonic()
         while True:
             aborted = {
                 int(marker.name[1:9]): marker
@@ -261,9 +297,12 @@ class DiskTransport(WeightTransport):
                 self.seen = version
                 reason = json.loads(aborted[version].read_text())["reason"]
                 raise WeightSyncError(f"the sender aborted version {version}: {reason}")
-            if time.monotonic() > deadline:
+            written = sender.progress() - written_before  # raises once the sender stopped
+            waited = time.monotonic() - start
+            if waited > self.config.deadline_s(written):
                 raise WeightSyncError(
-                    f"no new weights in {self.root} for {self.config.timeout_s:.0f} s"
+                    f"no new weights in {self.root} for {waited:.0f} s (the sender wrote "
+                    f"{written} bytes meanwhile)"
                 )
             time.sleep(POLL_S)
 
@@ -309,6 +348,9 @@ class DiskTransport(WeightTransport):
         _write_json(path, {"ok": ok, "detail": detail})
 
     def finalize(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
         if self._temporary is not None:
             shutil.rmtree(self._temporary, ignore_errors=True)
             self._temporary = None

@@ -174,13 +174,28 @@ class WeightSyncConfig:
     accelerator if there is one, else the CPU). ``verify`` makes both ends hash every byte they
     move (names, dtypes, shapes and data) and refuse a stream whose hashes differ; it costs a
     pass over the weights at each end.
+
+    Every wait for a peer has a deadline that grows with the bytes the wait covers
+    (:meth:`deadline_s`): ``timeout_s + nbytes / (min_gb_per_s * 1e9)`` seconds, where
+    ``nbytes`` is one bucket for a bucket-by-bucket transport and a whole version for one that
+    moves the stream at once (disk). With the defaults a 256 MiB bucket may take 65 s and a
+    16 GB version 380 s. A peer that dies is noticed sooner, through the transport's own abort
+    signal; the deadline is for a peer that is alive but stuck.
     """
 
     bucket_bytes: int = 256 * 1024 * 1024
-    timeout_s: float = 300.0
+    #: The fixed part of every deadline: export work between buckets, connection set-up.
+    timeout_s: float = 60.0
+    #: The slowest rate a healthy sync is assumed to reach, in GB/s (conservative on purpose).
+    min_gb_per_s: float = 0.05
     device: str = "auto"
     verify: bool = False
 
     def __post_init__(self) -> None:
         _check_positive("weight_sync", "bucket_bytes", self.bucket_bytes)
         _check_positive("weight_sync", "timeout_s", self.timeout_s)
+        _check_positive("weight_sync", "min_gb_per_s", self.min_gb_per_s)
+
+    def deadline_s(self, nbytes: int) -> float:
+        """How long a wait that moves ``nbytes`` may last before the peer counts as stuck."""
+        return self.timeout_s + nbytes / (self.min_gb_per_s * 1e9)
