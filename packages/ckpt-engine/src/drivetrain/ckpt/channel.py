@@ -1,6 +1,8 @@
 """The control channel of the colocated transport: authenticated loopback connections from
 every receiver to the sender, with deadlines on every wait (a dead or hung peer raises
-:class:`WeightSyncError` instead of blocking)."""
+:class:`WeightSyncError` instead of blocking). Messages are plain data as JSON
+(:mod:`drivetrain.api.wire`): ``Connection.send``/``recv`` would pickle, and reading a pickle
+can run code."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
 from drivetrain.api.weight_sync import WeightSyncError
+from drivetrain.api.wire import PLAIN, WireError
 
 
 def listen(host: str) -> tuple[Listener, dict[str, Any]]:
@@ -59,18 +62,29 @@ def connect(endpoint: dict[str, Any], timeout_s: float) -> Connection:
             time.sleep(0.05)  # the listener exists from prepare(); only a restart races here
 
 
+def read(conn: Connection, peer: str) -> Any:
+    """The message waiting on ``conn``; :class:`WeightSyncError` if the peer is gone or sent
+    something that is not wire data."""
+    try:
+        return PLAIN.decode(conn.recv_bytes())
+    except (EOFError, OSError) as exc:
+        raise WeightSyncError(f"{peer} disconnected ({type(exc).__name__})") from exc
+    except WireError as exc:
+        raise WeightSyncError(f"{peer} sent a malformed message: {exc}") from None
+
+
 def receive(conn: Connection, timeout_s: float, peer: str) -> Any:
     """The next message from ``peer``, or :class:`WeightSyncError` if it is gone or silent."""
     try:
         if not conn.poll(timeout_s):
             raise WeightSyncError(f"{peer} sent nothing for {timeout_s:.0f} s")
-        return conn.recv()
     except (EOFError, OSError) as exc:
         raise WeightSyncError(f"{peer} disconnected ({type(exc).__name__})") from exc
+    return read(conn, peer)
 
 
 def send(conn: Connection, message: Any, peer: str) -> None:
     try:
-        conn.send(message)
+        conn.send_bytes(PLAIN.encode(message))
     except (OSError, EOFError) as exc:
         raise WeightSyncError(f"{peer} disconnected ({type(exc).__name__})") from exc

@@ -61,10 +61,10 @@ class _Sender:
             for conn in ready:
                 rank = by_conn[conn]  # type: ignore[index]
                 try:
-                    message = conn.recv()  # type: ignore[union-attr]
-                except (EOFError, OSError) as exc:
+                    message = channel.read(conn, f"receiver {rank}")  # type: ignore[arg-type]
+                except WeightSyncError:
                     self.broken = True
-                    raise WeightSyncError(f"receiver {rank} disconnected mid-sync") from exc
+                    raise
                 if message[0] == "free":
                     if message[2] == self.version:  # a failed sync's late frees mean nothing
                         self.outstanding[message[1]].discard(rank)
@@ -88,9 +88,9 @@ class _Sender:
             raise WeightSyncError("receivers rejected the stream: " + "; ".join(rejected))
 
     def abort(self, reason: str) -> None:
-        for conn in self.conns.values():
+        for rank, conn in self.conns.items():
             try:
-                conn.send(("abort", reason))
+                channel.send(conn, ("abort", reason), f"receiver {rank}")
             except Exception:
                 self.broken = True  # that receiver is gone; the others still hear it
 

@@ -84,13 +84,31 @@ class CudaIpcBuffers:
             "bucket_bytes": self.buffers[0].numel(),
         }
 
-    def handles(self) -> Any:
+    def handles(self) -> list[dict[str, Any]]:
+        """Each buffer's IPC handle as plain data. torch's own reduction is a callable plus
+        arguments meant for pickle; the receiver calls the one rebuild function itself, so
+        nothing read from the channel names code to run."""
         from torch.multiprocessing.reductions import reduce_tensor
 
-        return [reduce_tensor(buffer) for buffer in self.buffers]
+        out = []
+        for buffer in self.buffers:
+            _rebuild, args = reduce_tensor(buffer)
+            (_cls, size, stride, offset, _storage_cls, dtype, _device, handle, size_bytes,
+             offset_bytes, _grad, ref_handle, ref_offset, event, event_sync) = args  # fmt: skip
+            out.append({
+                "size": list(size), "stride": list(stride), "offset": int(offset),
+                "dtype": str(dtype).removeprefix("torch."), "handle": bytes(handle),
+                "size_bytes": int(size_bytes), "offset_bytes": int(offset_bytes),
+                "ref_counter_handle": bytes(ref_handle), "ref_counter_offset": int(ref_offset),
+                "event_handle": None if event is None else bytes(event),
+                "event_sync_required": bool(event_sync),
+            })  # fmt: skip
+        return out
 
     @classmethod
-    def attach(cls, endpoint: Mapping[str, Any], handles: Any) -> CudaIpcBuffers:
+    def attach(cls, endpoint: Mapping[str, Any], handles: list[dict[str, Any]]) -> CudaIpcBuffers:
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
         if not torch.cuda.is_available():
             raise WeightSyncError("colocated CUDA IPC needs CUDA in the receiving process")
         wanted = endpoint["device_uuid"]
@@ -101,10 +119,17 @@ class CudaIpcBuffers:
                 "processes on the same GPU (use broadcast across GPUs)"
             )
         buffers = []
-        for rebuild, args in handles:
-            args = list(args)
-            args[6] = local[0]  # storage device: the sender's index may differ from ours
-            buffers.append(rebuild(*args))
+        for h in handles:
+            if h["dtype"] != "uint8":
+                raise WeightSyncError(f"a bucket buffer of dtype {h['dtype']!r}, not uint8")
+            buffers.append(rebuild_cuda_tensor(
+                torch.Tensor, torch.Size(h["size"]), tuple(h["stride"]), h["offset"],
+                torch.storage.TypedStorage, torch.uint8,
+                local[0],  # storage device: the sender's index may differ from ours
+                h["handle"], h["size_bytes"], h["offset_bytes"], False,
+                h["ref_counter_handle"], h["ref_counter_offset"], h["event_handle"],
+                h["event_sync_required"],
+            ))  # fmt: skip
         return cls(buffers)
 
     def close(self, *, owner: bool) -> None:
