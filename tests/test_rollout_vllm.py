@@ -159,3 +159,42 @@ def test_worker_processes_and_tensor_parallel_take_new_weights(
             assert list(c.token_ids) == transformers_greedy(trained, c)
     finally:
         workers.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tied_bf16_model_dir(tmp_path_factory):
+    """Like SmolLM2: tied input/output embeddings, bf16 on disk (the rollouts and the actor
+    run it in fp32). The fp32 untied test model above hid both."""
+    from transformers import AutoModelForCausalLM
+
+    from drivetrain.trainer.builtin.char_tokenizer import build_char_tokenizer
+    from drivetrain.trainer.builtin.tiny_model import build_llama_model
+
+    path = tmp_path_factory.mktemp("tied-bf16") / "model"
+    build_char_tokenizer(path)
+    build_llama_model(path, tokenizer_dir=path, tie_word_embeddings=True, hidden_size=64,
+                      intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=256)  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def test_log_probs_stay_exact_across_weight_syncs_with_tied_embeddings(tied_bf16_model_dir):
+    """vLLM on CPU kept the tied output layer of step 0 after every update: the rollout vs
+    trainer log-prob gap went from ~1e-7 to ~1e-4 after the first sync."""
+    engine = fsdp_engine(tied_bf16_model_dir)
+    vllm = start_vllm(tied_bf16_model_dir)
+    try:
+        _, first = log_prob_gap(engine, vllm.generate(CHAT_PROMPTS, SAMPLED), 0.8)
+        gaps = []
+        for version in (1, 2, 3):
+            train_step(engine, vllm.generate(CHAT_PROMPTS, SAMPLED))
+            vllm.update_weights(engine.export_weights(), version=version)
+            gaps.append(log_prob_gap(engine, vllm.generate(CHAT_PROMPTS, SAMPLED), 0.8))
+        print(f"tied bf16-on-disk model, mean gap before {first:.2e}, after syncs {gaps}")
+        assert first < 1e-5
+        for worst, mean in gaps:
+            assert mean <= 2 * first + 1e-6 and worst < 1e-4, (first, gaps)
+    finally:
+        vllm.shutdown()

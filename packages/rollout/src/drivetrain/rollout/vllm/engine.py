@@ -105,6 +105,9 @@ class VLLMEngine(Rollout):
             # sampled log-probs after temperature/top-k/top-p: what the trainer recomputes
             logprobs_mode="processed_logprobs",
             distributed_executor_backend="mp" if config.multiprocessing else "uni",
+            worker_extension_cls=(
+                "drivetrain.rollout.vllm.worker_extension.DrivetrainWorkerExtension"
+            ),
         )
         if not self.on_cpu:
             kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
@@ -191,6 +194,8 @@ class VLLMEngine(Rollout):
                 self._reload_from_directory(staged, version)
             else:
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(staged)})
+            # a tied output layer is not reloaded with the embedding (see worker_extension)
+            self.llm.collective_rpc("drivetrain_refresh_tied_lm_head")
             self._weights_discarded = False
         self.llm.reset_prefix_cache()  # its KV was computed with the old weights
         self._version = version
