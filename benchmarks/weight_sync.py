@@ -24,7 +24,6 @@ transport.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import multiprocessing as mp
 import shutil
@@ -90,7 +89,7 @@ def receiver(
     transport.connect(TransportRole.RECEIVER, 1, Topology.one_sender(1), endpoint)
     with torch.no_grad():
         for _ in range(repeats):
-            for tensor_name, tensor in transport.receive_blocking():
+            for tensor_name, tensor in transport.receive():
                 params[tensor_name].copy_(tensor)
     transport.finalize()
     out.put("done")
@@ -116,7 +115,7 @@ def time_transport(name: str, model, size: str, repeats: int, bucket_bytes: int)
         sender.connect(TransportRole.SENDER, 0, Topology.one_sender(1), endpoint)
         seconds = []
         for version in range(1, repeats + 1):
-            stats = asyncio.run(sender.send(model.state_dict().items(), version=version))
+            stats = sender.send(model.state_dict().items(), version=version)
             seconds.append(stats.seconds)
         done.get(timeout=600)
     finally:

@@ -11,7 +11,6 @@ and how the rollouts' next generations compare with the trainer's recomputed log
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch.distributed as dist
 from drivetrain.api import Completion, FinishReason, Prompt, SamplingParams
 from drivetrain.api.config import WeightSyncConfig
 from drivetrain.api.registry import ckpt_engines, rollouts
-from drivetrain.api.sync_manager import WeightSyncManager, connect_rollouts, engine_sender
+from drivetrain.api.sync_manager import WeightSyncManager, connect_transport, engine_sender
 from drivetrain.ckpt.buckets import digest_of
 from drivetrain.rollout.config import HFRolloutConfig, VLLMRolloutConfig
 from rollout_support import fsdp_engine, log_prob_gap, train_step
@@ -77,11 +76,11 @@ def main(out_dir: str, model_dir: str, vllm_python: str) -> None:
             sender = ckpt_engines.load(name)(
                 config_cls(bucket_bytes=64 * 1024, timeout_s=120.0, verify=True)
             )
-            asyncio.run(connect_rollouts(sender, name, pool))
+            connect_transport(sender, name, pool)
             manager = WeightSyncManager(engine_sender(engine.export_weights, sender), pool)
-            report = asyncio.run(manager.sync(version))
+            report = manager.sync(version)
         else:
-            asyncio.run(engine_sender(engine.export_weights, None)(version))
+            engine_sender(engine.export_weights, None)(version)
         greedy = [r.generate(PROMPTS, GREEDY) for r in pool] if rank == 0 else None
         sampled = [r.generate(PROMPTS, SAMPLED) for r in pool] if rank == 0 else None
         shared = [greedy, sampled]

@@ -3,8 +3,6 @@ one GPU, and broadcast over NCCL (one GPU per process, so it needs three)."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 
@@ -31,7 +29,7 @@ def sync_twice(tmp_path, name, *, on_gpu_weights):
             weights = make_weights(version, big=300_000)  # 8.4 MB: many 64 KiB buckets
             if on_gpu_weights:
                 weights = [(n, t.cuda()) for n, t in weights]
-            stats = asyncio.run(sender.send(iter(weights), version=version))
+            stats = sender.send(iter(weights), version=version)
             sent[version] = digest_of(weights)
             assert stats.digest == sent[version]
         results, codes = receivers.results(timeout=120)

@@ -5,7 +5,6 @@ a failing source aborts the sync everywhere; an unsupported device is refused by
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
@@ -91,7 +90,7 @@ def test_two_syncs_arrive_bitwise_equal(tmp_path, name):
         sent = {}
         for version in (1, 2):
             weights = make_weights(version)
-            stats = asyncio.run(sender.send(iter(weights), version=version))
+            stats = sender.send(iter(weights), version=version)
             sent[version] = digest_of(weights)
             assert stats.digest == sent[version]
             assert stats.num_tensors == len(weights) and stats.version == version
@@ -124,7 +123,7 @@ def test_receiver_dying_mid_sync_fails_the_sender_and_the_survivor_in_seconds(tm
         connect_sender(sender, endpoint, topology)
         start = time.monotonic()
         with pytest.raises(WeightSyncError):
-            asyncio.run(sender.send(iter(make_weights(1)), version=1))
+            sender.send(iter(make_weights(1)), version=1)
         sender_s = time.monotonic() - start
         results, codes = receivers.results(timeout=30)  # the survivor must be done by then
         survivor_s = time.monotonic() - start
@@ -156,9 +155,9 @@ def test_failing_source_aborts_every_receiver_and_the_next_sync_works(tmp_path, 
     try:
         connect_sender(sender, endpoint, topology)
         with pytest.raises(WeightSyncError, match="export failed"):
-            asyncio.run(sender.send(broken_export(), version=1))
+            sender.send(broken_export(), version=1)
         # same connection, next step: nothing of the failed sync leaks into this one
-        stats = asyncio.run(sender.send(iter(make_weights(2)), version=2))
+        stats = sender.send(iter(make_weights(2)), version=2)
         results, codes = receivers.results()
     finally:
         receivers.kill()
@@ -213,10 +212,10 @@ def test_disk_receiver_takes_versions_in_order_even_when_it_looks_late(tmp_path)
         raise RuntimeError("export failed")
 
     with pytest.raises(WeightSyncError):
-        asyncio.run(sender.send(broken(), version=1))
+        sender.send(broken(), version=1)
     sent = []
     thread = threading.Thread(
-        target=lambda: sent.append(asyncio.run(sender.send(iter(make_weights(2)), version=2)))
+        target=lambda: sent.append(sender.send(iter(make_weights(2)), version=2))
     )
     thread.start()
     deadline = time.monotonic() + 20
@@ -224,8 +223,8 @@ def test_disk_receiver_takes_versions_in_order_even_when_it_looks_late(tmp_path)
         assert time.monotonic() < deadline, "v2 was never published"
         time.sleep(0.01)
     with pytest.raises(WeightSyncError, match="aborted version 1"):
-        list(receiver.receive_blocking())
-    got = [(name, tensor.clone()) for name, tensor in receiver.receive_blocking()]
+        list(receiver.receive())
+    got = [(name, tensor.clone()) for name, tensor in receiver.receive()]
     thread.join(timeout=20)
     assert digest_of(got) == digest_of(make_weights(2)) == sent[0].digest
     sender.finalize()

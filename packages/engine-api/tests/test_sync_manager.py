@@ -4,13 +4,11 @@ generation resumes even after a failure, and a failed sync leaves the old weight
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from drivetrain.api import Prompt, SamplingParams
 from drivetrain.api.registry import ckpt_engines
-from drivetrain.api.sync_manager import WeightSyncManager, connect_rollouts, engine_sender
+from drivetrain.api.sync_manager import WeightSyncManager, connect_transport, engine_sender
 from drivetrain.api.testing import FakeEngine, FakeEngineConfig, FakeRollout, FakeRolloutConfig
 from drivetrain.api.testing.fake_transport import FakeTransportConfig
 from drivetrain.api.weight_sync import WeightSyncError
@@ -46,7 +44,7 @@ def setup(log, n=2, **config):
     engine.initialize()
     rollouts = [RecordingRollout(FakeRolloutConfig(vocab_size=8), log) for _ in range(n)]
     sender = ckpt_engines.load("fake")(FakeTransportConfig(**config))
-    asyncio.run(connect_rollouts(sender, "fake", rollouts))
+    connect_transport(sender, "fake", rollouts)
     return engine, rollouts, sender
 
 
@@ -55,13 +53,15 @@ def greedy(rollout):
     return [c.token_ids for c in rollout.generate([Prompt(token_ids=(2,))], params)]
 
 
-def test_sync_moves_weights_and_version_in_order():
+def test_an_update_moves_weights_and_version_in_order():
     log = []
     engine, rollouts, sender = setup(log)
     manager = WeightSyncManager(
-        engine_sender(engine.export_weights, sender), rollouts, release_kv_cache=True
+        engine_sender(engine.export_weights, sender), rollouts, colocated=True
     )
-    report = asyncio.run(manager.sync(7))
+    with manager.updating(7):
+        log.append(("train",))
+    (report,) = manager.reports
     fresh = FakeRollout(FakeRolloutConfig(vocab_size=8, seed=3))
     for rollout in rollouts:
         assert rollout.weight_version == 7
@@ -72,13 +72,26 @@ def test_sync_moves_weights_and_version_in_order():
     assert report.metrics()["weight_sync/version"] == 7.0
     per_rollout = [entry for entry in log if entry != ("update", 7)]
     assert per_rollout == [
-        ("pause", False), ("pause", False),
         ("sleep", 1), ("sleep", 1),
+        ("train",),
         ("wake_up", ("weights",)), ("wake_up", ("weights",)),
-        ("wake_up", ("kv_cache",)), ("wake_up", ("kv_cache",)),
+        ("pause", False), ("pause", False),
         ("resume",), ("resume",),
+        ("wake_up", ("kv_cache",)), ("wake_up", ("kv_cache",)),
     ]  # fmt: skip
     assert log.count(("update", 7)) == 2
+
+
+def test_a_failed_update_wakes_the_rollouts_and_sends_nothing():
+    log = []
+    engine, rollouts, sender = setup(log)
+    manager = WeightSyncManager(
+        engine_sender(engine.export_weights, sender), rollouts, colocated=True
+    )
+    with pytest.raises(FloatingPointError), manager.updating(3):
+        raise FloatingPointError("loss is nan")
+    assert log == [("sleep", 1)] * 2 + [("wake_up", None)] * 2
+    assert manager.reports == [] and all(r.weight_version == 0 for r in rollouts)
 
 
 def test_failed_sync_resumes_generation_and_keeps_old_weights():
@@ -89,7 +102,7 @@ def test_failed_sync_resumes_generation_and_keeps_old_weights():
         engine_sender(engine.export_weights, sender), rollouts, abort_inflight=True
     )
     with pytest.raises(WeightSyncError, match="fake failure after 1 tensors"):
-        asyncio.run(manager.sync(1))
+        manager.sync(1)
     assert [greedy(r) for r in rollouts] == before
     assert all(r.weight_version == 0 for r in rollouts)
     assert log[-2:] == [("resume",), ("resume",)]
@@ -99,7 +112,7 @@ def test_failed_sync_resumes_generation_and_keeps_old_weights():
 def test_non_sending_ranks_drain_the_export():
     engine = FakeEngine(FakeEngineConfig(vocab_size=8, seed=3))
     engine.initialize()
-    assert asyncio.run(engine_sender(engine.export_weights, None)(1)) is None
+    assert engine_sender(engine.export_weights, None)(1) is None
 
 
 def test_receive_before_connect_is_an_error():

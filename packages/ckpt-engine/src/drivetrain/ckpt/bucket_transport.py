@@ -4,8 +4,7 @@ bucket pipeline; each subclass says only how its links are made and what a broke
 from __future__ import annotations
 
 import abc
-import asyncio
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -14,7 +13,6 @@ from drivetrain.api.weight_sync import SyncStats, WeightTransport
 from drivetrain.ckpt.pipeline import (
     ReceiverLink,
     SenderLink,
-    iterate_in_thread,
     receive_stream,
     send_stream,
 )
@@ -35,22 +33,17 @@ class BucketTransport(WeightTransport):
         """Called after a sync whose link broke (a peer died), at either end: make the next
         use reconnect."""
 
-    async def send(self, weights: Iterable[NamedTensor], *, version: int) -> SyncStats:
+    def send(self, weights: Iterable[NamedTensor], *, version: int) -> SyncStats:
         link = self._sender_link()
         try:
-            return await asyncio.to_thread(
-                send_stream,
-                link,
-                weights,
-                version=version,
-                device=self.device,
-                verify=self.config.verify,
+            return send_stream(
+                link, weights, version=version, device=self.device, verify=self.config.verify
             )
         finally:
             if getattr(link, "broken", False):
                 self._on_broken()
 
-    def receive_blocking(self) -> Iterator[NamedTensor]:
+    def receive(self) -> Iterator[NamedTensor]:
         return self._receiving(self._receiver_link())  # "not connected" raises here, not later
 
     def _receiving(self, link: ReceiverLink) -> Iterator[NamedTensor]:
@@ -65,9 +58,6 @@ class BucketTransport(WeightTransport):
         finally:
             if getattr(link, "broken", False):
                 self._on_broken()
-
-    def receive(self) -> AsyncIterator[NamedTensor]:
-        return iterate_in_thread(self.receive_blocking())
 
     def _record(self, stats: SyncStats) -> None:
         self.last_stats = stats

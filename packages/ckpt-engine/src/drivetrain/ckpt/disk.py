@@ -22,14 +22,13 @@ the stream may hold adapter tensors only.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +47,6 @@ from drivetrain.ckpt.buckets import StreamDigest, byte_view
 from drivetrain.ckpt.config import DiskConfig
 from drivetrain.ckpt.devices import resolve_device
 from drivetrain.ckpt.heartbeat import Heartbeat, Watch
-from drivetrain.ckpt.pipeline import iterate_in_thread
 from drivetrain.ckpt.shard_files import aligned, read_shard, write_shard
 
 POLL_S = 0.005  # between looks at the directory; every wait also has a deadline
@@ -133,10 +131,10 @@ class DiskTransport(WeightTransport):
             self._wait_for([root / "acks" / f"joined.rank{r}.json" for r in self.receivers], "join")
 
     # ---- sender ---------------------------------------------------------------------------
-    async def send(self, weights: Iterable[NamedTensor], *, version: int) -> SyncStats:
+    def send(self, weights: Iterable[NamedTensor], *, version: int) -> SyncStats:
         if self.role is not TransportRole.SENDER or self.root is None:
             raise WeightSyncError("not connected as the sender")
-        return await asyncio.to_thread(self._send, weights, version)
+        return self._send(weights, version)
 
     def _send(self, weights: Iterable[NamedTensor], version: int) -> SyncStats:
         assert self.root is not None
@@ -268,13 +266,10 @@ class DiskTransport(WeightTransport):
         remove_stale_staging(self.root)
 
     # ---- receiver -------------------------------------------------------------------------
-    def receive_blocking(self) -> Iterator[NamedTensor]:
+    def receive(self) -> Iterator[NamedTensor]:
         if self.role is not TransportRole.RECEIVER or self.root is None:
             raise WeightSyncError("not connected as a receiver")
         return self._receive()
-
-    def receive(self) -> AsyncIterator[NamedTensor]:
-        return iterate_in_thread(self.receive_blocking())
 
     def _next_version(self) -> int:
         """The oldest version after the last one received, published or aborted (in order:

@@ -8,11 +8,10 @@ tensors out of the other. Errors, timeouts and aborts surface as :class:`WeightS
 
 from __future__ import annotations
 
-import asyncio
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -211,19 +210,3 @@ def receive_stream(
             close = getattr(link, "close", None)
             if close is not None:
                 close()
-
-
-async def iterate_in_thread(items: Iterator[NamedTensor]) -> AsyncIterator[NamedTensor]:
-    """An async view of a blocking iterator: each step runs in a worker thread, so the event
-    loop (and the trainer's other work) keeps running while bytes arrive."""
-    done = object()
-    try:
-        while True:
-            item = await asyncio.to_thread(next, items, done)
-            if item is done:
-                return
-            yield item  # type: ignore[misc]
-    finally:
-        close = getattr(items, "close", None)
-        if close is not None:
-            close()

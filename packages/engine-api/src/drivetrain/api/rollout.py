@@ -193,7 +193,13 @@ class Rollout(abc.ABC):
         if receiver is None:
             raise WeightSyncError("receive_weights before connect_weight_sync")
         receiver.last_stats = None
-        self.update_weights(receiver.receive_blocking(), version=version)
+        stream = receiver.receive()
+        try:
+            self.update_weights(stream, version=version)
+        finally:  # a consumer that stopped early lets the transport know now, not at GC
+            close = getattr(stream, "close", None)
+            if close is not None:
+                close()
         stats = receiver.last_stats
         if stats is None:
             raise WeightSyncError("the transport ended its stream without its statistics")

@@ -1,21 +1,28 @@
-"""The weight-sync sequence around one transfer, the same for every transport and rollout.
+"""The weight path's one owner: the sequence around every weight update, for every placement.
 
-    pause generation (wait for, or abort, in-flight requests)
-    release the KV cache (colocated: the trainer just used that memory), weights resident
-    send ‖ receive            (the trainer's sender and every rollout at once)
-    restore the KV cache, resume generation
+    with manager.updating(version):     # colocated: rollouts sleep while the trainer trains
+        ... train ...
+    # on leaving: wake the rollouts' weights, then sync, then wake their KV cache
 
-Nothing here touches tensors: the sender is any coroutine function ``send(version)`` (an engine
-rank exporting into a transport, or a Ray call doing so), the receivers are
+    sync(version):
+        pause generation (wait for, or abort, in-flight requests)
+        send ‖ receive                  (the trainer's sender and every rollout at once)
+        resume generation               (also after a failure, old weights kept)
+
+Nothing here touches tensors: the sender is any function ``send(version)`` (an engine rank
+exporting into a transport, or a Ray call doing so), the receivers are
 :class:`~drivetrain.api.rollout.Rollout` objects (in-process, in a server process or behind a
-proxy) already joined to the transport with :meth:`Rollout.connect_weight_sync`.
+proxy) joined to the same transport with :meth:`Rollout.connect_weight_sync`. In-process
+placement uses the ``direct`` transport (:mod:`drivetrain.api.direct_transport`), so one
+sequence serves every placement.
 """
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +37,7 @@ from drivetrain.api.weight_sync import (
     drain,
 )
 
-SendFn = Callable[[int], Awaitable[SyncStats | None]]
+SendFn = Callable[[int], SyncStats | None]
 
 
 @dataclass(frozen=True)
@@ -71,43 +78,76 @@ def engine_sender(
     """``send(version)`` for one engine rank: the rank that holds ``transport`` sends the
     export; the others (``transport=None``) consume it, since exporting runs collectives."""
 
-    async def send(version: int) -> SyncStats | None:
+    def send(version: int) -> SyncStats | None:
         if transport is None:
-            await drain(export())
+            drain(export())
             return None
-        return await transport.send(export(), version=version)
+        return transport.send(export(), version=version)
 
     return send
 
 
-async def connect_rollouts(
+def _all_at_once(calls: Sequence[Callable[[], Any]], *, settle: bool = False) -> list[Any]:
+    """Run ``calls`` in threads and wait for all. Without ``settle`` the first failure is
+    raised once all ended; with it, failures are returned in place of results."""
+    if len(calls) == 1:
+        try:
+            return [calls[0]()]
+        except Exception as exc:
+            if settle:
+                return [exc]
+            raise
+    with ThreadPoolExecutor(len(calls), thread_name_prefix="weight-sync") as pool:
+        futures = [pool.submit(call) for call in calls]
+        results: list[Any] = []
+        for future in futures:
+            try:
+                results.append(future.result())
+            except Exception as exc:
+                results.append(exc)
+    failures = [r for r in results if isinstance(r, Exception)]
+    if failures and not settle:
+        raise failures[0]
+    return results
+
+
+def connect_rollouts(
+    sender: Callable[[Topology, Mapping[str, Any]], None],
+    endpoint: Mapping[str, Any],
+    transport: str,
+    config: Any,
+    rollouts: Sequence[Rollout],
+) -> Topology:
+    """Join the sending side (``sender(topology, endpoint)``, rank 0) and every rollout (rank
+    ``i + 1``) into one transport group; ``transport`` is the plugin name the rollouts load on
+    their side. Connecting is collective, so every side runs at once."""
+    topology = Topology.one_sender(len(rollouts))
+    calls: list[Callable[[], Any]] = [lambda: sender(topology, endpoint)]
+    for rank, rollout in zip(topology.receivers, rollouts, strict=True):
+        calls.append(
+            lambda rollout=rollout, rank=rank: rollout.connect_weight_sync(
+                transport, config, rank=rank, topology=topology, endpoint=endpoint
+            )
+        )
+    _all_at_once(calls)
+    return topology
+
+
+def connect_transport(
     sender: WeightTransport, transport: str, rollouts: Sequence[Rollout]
 ) -> Topology:
-    """Join ``sender`` (rank 0) and every rollout (rank ``i + 1``) into one transport group;
-    ``transport`` is the plugin name the rollouts load on their side."""
-    endpoint = sender.prepare()
-    topology = Topology.one_sender(len(rollouts))
-    await asyncio.gather(
-        asyncio.to_thread(sender.connect, TransportRole.SENDER, 0, topology, endpoint),
-        *(
-            asyncio.to_thread(
-                rollout.connect_weight_sync,
-                transport,
-                sender.config,
-                rank=rank,
-                topology=topology,
-                endpoint=endpoint,
-            )
-            for rank, rollout in zip(topology.receivers, rollouts, strict=True)
-        ),
-    )
-    return topology
+    """:func:`connect_rollouts` for a sending transport object in this process."""
+
+    def join(topology: Topology, endpoint: Mapping[str, Any]) -> None:
+        sender.connect(TransportRole.SENDER, 0, topology, endpoint)
+
+    return connect_rollouts(join, sender.prepare(), transport, sender.config, rollouts)
 
 
 class WeightSyncManager:
     """Runs :meth:`sync` every step. ``abort_inflight`` ends running requests instead of
-    waiting for them; ``release_kv_cache`` frees the rollouts' KV cache around the transfer
-    (colocated placement, where the trainer shares the device)."""
+    waiting for them; ``colocated`` puts the rollouts to sleep while the trainer updates (they
+    share its device) and wakes them by tag around the transfer."""
 
     def __init__(
         self,
@@ -115,63 +155,75 @@ class WeightSyncManager:
         rollouts: Sequence[Rollout],
         *,
         abort_inflight: bool = False,
-        release_kv_cache: bool = False,
+        colocated: bool = False,
     ) -> None:
         if not rollouts:
             raise ValueError("a weight sync needs at least one rollout")
         self.send = send
         self.rollouts = tuple(rollouts)
         self.abort_inflight = abort_inflight
-        self.release_kv_cache = release_kv_cache
+        self.colocated = colocated
         self.reports: list[SyncReport] = []
 
-    async def _each(
-        self, method: str, *args: Any, settle: bool = False, **kwargs: Any
-    ) -> list[Any]:
+    def _each(self, method: str, *args: Any, settle: bool = False, **kwargs: Any) -> list[Any]:
         """Call ``method`` on every rollout at once. ``settle``: call it on all of them even if
         some fail (clean-up), then raise the first failure."""
-        calls = (asyncio.to_thread(getattr(r, method), *args, **kwargs) for r in self.rollouts)
-        results = list(await asyncio.gather(*calls, return_exceptions=settle))
-        failures = [r for r in results if isinstance(r, BaseException)]
+        calls = [
+            lambda r=r: getattr(r, method)(*args, **kwargs)  # type: ignore[misc]
+            for r in self.rollouts
+        ]
+        results = _all_at_once(calls, settle=settle)
+        failures = [r for r in results if isinstance(r, Exception)]
         if failures:
             raise failures[0]
         return results
 
-    async def sync(self, version: int) -> SyncReport:
-        """One whole sync; raises :class:`WeightSyncError` (generation resumed with its KV
-        cache, old weights in use on every rollout that did not finish) if any side fails."""
+    @contextlib.contextmanager
+    def updating(self, version: int) -> Iterator[None]:
+        """Around a training update: colocated rollouts sleep (the trainer gets the device),
+        then wake their weights, receive ``version``, and wake their KV cache. The report is
+        in :attr:`reports`. If the update raises, the rollouts wake and nothing is sent."""
+        if self.colocated:
+            self._each("sleep", 1)
+        try:
+            yield
+        except BaseException:
+            if self.colocated:
+                self._each("wake_up", None, settle=True)
+            raise
+        if not self.colocated:
+            self.sync(version)
+            return
+        try:
+            self._each("wake_up", ("weights",))
+            self.sync(version)
+        finally:
+            self._each("wake_up", ("kv_cache",), settle=True)
+
+    def sync(self, version: int) -> SyncReport:
+        """One whole sync; raises :class:`WeightSyncError` (generation resumed, old weights in
+        use on every rollout that did not finish) if any side fails."""
         phases: dict[str, float] = {}
         start = time.perf_counter()
-        released = False
         try:
-            paused = await self._each("pause_generation", abort=self.abort_inflight)
-            aborted = sum(paused)
-            if self.release_kv_cache:
-                released = True
-                await self._each("sleep", 1)
-                await self._each("wake_up", ("weights",))
+            aborted = sum(self._each("pause_generation", abort=self.abort_inflight))
             phases["pause"] = time.perf_counter() - start
             start = time.perf_counter()
-            sent, received = await self._transfer(version)
+            sent, received = self._transfer(version)
             phases["transfer"] = time.perf_counter() - start
             start = time.perf_counter()
         finally:
-            # whatever failed, every rollout serves again, with its KV cache
-            if released:
-                await self._each("wake_up", ("kv_cache",), settle=True)
-            await self._each("resume_generation", settle=True)
+            self._each("resume_generation", settle=True)  # whatever failed, they serve again
         phases["resume"] = time.perf_counter() - start
         report = SyncReport(version, sent, tuple(received), phases, aborted)
         self.reports.append(report)
         return report
 
-    async def _transfer(self, version: int) -> tuple[SyncStats, list[SyncStats]]:
-        results = await asyncio.gather(
-            self.send(version),
-            *(asyncio.to_thread(r.receive_weights, version) for r in self.rollouts),
-            return_exceptions=True,
-        )
-        failures = [r for r in results if isinstance(r, BaseException)]
+    def _transfer(self, version: int) -> tuple[SyncStats, list[SyncStats]]:
+        calls: list[Callable[[], Any]] = [lambda: self.send(version)]
+        calls += [lambda r=r: r.receive_weights(version) for r in self.rollouts]
+        results = _all_at_once(calls, settle=True)
+        failures = [r for r in results if isinstance(r, Exception)]
         if failures:
             detail = "; ".join(f"{type(f).__name__}: {f}" for f in failures)
             raise WeightSyncError(f"weight sync to version {version} failed: {detail}") from (

@@ -6,9 +6,9 @@ One sync, as the trainer's manager runs it::
     topology = Topology.one_sender(num_receivers)     # or a transport's own layout
     sender.connect(TransportRole.SENDER, 0, topology, endpoint)      # once, reused
     receiver_i.connect(TransportRole.RECEIVER, i + 1, topology, endpoint)
-    # every step:
-    stats = await sender.send(engine.export_weights(), version=step)  ‖
-    rollout_i.update_weights(<tensors from receiver_i.receive()>, version=step)
+    # every step, sender and receivers at once (threads or processes):
+    stats = sender.send(engine.export_weights(), version=step)  ‖
+    rollout_i.update_weights(receiver_i.receive(), version=step)
     ...
     transport.finalize()
 
@@ -20,18 +20,14 @@ raise :class:`WeightSyncError` within ``timeout_s`` when a peer disappears inste
 from __future__ import annotations
 
 import abc
-import asyncio
-import contextlib
 import enum
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from drivetrain.api.config import WeightSyncConfig
 from drivetrain.api.engine import NamedTensor
 from drivetrain.api.errors import DrivetrainError
-
-T = TypeVar("T")
 
 
 class WeightSyncError(DrivetrainError):
@@ -120,55 +116,25 @@ class WeightTransport(abc.ABC):
         later sync until :meth:`finalize`."""
 
     @abc.abstractmethod
-    async def send(self, weights: Iterable[NamedTensor], *, version: int) -> SyncStats:
-        """Send the whole stream to every receiver. Returns when every receiver has the last
-        bucket; raises :class:`WeightSyncError` within ``timeout_s`` if one does not."""
+    def send(self, weights: Iterable[NamedTensor], *, version: int) -> SyncStats:
+        """Send the whole stream to every receiver (blocking). Returns when every receiver has
+        the last bucket; raises :class:`WeightSyncError` within the deadline if one does not."""
 
     @abc.abstractmethod
-    def receive(self) -> AsyncIterator[NamedTensor]:
-        """Yield the tensors of one sync, in the sender's order, as full tensors with the
-        sender's names, shapes and dtypes, ending when the sender's stream ends. A yielded
-        tensor may be a view of the transport's buffers, valid until the next one is requested
-        (as with an engine's export): consumers copy what they keep. Raises
+    def receive(self) -> Iterator[NamedTensor]:
+        """Yield the tensors of one sync (blocking), in the sender's order, as full tensors
+        with the sender's names, shapes and dtypes, ending when the sender's stream ends. A
+        yielded tensor may be a view of the transport's buffers, valid until the next one is
+        requested (as with an engine's export): consumers copy what they keep. Raises
         :class:`WeightSyncError` before the end if the stream is incomplete or fails
         verification, so an all-or-nothing consumer applies nothing."""
-
-    def receive_blocking(self) -> Iterator[NamedTensor]:
-        """:meth:`receive` for synchronous consumers (a rollout's ``update_weights``), with the
-        same semantics. Transports whose receiving loop is blocking anyway override it to skip
-        the event loop (a thread hand-off per tensor)."""
-        return iterate_blocking(self.receive())
 
     @abc.abstractmethod
     def finalize(self) -> None:
         """Leave the group and free buffers; idempotent."""
 
 
-def iterate_blocking(stream: AsyncIterator[T]) -> Iterator[T]:
-    """Drive an async iterator from synchronous code (e.g. :meth:`WeightTransport.receive`
-    into :meth:`Rollout.update_weights`), one item at a time, on a private event loop.
-
-    Must not be called from a thread that is already running an event loop.
-    """
-    loop = asyncio.new_event_loop()
-    try:
-        while True:
-            try:
-                yield loop.run_until_complete(anext(stream))
-            except StopAsyncIteration:
-                return
-    finally:
-        with contextlib.suppress(Exception):
-            loop.run_until_complete(stream.aclose())  # type: ignore[attr-defined]
-        loop.run_until_complete(loop.shutdown_default_executor())  # no idle threads left
-        loop.close()
-
-
-async def drain(weights: Iterable[NamedTensor]) -> int:
+def drain(weights: Iterable[NamedTensor]) -> int:
     """Consume a weight stream without sending it (engine ranks that take part in the export's
-    collectives but do not send), in a worker thread; returns the number of tensors."""
-
-    def consume() -> int:
-        return sum(1 for _ in weights)
-
-    return await asyncio.to_thread(consume)
+    collectives but do not send); returns the number of tensors."""
+    return sum(1 for _ in weights)

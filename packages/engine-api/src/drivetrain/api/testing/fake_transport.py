@@ -8,14 +8,13 @@ marker. ``fail_after`` in the config makes the sender raise after that many tens
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import hashlib
 import itertools
 import json
 import queue
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,7 +66,7 @@ class FakeTransport(WeightTransport):
             channel[rank] = queue.Queue()
         self.channel, self.rank = channel, rank
 
-    async def send(self, weights: Iterable[NamedTensor], *, version: int) -> SyncStats:
+    def send(self, weights: Iterable[NamedTensor], *, version: int) -> SyncStats:
         if self.channel is None:
             raise WeightSyncError("not connected")
         start = time.perf_counter()
@@ -82,7 +81,6 @@ class FakeTransport(WeightTransport):
                     q.put(("tensor", name, copy.deepcopy(value)))
                 count += 1
                 size += len(json.dumps(value))
-                await asyncio.sleep(0)  # let receivers run, as a real transport would
         except Exception as exc:
             for q in self.channel.values():
                 q.put(("abort", str(exc)))
@@ -92,7 +90,7 @@ class FakeTransport(WeightTransport):
             q.put(("end", *summary))
         return SyncStats(version, count, 1, size, time.perf_counter() - start, digest.hexdigest())
 
-    async def _receive(self) -> AsyncIterator[NamedTensor]:
+    def receive(self) -> Iterator[NamedTensor]:
         if self.channel is None:
             raise WeightSyncError("not connected")
         inbox = self.channel[self.rank]
@@ -101,7 +99,7 @@ class FakeTransport(WeightTransport):
         count = size = 0
         while True:
             try:
-                message = await asyncio.to_thread(inbox.get, True, self.config.timeout_s)
+                message = inbox.get(True, self.config.timeout_s)
             except queue.Empty:
                 raise WeightSyncError(f"nothing received for {self.config.timeout_s} s") from None
             if message[0] == "abort":
@@ -118,9 +116,6 @@ class FakeTransport(WeightTransport):
             count += 1
             size += len(json.dumps(value))
             yield name, value
-
-    def receive(self) -> AsyncIterator[NamedTensor]:
-        return self._receive()
 
     def finalize(self) -> None:
         self.channel = None

@@ -1,8 +1,8 @@
 """Where the roles run, and how the actor's weights reach the rollouts.
 
-- ``inprocess``: one actor rank and the rollout(s) in this process; new weights go straight
-  from the engine's export stream into ``rollout.update_weights`` (same address space: no
-  transport, nothing copied twice).
+- ``inprocess``: one actor rank and the rollout(s) in this process; new weights go over the
+  ``direct`` transport, which hands the engine's export tensors to the rollouts as they are
+  (same address space: nothing copied on the way).
 - ``colocated`` (Ray): the actor's ranks are Ray actors; rollout replica ``i`` is a Ray actor
   in rank ``i``'s placement bundle, sharing its CPU/GPU, asleep while the actor trains; weights
   move over the ``colocated`` transport (shared memory on CPU, CUDA IPC on GPU).
@@ -12,21 +12,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import functools
-import time
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from drivetrain.api import Rollout, registry
 from drivetrain.api.config import RolloutConfig, WeightSyncConfig
-from drivetrain.api.engine import NamedTensor
 from drivetrain.api.errors import ConfigError
-from drivetrain.api.sync_manager import SyncReport, WeightSyncManager
-from drivetrain.api.weight_sync import SyncStats, Topology
+from drivetrain.api.sync_manager import SyncReport, WeightSyncManager, connect_rollouts
+from drivetrain.api.weight_sync import Topology
 from drivetrain.trainer.rl.config import PlacementConfig
 from drivetrain.trainer.rl.rollout_pool import RayRolloutHandle, RolloutActor, RolloutPool
 from drivetrain.trainer.rl.worker import RLWorker, RoleSpec
@@ -70,98 +66,40 @@ def transport_config(transport: str, config: WeightSyncConfig) -> WeightSyncConf
 
 @dataclass
 class WeightUpdater:
-    """Moves the actor's weights into every rollout: the sync sequence of
-    :class:`~drivetrain.api.sync_manager.WeightSyncManager` in every placement. (Colocated
-    rollouts are put to sleep and woken by tag around training and the sync by the trainer.)"""
+    """Joins the actor's rank 0 and every rollout into the placement's transport once, then
+    hands the sync sequence to :class:`~drivetrain.api.sync_manager.WeightSyncManager` (the
+    weight path's one owner, the same for every placement)."""
 
     group: WorkerGroup
     pool: RolloutPool
     transport: str
     config: WeightSyncConfig
-    reports: list[SyncReport] = field(default_factory=list)
-    _manager: WeightSyncManager | None = None
+    colocated: bool = False
+    manager: WeightSyncManager | None = None
 
     def connect(self) -> None:
-        if self.transport == "direct":
-            return
         endpoint = self.group.run_all("sync_prepare", self.transport, self.config)
-        topology = Topology.one_sender(len(self.pool.rollouts))
-        self._gather(
-            [lambda: self.group.run_all("sync_connect", topology, endpoint)]
-            + [
-                functools.partial(
-                    r.connect_weight_sync,
-                    self.transport,
-                    self.config,
-                    rank=rank,
-                    topology=topology,
-                    endpoint=endpoint,
-                )
-                for rank, r in zip(topology.receivers, self.pool.rollouts, strict=True)
-            ]
-        )
 
-        async def send(version: int) -> SyncStats | None:
-            return await asyncio.to_thread(self.group.run_all, "sync_send", version)
+        def sender(topology: Topology, endpoint: Any) -> None:
+            self.group.run_all("sync_connect", topology, endpoint)
 
-        self._manager = WeightSyncManager(send, self.pool.rollouts)
+        connect_rollouts(sender, endpoint, self.transport, self.config, self.pool.rollouts)
+        send = functools.partial(self.group.run_all, "sync_send")
+        self.manager = WeightSyncManager(send, self.pool.rollouts, colocated=self.colocated)
 
-    @staticmethod
-    def _gather(calls: Sequence[Any]) -> None:
-        async def run() -> None:
-            await asyncio.gather(*(asyncio.to_thread(c) for c in calls))
+    @property
+    def reports(self) -> list[SyncReport]:
+        assert self.manager is not None, "connect() first"
+        return self.manager.reports
 
-        asyncio.run(run())
+    def updating(self, version: int) -> contextlib.AbstractContextManager[None]:
+        """Around a training update (see ``WeightSyncManager.updating``)."""
+        assert self.manager is not None, "connect() first"
+        return self.manager.updating(version)
 
     def sync(self, version: int) -> SyncReport:
-        if self.transport == "direct":
-            report = self._sync_direct(version)
-        else:
-            assert self._manager is not None, "connect() first"
-            report = asyncio.run(self._manager.sync(version))
-        self.reports.append(report)
-        return report
-
-    def _sync_direct(self, version: int) -> SyncReport:
-        """In-process: each rollout reads the actor engine's export stream itself (the
-        engine's tensors, no copy in between); the same pause/resume sequence around it."""
-        assert isinstance(self.group, LocalWorkerGroup)
-        worker: RLWorker = self.group.worker
-        start = time.perf_counter()
-        self.pool.each("pause_generation")
-        paused = time.perf_counter()
-        received = []
-        try:
-            for rollout in self.pool.rollouts:
-                counter = _Counted(worker.export_weights())
-                began = time.perf_counter()
-                rollout.update_weights(counter, version=version)
-                received.append(counter.stats(version, time.perf_counter() - began))
-        finally:
-            done = time.perf_counter()
-            self.pool.each("resume_generation")
-        phases = {
-            "pause": paused - start,
-            "transfer": done - paused,
-            "resume": time.perf_counter() - done,
-        }
-        return SyncReport(version, received[0], tuple(received), phases)
-
-
-class _Counted:
-    """A weight stream that counts what passes through it."""
-
-    def __init__(self, stream: Iterable[NamedTensor]) -> None:
-        self.stream, self.tensors, self.bytes = stream, 0, 0
-
-    def __iter__(self) -> Iterator[NamedTensor]:
-        for name, tensor in self.stream:
-            self.tensors += 1
-            self.bytes += tensor.numel() * tensor.element_size()
-            yield name, tensor
-
-    def stats(self, version: int, seconds: float) -> SyncStats:
-        return SyncStats(version, self.tensors, 0, self.bytes, seconds)
+        assert self.manager is not None, "connect() first"
+        return self.manager.sync(version)
 
 
 @dataclass
@@ -211,7 +149,12 @@ def build_placement(
             raise
         pool = RolloutPool(rollouts)
         updater = WeightUpdater(group, pool, "direct", sync_config)
-        updater.connect()
+        try:
+            updater.connect()
+        except BaseException:
+            pool.shutdown()
+            group.close()
+            raise
         return Placement(mode, group, pool, updater)
     return _ray_placement(
         mode, factory, workers, placement, rollout_name, rollout_config, transport, sync_config
@@ -288,7 +231,7 @@ def _ray_placement(
             RayRolloutHandle(a, rollout_config, workers.start_timeout_s * 10) for a in actors
         ]
         pool = RolloutPool(handles)
-        updater = WeightUpdater(group, pool, transport, sync_config)
+        updater = WeightUpdater(group, pool, transport, sync_config, colocated=colocated)
         updater.connect()
         return Placement(mode, group, pool, updater, started_ray=started)
     except BaseException:

@@ -132,48 +132,44 @@ class RLTrainer:
         with timer("reward"):
             scores, reward_metrics = self.score(completions, prompts)
             batch = completions_batch(completions, self.setup.pad_token_id)
-        colocated = self.placement.mode == "colocated"
-        if colocated:
-            self.pool.each("sleep", 1)  # the trainer gets the shared device back
-        old: dict[str, torch.Tensor] = {}
-        if not self.on_policy:  # else the update's own forward gives them
-            with timer("old_log_probs"):
-                old = self.infer(batch, ACTOR, OutputSpec(entropy=True, temperature=self.temp))
-                batch = batch.with_columns(old_log_probs=old[LOG_PROBS])
-        if self.setup.reference != "none":
-            with timer("ref_log_probs"):
-                ref = self.infer(
-                    batch,
-                    REFERENCE if self.setup.reference == "engine" else ACTOR,
-                    OutputSpec(temperature=self.temp),
-                    adapter_off=self.setup.reference == "adapter",
-                )
-                batch = batch.with_columns(ref_log_probs=ref[LOG_PROBS])
-        if self.setup.reward_model:
-            with timer("reward_model"):
-                model_scores = self.reward_model_scores(batch)
-                scores = scores + model_scores
-                reward_metrics["reward/model_mean"] = float(model_scores.mean())
-        if self.setup.critic:
-            with timer("values"):
-                values = state_values(self.infer(batch, CRITIC, CriticLoss().outputs)[VALUES])
-                batch = batch.with_columns(old_values=values, token_keys=[OLD_VALUES])
-        with timer("advantages"):
-            batch, kl_metrics = self.advantages(batch, scores)
-        if self.setup.critic:
-            with timer("update_critic"):
-                critic = self.update(batch, CRITIC, self.critic_loss, step, RETURNS, OLD_VALUES)
-        with timer("update_actor"):
-            actor = self.update(
-                batch, ACTOR, self.actor_loss, step, OLD_LOG_PROBS, ADVANTAGES, REF_LOG_PROBS,
-                ROLLOUT_LOG_PROBS,
-            )  # fmt: skip
-        with timer("weight_sync"):
-            if colocated:
-                self.pool.each("wake_up", ("weights",))
-            report = self.weights.sync(step + 1)
-            if colocated:
-                self.pool.each("wake_up", ("kv_cache",))
+        # colocated rollouts sleep while the trainer uses their device; on leaving, the new
+        # weights go to every rollout (the weight path's one sequence, every placement)
+        with self.weights.updating(step + 1):
+            old: dict[str, torch.Tensor] = {}
+            if not self.on_policy:  # else the update's own forward gives them
+                with timer("old_log_probs"):
+                    old = self.infer(batch, ACTOR, OutputSpec(entropy=True, temperature=self.temp))
+                    batch = batch.with_columns(old_log_probs=old[LOG_PROBS])
+            if self.setup.reference != "none":
+                with timer("ref_log_probs"):
+                    ref = self.infer(
+                        batch,
+                        REFERENCE if self.setup.reference == "engine" else ACTOR,
+                        OutputSpec(temperature=self.temp),
+                        adapter_off=self.setup.reference == "adapter",
+                    )
+                    batch = batch.with_columns(ref_log_probs=ref[LOG_PROBS])
+            if self.setup.reward_model:
+                with timer("reward_model"):
+                    model_scores = self.reward_model_scores(batch)
+                    scores = scores + model_scores
+                    reward_metrics["reward/model_mean"] = float(model_scores.mean())
+            if self.setup.critic:
+                with timer("values"):
+                    values = state_values(self.infer(batch, CRITIC, CriticLoss().outputs)[VALUES])
+                    batch = batch.with_columns(old_values=values, token_keys=[OLD_VALUES])
+            with timer("advantages"):
+                batch, kl_metrics = self.advantages(batch, scores)
+            if self.setup.critic:
+                with timer("update_critic"):
+                    critic = self.update(batch, CRITIC, self.critic_loss, step, RETURNS, OLD_VALUES)
+            with timer("update_actor"):
+                actor = self.update(
+                    batch, ACTOR, self.actor_loss, step, OLD_LOG_PROBS, ADVANTAGES, REF_LOG_PROBS,
+                    ROLLOUT_LOG_PROBS,
+                )  # fmt: skip
+        report = self.weights.reports[-1]
+        timer.seconds["weight_sync"] = report.seconds
         mask = batch[LOSS_MASK]
         lengths = mask.sum(-1).float()
         generated = float(lengths.sum())

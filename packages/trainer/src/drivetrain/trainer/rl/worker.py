@@ -9,7 +9,6 @@ of the weight-sync transport; the other ranks take part in the export's collecti
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -89,7 +88,7 @@ class RLWorker:
         self.roles[ACTOR].export_hf(path)
 
     def export_weights(self) -> Any:
-        """The actor's weight stream (in-process placement hands it straight to the rollout)."""
+        """The actor's weight stream (what rank 0's transport sends)."""
         return self.roles[ACTOR].engine.export_weights()
 
     # ---- weight sync (rank 0 sends; the others join the export's collectives) -----------
@@ -105,8 +104,7 @@ class RLWorker:
             self._sender.connect(TransportRole.SENDER, 0, topology, endpoint)
 
     def sync_send(self, version: int) -> SyncStats | None:
-        send = engine_sender(self.export_weights, self._sender)
-        return asyncio.run(send(version))
+        return engine_sender(self.export_weights, self._sender)(version)
 
     def sync_close(self) -> None:
         if self._sender is not None:
