@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.fault
+
 ROOT = Path(__file__).resolve().parents[1]
 ALLOWED = {"packages/engine-api/src/drivetrain/api/untrusted.py"}
 UNPICKLERS = {"pickle", "dill", "cloudpickle", "marshal", "_pickle"}

@@ -20,7 +20,7 @@ from drivetrain.trainer.rl.job import load_rl_job, prepare, start
 from drivetrain.trainer.rl.trainer import RLTrainer
 from rl_support import make_rl_job
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.fault, pytest.mark.timeout(120)]
 KL_COEF = 0.05
 STEPS = 2
 REFERENCES = ("none", "engine", "adapter")

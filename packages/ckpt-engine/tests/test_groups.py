@@ -15,7 +15,7 @@ import torch
 from drivetrain.api.config import WeightSyncConfig
 from drivetrain.ckpt import groups
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.fault, pytest.mark.distributed]
 
 # rank 1: join, then wait for a broadcast rank 0 never sends, with a deadline far away
 PEER = """

@@ -17,7 +17,10 @@ import pytest
 from drivetrain.ckpt.colocated import ColocatedTransport
 from drivetrain.ckpt.config import ColocatedConfig
 
-pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+pytestmark = [
+    pytest.mark.fault,
+    pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm"),
+]
 SHM = Path("/dev/shm")
 CONFIG = {"bucket_bytes": 1 << 20, "device": "cpu", "timeout_s": 10.0}
 

@@ -110,6 +110,7 @@ def test_two_syncs_arrive_bitwise_equal(tmp_path, name):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", TRANSPORTS)
+@pytest.mark.fault
 def test_receiver_dying_mid_sync_fails_the_sender_and_the_survivor_in_seconds(tmp_path, name):
     """timeout_s is far above the bound asserted here: what ends every wait is the abort
     signal (broadcast: a key in the group's store, and the sender closing the group; colocated:
@@ -247,6 +248,7 @@ def listening_hosts(port: int) -> list[str]:
 
 
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs /proc/net/tcp")
+@pytest.mark.fault
 def test_broadcast_store_listens_on_the_configured_host_only():
     transport, _ = make_transport("broadcast")  # host: the loopback default
     endpoint = transport.prepare()

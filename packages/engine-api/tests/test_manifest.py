@@ -8,6 +8,8 @@ import pytest
 
 from drivetrain.api.manifest import MANIFEST_FILE, ManifestError, verify_manifest, write_manifest
 
+pytestmark = pytest.mark.fault
+
 
 @pytest.fixture
 def saved(tmp_path):

@@ -11,6 +11,8 @@ import pytest
 
 from drivetrain.api.untrusted import DCP_METADATA_GLOBALS, UnsafeFileError, check_pickle
 
+pytestmark = pytest.mark.fault
+
 
 class RunsACommand:
     def __init__(self, marker):

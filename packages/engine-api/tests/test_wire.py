@@ -10,6 +10,8 @@ import pytest
 from drivetrain.api.rollout import FinishReason, SamplingParams
 from drivetrain.api.wire import PLAIN, Codec, WireError
 
+pytestmark = pytest.mark.fault
+
 
 def test_plain_data_round_trips_with_its_types():
     message = ("bucket", 1, {"version": 3, "tensors": [("w", (2, 3), "float32", 0, 24)]},

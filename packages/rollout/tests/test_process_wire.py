@@ -22,7 +22,7 @@ from drivetrain.rollout.process import wire
 from drivetrain.rollout.process.client import RolloutProcess
 from drivetrain.rollout.process.protocol import ADDRESS_ENV, AUTHKEY_ENV
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.fault, pytest.mark.timeout(120)]
 
 CONFIG = FakeRolloutConfig(vocab_size=8, max_model_len=32, seed=3)
 PROMPTS = [Prompt(token_ids=(1, 2)), Prompt(token_ids=(3,))]

@@ -35,6 +35,7 @@ def test_bytes_round_trip_is_bitwise(dtype, shape):
         ({"dtype": "float32", "shape": (3,)}, 8, r"shape \(3,\) is 12 bytes, got 8"),
     ],
 )
+@pytest.mark.fault
 def test_tensor_headers_from_another_process_are_checked(meta, size, error):
     with pytest.raises(ValueError, match=error):
         tensor_from_bytes(meta, bytes(size))

@@ -72,6 +72,7 @@ def test_yaml_round_trip(tmp_path):
     assert load_config(EngineConfig, files=[path]) == config
 
 
+@pytest.mark.fault
 def test_yaml_file_errors_name_the_position(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("optim:\n  lr: 0.5\n   eps: 1\n")

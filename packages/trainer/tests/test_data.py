@@ -94,6 +94,7 @@ class UntouchableTokenizer:
         raise AssertionError("tokenised a row that could not fit")
 
 
+@pytest.mark.fault
 def test_too_many_characters_are_refused_before_tokenising():
     row = {"prompt": "a" * 1000, "response": "b"}
     with pytest.raises(

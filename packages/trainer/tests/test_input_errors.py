@@ -18,6 +18,8 @@ from drivetrain.trainer.cli import app
 from drivetrain.trainer.rl import job as rl_job
 from trainer_fixtures import write_jsonl
 
+pytestmark = pytest.mark.fault
+
 runner = CliRunner()
 COMMANDS = ["sft", "grpo"]
 #: the tiny test model's max_position_embeddings

@@ -14,6 +14,8 @@ import pytest
 
 from trainer_fixtures import write_jsonl
 
+pytestmark = pytest.mark.fault
+
 BIG_CHARS = 50_000_000
 #: the row's bytes are held about three times (the line, its text, the parsed row): measured
 #: 143-149 MB

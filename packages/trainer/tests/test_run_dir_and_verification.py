@@ -9,6 +9,8 @@ from drivetrain.trainer.console import plain_console
 from drivetrain.trainer.errors import CheckpointError, RunDirectoryError
 from drivetrain.trainer.run_dir import claim_run_dir, holds_a_run, resume_point
 
+pytestmark = pytest.mark.fault
+
 
 def save(manager, step):
     engine_dir = manager.staging(step) / "engine"
