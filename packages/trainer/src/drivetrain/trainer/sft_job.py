@@ -20,16 +20,19 @@ from rich.console import Console
 from drivetrain.api import EngineConfig, registry
 from drivetrain.api.errors import ConfigError
 from drivetrain.trainer.builtin import addition
+from drivetrain.trainer.checkpoints import CheckpointManager
 from drivetrain.trainer.config_loader import load_config, to_yaml
+from drivetrain.trainer.console import plain_console
 from drivetrain.trainer.data.batching import StepPlan
 from drivetrain.trainer.data.sft_dataset import SFTData, load_sft_data
 from drivetrain.trainer.data.tokenize import pad_token_id
 from drivetrain.trainer.errors import DataError
 from drivetrain.trainer.hf_export import verify_model_dir
 from drivetrain.trainer.preflight import check_devices, check_output_dir, model_context
+from drivetrain.trainer.run_dir import claim_run_dir, resume_point
 from drivetrain.trainer.sft_config import SFTConfig, sft_config_type
 from drivetrain.trainer.sft_trainer import SFTResult, SFTTrainer, total_steps
-from drivetrain.trainer.workers.launch import make_group
+from drivetrain.trainer.workers.launch import make_group, writes_files
 
 BUILTIN_CONFIG = Path(__file__).parent / "builtin" / "addition_sft.yaml"
 
@@ -128,8 +131,22 @@ def describe(prepared: PreparedSFT) -> str:
 def run_sft(
     prepared: PreparedSFT, *, resume: str, overwrite: bool = False, console: Console | None = None
 ) -> SFTResult | None:
-    """Train; returns the result on the writing process (rank 0 / the controller)."""
+    """Train; returns the result on the writing process (rank 0 / the controller).
+
+    Where the run starts (which checkpoint, whose directory) is settled on every rank before
+    any process group exists: no rank can write into the directory until all have joined the
+    group, so every rank judges the same directory."""
     config = prepared.job.config
+    console = console or plain_console()
+    out = Path(config.run.output_dir)
+    writer = writes_files(config.workers)
+    checkpoints = CheckpointManager(
+        out / "checkpoints", keep_last=config.run.keep_last, writer=writer
+    )
+    checkpoints.clean_staging()
+    start_from = resume_point(checkpoints, resume, overwrite=overwrite, console=console)
+    claim_run_dir(out, resuming=start_from is not None, overwrite=overwrite, writer=writer,
+                  console=console)  # fmt: skip
     group = make_group(prepared.job.engine_name, engine_config_for_run(prepared), config.workers)
     try:
         trainer = SFTTrainer(
@@ -140,12 +157,11 @@ def run_sft(
             pad_token_id=prepared.pad_token_id,
             console=console,
         )
-        result = trainer.fit(resume=resume, overwrite=overwrite)
+        result = trainer.fit(start_from=start_from)
     finally:
         group.close()
     if not group.is_writer:
         return None
-    out = Path(config.run.output_dir)
     (out / "config.yaml").write_text(prepared.job.to_yaml())
     return result
 

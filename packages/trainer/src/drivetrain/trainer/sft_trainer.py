@@ -23,7 +23,6 @@ from drivetrain.trainer.data.sft_dataset import SFTData
 from drivetrain.trainer.errors import CheckpointError
 from drivetrain.trainer.metrics import METRICS_FILE, MetricsLogger, plot_loss_curve
 from drivetrain.trainer.progress import TrainingProgress
-from drivetrain.trainer.run_dir import claim_run_dir, resume_point
 from drivetrain.trainer.sft_config import SFTConfig
 from drivetrain.trainer.workers.engine_worker import StepStats
 from drivetrain.trainer.workers.group import WorkerGroup
@@ -69,12 +68,7 @@ class SFTTrainer:
         )
 
     # ---- resume -------------------------------------------------------------------------
-    def _resume_from(self, resume: str, overwrite: bool) -> Checkpoint | None:
-        found = resume_point(self.checkpoints, resume, overwrite=overwrite, console=self.console)
-        claim_run_dir(self.out, resuming=found is not None, overwrite=overwrite,
-                      writer=self.group.is_writer, console=self.console)  # fmt: skip
-        if found is None:
-            return None
+    def _check_resumable(self, found: Checkpoint) -> None:
         state = found.state
         if state.get("engine") != self.engine_name:
             raise CheckpointError(
@@ -87,7 +81,6 @@ class SFTTrainer:
                 f"{self.config.engine.model.path!r}; use another run.output_dir or --overwrite"
             )
         self.checkpoints.run_id = found.run_id or self.checkpoints.run_id
-        return found
 
     def _state(self) -> Mapping[str, Any]:
         return {
@@ -147,12 +140,12 @@ class SFTTrainer:
         self.checkpoints.publish(step, self._state())
 
     # ---- the loop -----------------------------------------------------------------------
-    def fit(self, *, resume: str = "auto", overwrite: bool = False) -> SFTResult:
+    def fit(self, *, start_from: Checkpoint | None = None) -> SFTResult:
+        """Train from ``start_from`` (a verified checkpoint: see :mod:`run_dir`) or step 0."""
         run = self.config.run
-        self.checkpoints.clean_staging()
-        start_from = self._resume_from(resume, overwrite)
         start = 0
         if start_from is not None:
+            self._check_resumable(start_from)
             start = self.group.run_all("load_checkpoint", start_from.engine_path)
             self.console.print(f"resumed from {start_from.path} at step {start}")
         result = SFTResult(self.out, final_step=start)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 from drivetrain.api import EngineConfig
 from drivetrain.api.errors import ConfigError
@@ -17,6 +18,14 @@ def resolve_launcher(workers: WorkersConfig) -> str:
     if launched_by_torchrun():
         return "torchrun"
     return "ray" if workers.num > 1 else "inprocess"
+
+
+def writes_files(workers: WorkersConfig) -> bool:
+    """Whether this process is the one that writes the run's files (rank 0 of torchrun's
+    processes, else the only process), known before any process group exists."""
+    if resolve_launcher(workers) == "torchrun":
+        return int(os.environ.get("RANK", "0")) == 0
+    return True
 
 
 def make_group(engine_name: str, config: EngineConfig, workers: WorkersConfig) -> WorkerGroup:
