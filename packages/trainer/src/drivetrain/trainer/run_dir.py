@@ -77,3 +77,19 @@ def claim_run_dir(
             aside = aside.with_name(aside.name + "-1")
         os.replace(out, aside)
         console.print(f"--overwrite: moved the previous run in {out} to {aside}")
+
+
+def start_point(
+    checkpoints: CheckpointManager,
+    how: str,
+    *,
+    overwrite: bool,
+    writer: bool,
+    console: Console,
+) -> Checkpoint | None:
+    """Before a run writes anything: the verified checkpoint it continues from (or None), with
+    its output directory (``checkpoints.root``'s parent) claimed for it."""
+    found = resume_point(checkpoints, how, overwrite=overwrite, console=console)
+    claim_run_dir(checkpoints.root.parent, resuming=found is not None, overwrite=overwrite,
+                  writer=writer, console=console)  # fmt: skip
+    return found

@@ -29,7 +29,7 @@ from drivetrain.trainer.data.tokenize import pad_token_id
 from drivetrain.trainer.errors import DataError
 from drivetrain.trainer.hf_export import verify_model_dir
 from drivetrain.trainer.preflight import check_devices, check_output_dir, model_context
-from drivetrain.trainer.run_dir import claim_run_dir, resume_point
+from drivetrain.trainer.run_dir import start_point
 from drivetrain.trainer.sft_config import SFTConfig, sft_config_type
 from drivetrain.trainer.sft_trainer import SFTResult, SFTTrainer, total_steps
 from drivetrain.trainer.workers.launch import make_group, writes_files
@@ -144,9 +144,9 @@ def run_sft(
         out / "checkpoints", keep_last=config.run.keep_last, writer=writer
     )
     checkpoints.clean_staging()
-    start_from = resume_point(checkpoints, resume, overwrite=overwrite, console=console)
-    claim_run_dir(out, resuming=start_from is not None, overwrite=overwrite, writer=writer,
-                  console=console)  # fmt: skip
+    start_from = start_point(
+        checkpoints, resume, overwrite=overwrite, writer=writer, console=console
+    )
     group = make_group(prepared.job.engine_name, engine_config_for_run(prepared), config.workers)
     try:
         trainer = SFTTrainer(

@@ -21,7 +21,7 @@ from typing import Any
 from drivetrain.api import Rollout, registry
 from drivetrain.api.config import RolloutConfig, WeightSyncConfig
 from drivetrain.api.errors import ConfigError
-from drivetrain.api.sync_manager import SyncReport, WeightSyncManager, connect_rollouts
+from drivetrain.api.sync_manager import WeightSyncManager, connect_rollouts
 from drivetrain.api.weight_sync import Topology
 from drivetrain.trainer.rl.config import PlacementConfig
 from drivetrain.trainer.rl.rollout_pool import RayRolloutHandle, RolloutActor, RolloutPool
@@ -64,42 +64,24 @@ def transport_config(transport: str, config: WeightSyncConfig) -> WeightSyncConf
     return cls(**shared)
 
 
-@dataclass
-class WeightUpdater:
-    """Joins the actor's rank 0 and every rollout into the placement's transport once, then
-    hands the sync sequence to :class:`~drivetrain.api.sync_manager.WeightSyncManager` (the
-    weight path's one owner, the same for every placement)."""
+def connect_weights(
+    group: WorkerGroup,
+    pool: RolloutPool,
+    transport: str,
+    config: WeightSyncConfig,
+    *,
+    colocated: bool = False,
+) -> WeightSyncManager:
+    """Join the actor's rank 0 and every rollout into the placement's transport once; the
+    returned manager (the weight path's one owner) runs every sync over it."""
+    endpoint = group.run_all("sync_prepare", transport, config)
 
-    group: WorkerGroup
-    pool: RolloutPool
-    transport: str
-    config: WeightSyncConfig
-    colocated: bool = False
-    manager: WeightSyncManager | None = None
+    def sender(topology: Topology, endpoint: Any) -> None:
+        group.run_all("sync_connect", topology, endpoint)
 
-    def connect(self) -> None:
-        endpoint = self.group.run_all("sync_prepare", self.transport, self.config)
-
-        def sender(topology: Topology, endpoint: Any) -> None:
-            self.group.run_all("sync_connect", topology, endpoint)
-
-        connect_rollouts(sender, endpoint, self.transport, self.config, self.pool.rollouts)
-        send = functools.partial(self.group.run_all, "sync_send")
-        self.manager = WeightSyncManager(send, self.pool.rollouts, colocated=self.colocated)
-
-    @property
-    def reports(self) -> list[SyncReport]:
-        assert self.manager is not None, "connect() first"
-        return self.manager.reports
-
-    def updating(self, version: int) -> contextlib.AbstractContextManager[None]:
-        """Around a training update (see ``WeightSyncManager.updating``)."""
-        assert self.manager is not None, "connect() first"
-        return self.manager.updating(version)
-
-    def sync(self, version: int) -> SyncReport:
-        assert self.manager is not None, "connect() first"
-        return self.manager.sync(version)
+    connect_rollouts(sender, endpoint, transport, config, pool.rollouts)
+    send = functools.partial(group.run_all, "sync_send")
+    return WeightSyncManager(send, pool.rollouts, colocated=colocated)
 
 
 @dataclass
@@ -107,7 +89,7 @@ class Placement:
     mode: str
     group: WorkerGroup
     pool: RolloutPool
-    weights: WeightUpdater
+    weights: WeightSyncManager
     started_ray: bool = False
 
     def close(self) -> None:
@@ -148,14 +130,13 @@ def build_placement(
             group.close()
             raise
         pool = RolloutPool(rollouts)
-        updater = WeightUpdater(group, pool, "direct", sync_config)
         try:
-            updater.connect()
+            weights = connect_weights(group, pool, "direct", sync_config)
         except BaseException:
             pool.shutdown()
             group.close()
             raise
-        return Placement(mode, group, pool, updater)
+        return Placement(mode, group, pool, weights)
     return _ray_placement(
         mode, factory, workers, placement, rollout_name, rollout_config, transport, sync_config
     )
@@ -231,9 +212,8 @@ def _ray_placement(
             RayRolloutHandle(a, rollout_config, workers.start_timeout_s * 10) for a in actors
         ]
         pool = RolloutPool(handles)
-        updater = WeightUpdater(group, pool, transport, sync_config, colocated=colocated)
-        updater.connect()
-        return Placement(mode, group, pool, updater, started_ray=started)
+        weights = connect_weights(group, pool, transport, sync_config, colocated=colocated)
+        return Placement(mode, group, pool, weights, started_ray=started)
     except BaseException:
         for handle in handles:
             with contextlib.suppress(Exception):

@@ -50,7 +50,7 @@ from drivetrain.trainer.rl.policy_losses import ClipConfig
 from drivetrain.trainer.rl.prompts import PromptSampler, RLPrompt
 from drivetrain.trainer.rl.rewards import RewardScorer
 from drivetrain.trainer.rl.worker import ACTOR, CRITIC, REFERENCE, REWARD_MODEL
-from drivetrain.trainer.run_dir import claim_run_dir, resume_point
+from drivetrain.trainer.run_dir import start_point
 from drivetrain.trainer.workers.engine_worker import StepStats
 
 
@@ -294,9 +294,9 @@ class RLTrainer:
         self.checkpoints.publish(step, {**self.setup.state, "step": step, "time": time.time()})
 
     def resume(self, how: str, overwrite: bool) -> int:
-        found = resume_point(self.checkpoints, how, overwrite=overwrite, console=self.console)
-        claim_run_dir(self.out, resuming=found is not None, overwrite=overwrite, writer=True,
-                      console=self.console)  # fmt: skip
+        found = start_point(
+            self.checkpoints, how, overwrite=overwrite, writer=True, console=self.console
+        )
         if found is None:
             return 0
         for key, value in self.setup.state.items():
