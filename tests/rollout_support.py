@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -15,8 +15,10 @@ import torch
 
 from drivetrain.api import Completion, LoraConfig, ModelConfig, OptimConfig, OutputSpec, Prompt
 from drivetrain.api.registry import engines
+from drivetrain.api.rollout import Rollout
 from drivetrain.api.rollout_batch import completions_to_batch
 from drivetrain.api.testing import token_mean_nll
+from drivetrain.api.testing.rollout_kit import RolloutHarness
 from drivetrain.trainer.builtin.tiny_model import build_tiny_chat_model
 from drivetrain.trainer.hf_export import write_hf_model
 
@@ -132,3 +134,49 @@ def vllm_python() -> str:
 
 def this_python() -> str:
     return sys.executable
+
+
+class TransformersRolloutHarness(RolloutHarness):
+    """The rollout kit's harness for a rollout of a local HF model directory: the reference
+    forward is plain transformers in fp32; the changed weights are the model's plus seeded
+    noise (every checkpoint tensor, by its checkpoint name)."""
+
+    def __init__(self, model_dir: Path, make: Callable[[], Rollout], *, tolerance: float = 1e-4):
+        from safetensors import safe_open
+        from transformers import AutoModelForCausalLM
+
+        self.make = make
+        self.log_prob_tolerance = tolerance
+        self.models = {False: AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)}
+        with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+            names = set(f.keys())
+        generator = torch.Generator().manual_seed(7)
+        changed = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        with torch.no_grad():
+            for param in changed.parameters():
+                param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+        self.models[True] = changed
+        self._changed = [(n, t.clone()) for n, t in changed.state_dict().items() if n in names]
+        vocab = changed.get_input_embeddings().weight.shape[0]
+        rng = torch.Generator().manual_seed(3)
+        self._prompts = [
+            tuple(torch.randint(3, vocab, (3 + i,), generator=rng).tolist()) for i in range(8)
+        ]
+
+    def make_rollout(self) -> Rollout:
+        return self.make()
+
+    def prompts(self) -> list[tuple[int, ...]]:
+        return list(self._prompts)
+
+    def changed_weights(self) -> list[tuple[str, torch.Tensor]]:
+        return list(self._changed)
+
+    @torch.no_grad()
+    def reference_log_probs(self, prompt_ids, token_ids, temperature, changed):
+        ids = torch.tensor([list(prompt_ids) + list(token_ids)])
+        logits = self.models[changed](input_ids=ids).logits[0].float()
+        scores = torch.log_softmax(logits / (temperature or 1.0), -1)
+        start = len(prompt_ids) - 1
+        picked = scores[start : start + len(token_ids)].gather(1, torch.tensor(token_ids)[:, None])
+        return picked[:, 0].tolist()

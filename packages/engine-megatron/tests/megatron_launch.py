@@ -42,7 +42,7 @@ def launch(
         env = dict(
             os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
             LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-            OMP_NUM_THREADS="1", PYTHONPATH=path,
+            OMP_NUM_THREADS="1", PYTHONPATH=path, PYTHONFAULTHANDLER="1",
         )  # fmt: skip
         log = open(out_dir / f"rank{rank}.log", "w")  # noqa: SIM115 (closed below)
         command = [sys.executable, str(HERE / script), str(out_dir), *args]

@@ -19,7 +19,6 @@ def test_registry_lists_the_three_backends_with_capabilities():
     ("overrides", "message"),
     [
         ({"device": "tpu"}, "rollout.device"),
-        ({"cache": "paged"}, "rollout.cache"),
         ({"env": ("NOEQUALS",)}, "NAME=value"),
         ({"max_batch_size": 0}, "max_batch_size"),
     ],

@@ -1,7 +1,7 @@
 import pytest
 
 from drivetrain.api import FinishReason, Prompt, SamplingParams
-from drivetrain.rollout.hf.stops import cut_at_stop
+from drivetrain.rollout.hf.batcher import finish_reason
 from drivetrain.rollout.prompts import check_stop_token_ids, new_token_budgets, render_prompts
 
 
@@ -58,12 +58,17 @@ def test_budgets_are_cut_at_the_context_and_a_full_prompt_is_refused():
     ("tokens", "budget", "stop_ids", "stops", "expected"),
     [
         ([1, 2, 3, 4], 4, set(), (), (4, FinishReason.LENGTH)),
-        ([1, 2, 3, 4], 3, set(), (), (3, FinishReason.LENGTH)),  # cut at the context
+        ([1, 2, 3, 4], 3, set(), (), (3, FinishReason.LENGTH)),
         ([1, 2, 9, 4], 4, {9}, (), (3, FinishReason.STOP)),  # the stop token is kept
         ([1, 2, 3, 4], 4, set(), ("cd",), (3, FinishReason.STOP)),  # "bcde": ends at "d"
         ([1, 2, 3, 4], 4, set(), ("zz", "bc"), (2, FinishReason.STOP)),
         ([2, 9, 2, 3], 4, {9}, ("cd",), (2, FinishReason.STOP)),  # the earlier one wins
     ],
 )
-def test_cut_at_stop(tokens, budget, stop_ids, stops, expected):
-    assert cut_at_stop(tokens, budget, stop_ids, stops, CharTokenizer.decode) == expected
+def test_a_request_ends_at_its_first_stop(tokens, budget, stop_ids, stops, expected):
+    params = SamplingParams(max_new_tokens=budget, stop=stops)
+    for end in range(1, len(tokens) + 1):  # as generated: one token at a time
+        reason = finish_reason(tokens[:end], params, stop_ids, CharTokenizer.decode)
+        if reason is not None:
+            break
+    assert (end, reason) == expected

@@ -13,7 +13,7 @@ import abc
 import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from drivetrain.api.config import RolloutConfig, WeightSyncConfig
 from drivetrain.api.engine import NamedTensor
@@ -23,6 +23,9 @@ from drivetrain.api.weight_sync import (
     TransportRole,
     WeightSyncError,
 )
+
+if TYPE_CHECKING:
+    from drivetrain.api.requests import Chunk, Request
 
 #: Parts of a rollout's accelerator memory that sleep/wake_up handle separately.
 MEMORY_TAGS = frozenset({"weights", "kv_cache"})
@@ -96,6 +99,8 @@ class Completion:
     ``log_probs[i]`` is the log-probability of ``token_ids[i]`` under the distribution it was
     sampled from (after temperature and top-k/top-p), so that it equals what the trainer
     recomputes at the same temperature. ``prompt_ids`` is the rendered prompt.
+    ``weight_version`` is the version of the first token's weights; ``token_versions`` (when
+    not empty) holds each token's, for a completion sampled across a weight update.
     """
 
     prompt_index: int
@@ -106,23 +111,54 @@ class Completion:
     weight_version: int
     text: str | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
+    token_versions: tuple[int, ...] = ()
 
 
 class Rollout(abc.ABC):
-    """Base class of every rollout backend."""
+    """Base class of every rollout backend.
+
+    A rollout serves requests (:mod:`drivetrain.api.requests`): :meth:`submit`, :meth:`poll`,
+    :meth:`abort`, with requests joining and leaving the running batch at any time; batch
+    :meth:`generate` is a helper over them. Weights change only between token steps: a weight
+    update waits for the step in progress, and the tokens of the next step carry the new
+    version.
+    """
 
     config: RolloutConfig
 
     def __init__(self, config: RolloutConfig) -> None:
         self.config = config
 
+    # ---- requests ----------------------------------------------------------------------
+    def submit(self, requests: Sequence[Request]) -> None:
+        """Start generating ``requests`` (ids unique among the unfinished ones). A prompt
+        that leaves no room in the context, token ids outside the vocabulary or a duplicate id
+        raise ``ValueError`` before any of them starts. Returns at once."""
+        raise NotImplementedError(f"{type(self).__name__} serves batch generate calls only")
+
+    def poll(self, timeout_s: float = 0.0) -> list[Chunk]:
+        """The chunks generated since the last poll (one per request and weight version, in
+        sampling order), waiting up to
+        ``timeout_s`` for at least one while requests are unfinished. A backend whose
+        generation is driven by its caller advances in here (at least one token step when
+        requests are running), so a caller that polls keeps generation going."""
+        raise NotImplementedError(f"{type(self).__name__} serves batch generate calls only")
+
+    def abort(self, request_ids: Sequence[str] | None = None) -> int:
+        """End requests now (``None``: all unfinished): each one's last chunk, at the next
+        poll, carries its remaining tokens and finish reason ``ABORT``. Unknown or finished
+        ids are ignored. Returns how many requests were aborted."""
+        raise NotImplementedError(f"{type(self).__name__} serves batch generate calls only")
+
     @abc.abstractmethod
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
-        """Sample ``params.n`` completions for every prompt.
+        """Sample ``params.n`` completions for every prompt and wait for all of them.
 
         Returns ``len(prompts) * params.n`` completions grouped by prompt, in prompt order
         (``result[i * n + j]`` is sample ``j`` of prompt ``i``). A prompt longer than the
         context, or invalid params, raise ``ValueError`` before anything is generated.
+        Request-level rollouts implement it with
+        :func:`drivetrain.api.requests.generate_with_requests`.
         """
 
     @abc.abstractmethod
@@ -157,10 +193,10 @@ class Rollout(abc.ABC):
 
     # ---- weight sync ----------------------------------------------------------------------
     def pause_generation(self, *, abort: bool = False) -> int:
-        """Hold new requests and wait until none is in flight (before a weight update);
-        ``abort`` ends in-flight requests early (finish reason ``ABORT``) where the backend can.
-        Returns how many requests were aborted. Backends that serve one call at a time, with
-        nothing in flight between calls, need not override it."""
+        """Hold new requests (submitted ones wait) and let none be in flight (before a weight
+        update): ``abort`` aborts the running ones, else they run to their end. Returns how
+        many requests were aborted. Backends that serve one call at a time, with nothing in
+        flight between calls, need not override it."""
         return 0
 
     def resume_generation(self) -> None:

@@ -36,18 +36,13 @@ class BackendConfig(RolloutConfig):
             raise ConfigError(f"rollout.env entries must be NAME=value, got {bad}")
 
 
-CACHES = ("dynamic", "static")
-
-
 @dataclass(frozen=True)
 class HFRolloutConfig(BackendConfig):
-    """transformers ``generate``. ``cache``: the KV-cache kind (``dynamic`` measured fastest on
-    CPU, see ``benchmarks/rollout.py``); ``max_batch_size``: sequences per ``generate`` call;
-    ``num_threads``: torch intra-op threads for this process (0 leaves torch's choice);
-    ``share_prompt_prefill``: with the dynamic cache, a prompt sampled ``n`` times is prefilled
-    once and its KV cache copied to the other rows (see ``hf/prefill.py``)."""
+    """A transformers model with continuous batching (``hf/batcher.py``). ``max_batch_size``:
+    requests running at once (more wait for a free row); ``num_threads``: torch intra-op
+    threads for this process (0 leaves torch's choice); ``share_prompt_prefill``: requests
+    joining together with the same prompt (the n samples of a prompt) prefill it once."""
 
-    cache: str = "dynamic"
     max_batch_size: int = 64
     num_threads: int = 0
     share_prompt_prefill: bool = True
@@ -55,8 +50,6 @@ class HFRolloutConfig(BackendConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.cache not in CACHES:
-            raise ConfigError(f"rollout.cache={self.cache!r} must be one of {CACHES}")
         if self.max_batch_size < 1 or self.num_threads < 0:
             raise ConfigError("rollout.max_batch_size must be >= 1 and num_threads >= 0")
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, ClassVar
 
 from drivetrain.api.config import WeightSyncConfig
 from drivetrain.api.engine import NamedTensor
+from drivetrain.api.requests import Chunk, Request
 from drivetrain.api.rollout import Completion, Prompt, Rollout, SamplingParams
 from drivetrain.api.weight_sync import SyncStats, Topology
 from drivetrain.rollout import plugin
@@ -59,13 +59,7 @@ def load_engine_class(backend: str) -> type[Rollout]:
 
 
 class BackendRollout(Rollout):
-    """Delegates to the backend's engine, here or in a server process.
-
-    It also gates generation for weight sync: :meth:`pause_generation` holds new ``generate``
-    calls and waits for running ones (our engines run each call to completion, so there is
-    nothing to abort between calls; an in-flight call finishes on the old weights and reports
-    the old version).
-    """
+    """Delegates to the backend's engine, here or in a server process."""
 
     backend: ClassVar[str]
     config_class: ClassVar[type[BackendConfig]]
@@ -75,9 +69,6 @@ class BackendRollout(Rollout):
             fields = {k: getattr(config, k) for k in vars(config)}
             config = self.config_class(**fields)
         super().__init__(config)
-        self._gate = threading.Condition()
-        self._running = 0
-        self._paused = False
         if config.python:
             from drivetrain.rollout.process.client import RolloutProcess
 
@@ -85,27 +76,23 @@ class BackendRollout(Rollout):
         else:
             self.impl = load_engine_class(self.backend)(config)
 
+    def submit(self, requests: Sequence[Request]) -> None:
+        self.impl.submit(requests)
+
+    def poll(self, timeout_s: float = 0.0) -> list[Chunk]:
+        return self.impl.poll(timeout_s)
+
+    def abort(self, request_ids: Sequence[str] | None = None) -> int:
+        return self.impl.abort(request_ids)
+
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
-        with self._gate:
-            self._gate.wait_for(lambda: not self._paused)
-            self._running += 1
-        try:
-            return self.impl.generate(prompts, params)
-        finally:
-            with self._gate:
-                self._running -= 1
-                self._gate.notify_all()
+        return self.impl.generate(prompts, params)
 
     def pause_generation(self, *, abort: bool = False) -> int:
-        with self._gate:
-            self._paused = True
-            self._gate.wait_for(lambda: self._running == 0)
-        return 0
+        return self.impl.pause_generation(abort=abort)
 
     def resume_generation(self) -> None:
-        with self._gate:
-            self._paused = False
-            self._gate.notify_all()
+        self.impl.resume_generation()
 
     def update_weights(self, weights: Iterable[NamedTensor], *, version: int) -> None:
         self.impl.update_weights(weights, version=version)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from drivetrain.api.requests import Request
 from drivetrain.api.rollout import Prompt, SamplingParams
 
 
@@ -61,3 +62,19 @@ def check_stop_token_ids(params: SamplingParams, vocab_size: int) -> None:
     bad = [t for t in params.stop_token_ids if t >= vocab_size]
     if bad:
         raise ValueError(f"stop_token_ids {bad} outside the vocabulary ({vocab_size})")
+
+
+def check_request(request: Request, vocab_size: int, max_model_len: int) -> None:
+    """``ValueError`` for a request whose tokens leave the vocabulary or whose prompt plus
+    ``max_new_tokens`` exceed the context (a request's budget is exact, never cut)."""
+    what = f"request {request.request_id!r}"
+    bad = [t for t in request.prompt_ids if not 0 <= t < vocab_size]
+    bad += [t for t in request.params.stop_token_ids if t >= vocab_size]
+    if bad:
+        raise ValueError(f"{what}: token ids {bad[:5]} outside the vocabulary ({vocab_size})")
+    total = len(request.prompt_ids) + request.params.max_new_tokens
+    if total > max_model_len:
+        raise ValueError(
+            f"{what}: {len(request.prompt_ids)} prompt tokens + max_new_tokens "
+            f"{request.params.max_new_tokens} exceed the context (max_model_len={max_model_len})"
+        )

@@ -17,6 +17,8 @@ from typing import Any
 
 from drivetrain.api.config import RolloutConfig
 from drivetrain.api.engine import NamedTensor
+from drivetrain.api.request_queue import RequestQueue, TokenEvent
+from drivetrain.api.requests import Chunk, Request, call_requests, generate_with_requests
 from drivetrain.api.rollout import Completion, FinishReason, Prompt, Rollout, SamplingParams
 from drivetrain.api.testing import fake_model
 from drivetrain.api.testing.nested import shape_of
@@ -26,6 +28,7 @@ from drivetrain.api.testing.nested import shape_of
 class FakeRolloutConfig(RolloutConfig):
     vocab_size: int = 16
     init_scale: float = 0.5
+    max_batch: int = 64  # requests running at once; more wait for a free slot
 
 
 def processed_log_probs(logits: Sequence[float], params: SamplingParams) -> list[float]:
@@ -51,7 +54,37 @@ def processed_log_probs(logits: Sequence[float], params: SamplingParams) -> list
     return out
 
 
+@dataclass
+class _Sequence:
+    request: Request
+    rng: random.Random
+    previous: int
+    generated: int = 0
+
+    def sample_next(self, weights: dict[str, Any]) -> TokenEvent:
+        params = self.request.params
+        logp = processed_log_probs(fake_model.next_token_logits(weights, self.previous), params)
+        if params.greedy:
+            token = max(range(len(logp)), key=logp.__getitem__)
+        else:
+            token = self.rng.choices(range(len(logp)), weights=[math.exp(x) for x in logp])[0]
+        self.previous = token
+        self.generated += 1
+        reason = None
+        if token in params.stop_token_ids or (
+            token == fake_model.EOS_TOKEN_ID and not params.ignore_eos
+        ):
+            reason = FinishReason.STOP
+        elif self.generated >= params.max_new_tokens:
+            reason = FinishReason.LENGTH
+        return TokenEvent(self.request.request_id, [token], [logp[token]], reason)
+
+
 class FakeRollout(Rollout):
+    """Request-level: generation advances one token per running request each time the caller
+    polls (:class:`~drivetrain.api.request_queue.RequestQueue`); every request samples from
+    its own seeded generator, so a seeded request gives the same tokens in any batch."""
+
     config: FakeRolloutConfig
 
     def __init__(self, config: RolloutConfig) -> None:
@@ -61,57 +94,77 @@ class FakeRollout(Rollout):
         self.weights = fake_model.init_weights(config.vocab_size, config.seed, config.init_scale)
         self._version = 0
         self.asleep = False
+        self._seeds = random.Random(config.seed)  # seeds of unseeded requests, call after call
+        self._running: dict[str, _Sequence] = {}
+        self.requests = RequestQueue(self._step, lambda: self._version, capacity=config.max_batch)
+        self.steps = 0  # token steps run so far (the conformance kit watches updates vs steps)
 
     @property
     def weight_version(self) -> int:
         return self._version
 
+    # ---- requests -----------------------------------------------------------------------
+    def submit(self, requests: Sequence[Request]) -> None:
+        self._check_awake()
+        self.requests.submit(requests, self._validate)
+
+    def poll(self, timeout_s: float = 0.0) -> list[Chunk]:
+        return self.requests.poll(timeout_s)
+
+    def abort(self, request_ids: Sequence[str] | None = None) -> int:
+        return self.requests.abort(request_ids)
+
+    def pause_generation(self, *, abort: bool = False) -> int:
+        return self.requests.pause(abort=abort)
+
+    def resume_generation(self) -> None:
+        self.requests.resume()
+
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
-        if self.asleep:
-            raise RuntimeError("the rollout is asleep; call wake_up() first")
+        self._check_awake()
+        ids = []
         for i, prompt in enumerate(prompts):
             if prompt.messages:
                 raise ValueError("the fake rollout takes token-id prompts only")
-            if len(prompt.token_ids) + params.max_new_tokens > self.config.max_model_len:
-                raise ValueError(
-                    f"prompt {i}: {len(prompt.token_ids)} tokens + max_new_tokens "
-                    f"{params.max_new_tokens} exceed max_model_len {self.config.max_model_len}"
-                )
-            bad = [t for t in prompt.token_ids if not 0 <= t < self.config.vocab_size]
-            if bad:
-                raise ValueError(f"prompt {i}: token ids {bad[:5]} outside the vocabulary")
-        seed = self.config.seed if params.seed is None else params.seed
-        rng = random.Random(seed)
-        return [
-            self._sample(i, prompt.token_ids, params, rng)
-            for i, prompt in enumerate(prompts)
-            for _ in range(params.n)
-        ]
+            ids.append(prompt.token_ids)
+            self._check_prompt(f"prompt {i}", prompt.token_ids, params.max_new_tokens)
+        budgets = [params.max_new_tokens] * len(ids)
+        return generate_with_requests(self, call_requests(ids, budgets, params, seed=params.seed))
 
-    def _sample(
-        self, index: int, prompt: tuple[int, ...], params: SamplingParams, rng: random.Random
-    ) -> Completion:
-        tokens: list[int] = []
-        log_probs: list[float] = []
-        prev = prompt[-1]
-        reason = FinishReason.LENGTH
-        for _ in range(params.max_new_tokens):
-            logp = processed_log_probs(fake_model.next_token_logits(self.weights, prev), params)
-            if params.greedy:
-                token = max(range(len(logp)), key=logp.__getitem__)
-            else:
-                token = rng.choices(range(len(logp)), weights=[math.exp(x) for x in logp])[0]
-            tokens.append(token)
-            log_probs.append(logp[token])
-            prev = token
-            if token in params.stop_token_ids or (
-                token == fake_model.EOS_TOKEN_ID and not params.ignore_eos
-            ):
-                reason = FinishReason.STOP
-                break
-        return Completion(
-            index, tuple(prompt), tuple(tokens), tuple(log_probs), reason, self._version
+    def _check_awake(self) -> None:
+        if self.asleep:
+            raise RuntimeError("the rollout is asleep; call wake_up() first")
+
+    def _check_prompt(self, what: str, prompt: tuple[int, ...], max_new_tokens: int) -> None:
+        if len(prompt) + max_new_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"{what}: {len(prompt)} tokens + max_new_tokens {max_new_tokens} exceed "
+                f"max_model_len {self.config.max_model_len}"
+            )
+        bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"{what}: token ids {bad[:5]} outside the vocabulary")
+
+    def _validate(self, request: Request) -> None:
+        self._check_prompt(
+            f"request {request.request_id!r}", request.prompt_ids, request.params.max_new_tokens
         )
+
+    def _step(self, joining: list[Request], aborted: list[str]) -> list[TokenEvent]:
+        for request_id in aborted:
+            del self._running[request_id]
+        for request in joining:
+            seed = request.params.seed
+            rng = random.Random(self._seeds.getrandbits(62) if seed is None else seed)
+            self._running[request.request_id] = _Sequence(request, rng, request.prompt_ids[-1])
+        self.steps += 1
+        events = []
+        for request_id, sequence in list(self._running.items()):
+            event = sequence.sample_next(self.weights)
+            if event.finish_reason is not None:
+                del self._running[request_id]
+            events.append(event)
+        return events
 
     def update_weights(self, weights: Iterable[NamedTensor], *, version: int) -> None:
         staged: dict[str, Any] = {}
@@ -121,8 +174,9 @@ class FakeRollout(Rollout):
             if shape_of(value) != shape_of(self.weights[name]):
                 raise ValueError(f"weight {name!r} has shape {shape_of(value)}")
             staged[name] = copy.deepcopy(value)
-        self.weights.update(staged)
-        self._version = version
+        with self.requests.lock:  # between token steps, never inside one
+            self.weights.update(staged)
+            self._version = version
 
     def sleep(self, level: int = 1) -> bool:
         super().sleep(level)

@@ -15,6 +15,7 @@ import secrets
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
@@ -24,6 +25,7 @@ from typing import Any
 
 from drivetrain.api.config import WeightSyncConfig
 from drivetrain.api.engine import NamedTensor
+from drivetrain.api.requests import Chunk, Request
 from drivetrain.api.rollout import Completion, Prompt, Rollout, SamplingParams
 from drivetrain.api.weight_sync import SyncStats, Topology
 from drivetrain.rollout.config import BackendConfig
@@ -57,6 +59,9 @@ class RolloutProcess(Rollout):
             )
         self.backend = backend
         self.request_timeout_s = launch.request_timeout_s
+        # one request and its reply at a time: a poller thread and a weight update share the
+        # connection (re-entrant: a failing weight stream sends its abort from inside)
+        self._conversation = threading.RLock()
         authkey = secrets.token_bytes(32)
         listener = AuthenticatedListener(authkey)
         fd, log_name = tempfile.mkstemp(prefix=f"drivetrain-{backend}-", suffix=".log")
@@ -149,21 +154,41 @@ class RolloutProcess(Rollout):
         )
 
     def _call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
-        if self.process.poll() is not None:
-            raise self._died("is not running")
-        try:
-            wire.send(self.conn, (method, args))
-        except (BrokenPipeError, ConnectionResetError) as exc:
-            raise self._died(f"dropped the connection ({exc})") from exc
-        return self._reply(self.request_timeout_s if timeout is None else timeout)
+        with self._conversation:
+            if self.process.poll() is not None:
+                raise self._died("is not running")
+            try:
+                wire.send(self.conn, (method, args))
+            except (BrokenPipeError, ConnectionResetError) as exc:
+                raise self._died(f"dropped the connection ({exc})") from exc
+            return self._reply(self.request_timeout_s if timeout is None else timeout)
 
     # ---- the rollout contract -----------------------------------------------------------
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
         return self._call("generate", list(prompts), params)
 
+    def submit(self, requests: Sequence[Request]) -> None:
+        self._call("submit", list(requests))
+
+    def poll(self, timeout_s: float = 0.0) -> list[Chunk]:
+        return self._call("poll", timeout_s, timeout=self.request_timeout_s + timeout_s)
+
+    def abort(self, request_ids: Sequence[str] | None = None) -> int:
+        return self._call("abort", None if request_ids is None else list(request_ids))
+
+    def pause_generation(self, *, abort: bool = False) -> int:
+        return self._call("pause_generation", abort)
+
+    def resume_generation(self) -> None:
+        self._call("resume_generation")
+
     def update_weights(self, weights: Iterable[NamedTensor], *, version: int) -> None:
         """Streams tensors as bytes; the server applies them only once the stream ended
         cleanly, so a failing stream leaves the old weights in use."""
+        with self._conversation:
+            self._stream_weights(weights, version)
+
+    def _stream_weights(self, weights: Iterable[NamedTensor], version: int) -> None:
         wire.send(self.conn, ("update_weights", (version,)))
         try:
             for name, tensor in weights:

@@ -81,8 +81,11 @@ def serve(conn: Connection) -> None:
                 _receive_weights(conn, rollout, *args)
             elif method == "weight_version":
                 result = rollout.weight_version
-            elif method in ("generate", "sleep", "wake_up", "receive_weights"):
+            elif method in ("generate", "submit", "poll", "abort", "sleep", "wake_up",
+                            "receive_weights", "resume_generation"):  # fmt: skip
                 result = getattr(rollout, method)(*args)
+            elif method == "pause_generation":
+                result = rollout.pause_generation(abort=bool(args[0]))
             elif method == "connect_weight_sync":
                 transport, config, rank, topology, endpoint = args
                 rollout.connect_weight_sync(

@@ -15,6 +15,7 @@ from typing import Any
 
 from drivetrain.api.config import LoraConfig, RolloutConfig, WeightSyncConfig
 from drivetrain.api.errors import PluginError
+from drivetrain.api.requests import Chunk, Request
 from drivetrain.api.rollout import Completion, FinishReason, Prompt, SamplingParams
 from drivetrain.api.weight_sync import SyncStats, Topology
 from drivetrain.api.wire import Codec, WireError, class_name
@@ -41,8 +42,8 @@ def _declared_config(name: str) -> type | None:
 
 
 CODEC = Codec(
-    (Prompt, SamplingParams, Completion, SyncStats, Topology, LoraConfig, RolloutConfig,
-     WeightSyncConfig, BackendConfig, FinishReason),
+    (Prompt, SamplingParams, Completion, Request, Chunk, SyncStats, Topology, LoraConfig,
+     RolloutConfig, WeightSyncConfig, BackendConfig, FinishReason),
     resolve=_declared_config,
 )  # fmt: skip
 

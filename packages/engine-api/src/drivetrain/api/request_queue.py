@@ -1,0 +1,179 @@
+"""The request bookkeeping of a rollout whose generation advances when its caller polls.
+
+A backend that runs token steps itself (a transformers model, vLLM's ``LLMEngine``, the fake
+rollout) supplies one function, ``step(joining, aborted) -> events``: start the ``joining``
+requests, drop the ``aborted`` ones, run one token step over the running batch, and report
+each request's new tokens. :class:`RequestQueue` does the rest of the request contract once:
+id checks, the waiting line and its capacity, pause (wait or abort) and resume, abort of waiting
+and running requests, chunks merged per request between polls and tagged with the weight
+version of their step, and a lock that weight updates take so weights change only between
+steps.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from drivetrain.api.requests import Chunk, Request
+from drivetrain.api.rollout import FinishReason
+
+
+@dataclass
+class TokenEvent:
+    """New tokens of one running request from one step (``finish_reason`` when it ended)."""
+
+    request_id: str
+    token_ids: list[int]
+    log_probs: list[float]
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class _Pending:
+    """Tokens generated since the last poll, by weight version."""
+
+    segments: list[tuple[int, list[int], list[float]]] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+    def add(self, version: int, tokens: list[int], log_probs: list[float]) -> None:
+        if self.segments and self.segments[-1][0] == version:
+            self.segments[-1][1].extend(tokens)
+            self.segments[-1][2].extend(log_probs)
+        elif tokens:
+            self.segments.append((version, list(tokens), list(log_probs)))
+
+
+Step = Callable[[list[Request], list[str]], list[TokenEvent]]
+
+
+class RequestQueue:
+    """Requests of one caller-driven rollout (see the module docstring).
+
+    ``step`` is called under :attr:`lock`, as must be anything that changes the weights;
+    ``version`` reads the version in use; ``capacity`` is how many requests may run at once.
+    """
+
+    def __init__(self, step: Step, version: Callable[[], int], *, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self._step = step
+        self._version = version
+        self.capacity = capacity
+        #: held by every token step; take it to change weights between steps
+        self.lock = threading.RLock()
+        self._waiting: deque[Request] = deque()
+        self._running: set[str] = set()
+        self._to_abort: set[str] = set()
+        self._pending: dict[str, _Pending] = {}
+        self._paused = False
+        self._arrived = threading.Condition(self.lock)
+
+    # ---- the request contract --------------------------------------------------------------
+    def submit(self, requests: Sequence[Request], validate: Callable[[Request], None]) -> None:
+        """Queue ``requests`` after ``validate`` accepted every one (it raises ``ValueError``)."""
+        ids = [r.request_id for r in requests]
+        with self.lock:
+            known = self._unfinished()
+            clash = sorted({i for i in ids if i in known or ids.count(i) > 1})
+            if clash:
+                raise ValueError(f"request ids {clash[:5]} are already in use")
+            for request in requests:
+                validate(request)
+            self._waiting.extend(requests)
+            self._arrived.notify_all()
+
+    def poll(self, timeout_s: float = 0.0) -> list[Chunk]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self.lock:
+                if not self._pending and self._has_work():
+                    self._advance()
+                if self._pending or time.monotonic() >= deadline:
+                    return self._take()
+                if not self._has_work():  # nothing runs until something is submitted
+                    self._arrived.wait(max(0.0, deadline - time.monotonic()))
+
+    def abort(self, request_ids: Sequence[str] | None = None) -> int:
+        with self.lock:
+            wanted = self._unfinished() if request_ids is None else set(request_ids)
+            waiting = [r for r in self._waiting if r.request_id in wanted]
+            for request in waiting:  # never started: its last chunk is empty
+                self._waiting.remove(request)
+                self._finish(request.request_id, FinishReason.ABORT)
+            running = (wanted & self._running) - self._to_abort
+            self._to_abort |= running
+            return len(waiting) + len(running)
+
+    def pause(self, *, abort: bool) -> int:
+        """Start no waiting request; abort the running ones, or step until they end (their
+        chunks wait for the next poll). Returns how many were aborted."""
+        with self.lock:
+            self._paused = True
+            aborted = self.abort(sorted(self._running)) if abort else 0
+            while self._running:
+                self._advance()
+            return aborted
+
+    def resume(self) -> None:
+        with self.lock:
+            self._paused = False
+            self._arrived.notify_all()
+
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not finished (waiting or running)."""
+        with self.lock:
+            return len(self._waiting) + len(self._running)
+
+    # ---- internals -----------------------------------------------------------------------
+    def _unfinished(self) -> set[str]:
+        return {r.request_id for r in self._waiting} | self._running
+
+    def _has_work(self) -> bool:
+        return bool(self._running) or (bool(self._waiting) and not self._paused)
+
+    def _advance(self) -> None:
+        """One step: aborted requests leave, waiting ones join up to capacity, one token."""
+        aborted = sorted(self._to_abort & self._running)
+        self._to_abort.clear()
+        self._running -= set(aborted)
+        joining = []
+        while self._waiting and not self._paused and len(self._running) < self.capacity:
+            request = self._waiting.popleft()
+            joining.append(request)
+            self._running.add(request.request_id)
+        version = self._version()
+        events = self._step(joining, aborted) if joining or self._running or aborted else []
+        for request_id in aborted:
+            self._finish(request_id, FinishReason.ABORT)
+        for event in events:
+            if event.request_id not in self._running:
+                raise RuntimeError(f"the backend reported tokens of {event.request_id!r}, "
+                                   "which is not running")  # fmt: skip
+            pending = self._pending.setdefault(event.request_id, _Pending())
+            pending.add(version, event.token_ids, event.log_probs)
+            if event.finish_reason is not None:
+                self._running.discard(event.request_id)
+                pending.finish_reason = event.finish_reason
+
+    def _finish(self, request_id: str, reason: FinishReason) -> None:
+        self._pending.setdefault(request_id, _Pending()).finish_reason = reason
+
+    def _take(self) -> list[Chunk]:
+        chunks = []
+        for request_id, pending in self._pending.items():
+            if not pending.segments and pending.finish_reason is None:
+                continue
+            segments = pending.segments or [(self._version(), [], [])]
+            for i, (version, tokens, log_probs) in enumerate(segments):
+                last = i == len(segments) - 1
+                chunks.append(
+                    Chunk(request_id, tuple(tokens), tuple(log_probs), version,
+                          pending.finish_reason if last else None)
+                )  # fmt: skip
+        self._pending.clear()
+        return chunks

@@ -1,0 +1,224 @@
+"""Request-level generation: the unit a rollout serves.
+
+A caller :meth:`~drivetrain.api.rollout.Rollout.submit` s requests (prompt token ids, sampling
+params, an id of its choosing), :meth:`~drivetrain.api.rollout.Rollout.poll` s for the tokens
+generated since its last poll, as :class:`Chunk` s, and may
+:meth:`~drivetrain.api.rollout.Rollout.abort` requests at any time. Requests join and leave the
+running batch whenever they are submitted or finish (continuous batching). Every chunk carries
+the weight version its tokens were sampled under; a request's last chunk carries its finish
+reason (``abort`` for an aborted one, with the tokens generated up to then).
+
+:class:`Collector` turns chunks back into :class:`~drivetrain.api.rollout.Completion` s, and
+:func:`generate_with_requests` is the batch ``generate`` every request-level rollout offers.
+Standard library only: requests and chunks cross process boundaries as plain data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from drivetrain.api.rollout import Completion, FinishReason, SamplingParams
+
+if TYPE_CHECKING:
+    from drivetrain.api.rollout import Rollout
+
+#: Seeds derived from one call-level seed stay below this (some backends keep them as int32).
+SEED_MODULUS = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class Request:
+    """One sequence to generate. ``params.n`` must be 1: ``n`` samples of a prompt are ``n``
+    requests (each with its own id, and its own seed when seeded). ``prompt_index`` is the
+    caller's bookkeeping, copied into the completion."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    prompt_index: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            raise ValueError("a request needs a non-empty request_id")
+        if not self.prompt_ids:
+            raise ValueError(f"request {self.request_id!r} has no prompt tokens")
+        if self.params.n != 1:
+            raise ValueError(
+                f"request {self.request_id!r} has n={self.params.n}: submit one request per sample"
+            )
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Tokens of one request generated since the previous poll, with their log-probs (as in
+    :class:`~drivetrain.api.rollout.Completion`) and the weight version they were sampled
+    under. ``finish_reason`` is set on a request's last chunk only; an aborted request's last
+    chunk may hold no tokens."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    log_probs: tuple[float, ...]
+    weight_version: int
+    finish_reason: FinishReason | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.log_probs):
+            raise ValueError(
+                f"chunk of {self.request_id!r}: {len(self.token_ids)} tokens but "
+                f"{len(self.log_probs)} log-probs"
+            )
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample ``index`` of a call seeded with ``seed``: distinct per sample (``n``
+    samples of a prompt sharing one seed would be equal), the same on every backend."""
+    step = 0x9E3779B1  # coprime with the prime modulus: distinct seeds for distinct indices
+    return (seed + index * step) % SEED_MODULUS
+
+
+@dataclass
+class _Progress:
+    request: Request
+    token_ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+
+class Collector:
+    """Assembles the chunks of submitted requests into completions.
+
+    :meth:`resume` continues an aborted request as a new one whose prompt is the original
+    prompt plus what was generated (a partial rollout); the completion then holds both segments
+    and :attr:`Completion.token_versions` the version of each token.
+    """
+
+    def __init__(self) -> None:
+        self._progress: dict[str, _Progress] = {}
+        self._order: list[str] = []  # completion order: the first id of each sequence
+        self._alias: dict[str, str] = {}  # a continuation's id -> the sequence's first id
+
+    def track(self, request: Request) -> None:
+        if request.request_id in self._alias or request.request_id in self._progress:
+            raise ValueError(f"request id {request.request_id!r} is already tracked")
+        self._progress[request.request_id] = _Progress(request)
+        self._alias[request.request_id] = request.request_id
+        self._order.append(request.request_id)
+
+    def add(self, chunks: Sequence[Chunk]) -> list[str]:
+        """Record chunks; returns the ids of the sequences they finished."""
+        finished = []
+        for chunk in chunks:
+            key = self._alias.get(chunk.request_id)
+            if key is None:
+                raise ValueError(f"a chunk of unknown request {chunk.request_id!r}")
+            progress = self._progress[key]
+            if progress.finish_reason is not None:
+                raise ValueError(f"a chunk of {chunk.request_id!r} after it finished")
+            progress.token_ids += chunk.token_ids
+            progress.log_probs += chunk.log_probs
+            progress.versions += [chunk.weight_version] * len(chunk.token_ids)
+            if chunk.finish_reason is not None:
+                progress.finish_reason = chunk.finish_reason
+                finished.append(key)
+        return finished
+
+    def resume(self, request_id: str, new_id: str) -> Request:
+        """The request continuing aborted ``request_id``: prompt plus its tokens so far, the
+        remaining token budget. Tracked under ``new_id``; its chunks extend the same
+        completion."""
+        key = self._alias[request_id]
+        progress = self._progress[key]
+        if progress.finish_reason is not FinishReason.ABORT:
+            raise ValueError(f"request {request_id!r} was not aborted; nothing to resume")
+        if new_id in self._alias:
+            raise ValueError(f"request id {new_id!r} is already tracked")
+        first = progress.request
+        left = first.params.max_new_tokens - len(progress.token_ids)
+        if left < 1:
+            raise ValueError(f"request {request_id!r} has no token budget left to resume")
+        progress.finish_reason = None
+        self._alias[new_id] = key
+        return Request(
+            new_id,
+            first.prompt_ids + tuple(progress.token_ids),
+            replace(first.params, max_new_tokens=left),
+            first.prompt_index,
+        )
+
+    @property
+    def done(self) -> bool:
+        return all(p.finish_reason is not None for p in self._progress.values())
+
+    def completion(self, request_id: str) -> Completion:
+        progress = self._progress[self._alias[request_id]]
+        if progress.finish_reason is None:
+            raise ValueError(f"request {request_id!r} has not finished")
+        versions = tuple(progress.versions)
+        request = progress.request
+        return Completion(
+            prompt_index=request.prompt_index,
+            prompt_ids=request.prompt_ids,
+            token_ids=tuple(progress.token_ids),
+            log_probs=tuple(progress.log_probs),
+            finish_reason=progress.finish_reason,
+            # an empty aborted request was sampled under no weights: it reports none older
+            # than the ones it was submitted under (0 when unknown)
+            weight_version=versions[0] if versions else 0,
+            token_versions=versions,
+        )
+
+    def completions(self) -> list[Completion]:
+        """Every tracked sequence's completion, in the order they were first tracked."""
+        return [self.completion(request_id) for request_id in self._order]
+
+
+def call_requests(
+    prompt_ids: Sequence[Sequence[int]],
+    budgets: Sequence[int],
+    params: SamplingParams,
+    *,
+    seed: int | None,
+    prefix: str = "generate",
+) -> list[Request]:
+    """The requests of one batch ``generate`` call: ``params.n`` per prompt, prompt order,
+    each with at most its prompt's token budget; a seeded call seeds every sample
+    (:func:`sample_seed`) so the call is reproducible."""
+    requests = []
+    for index, (ids, budget) in enumerate(zip(prompt_ids, budgets, strict=True)):
+        for _ in range(params.n):
+            number = len(requests)
+            requests.append(
+                Request(
+                    f"{prefix}-{number}",
+                    tuple(ids),
+                    replace(
+                        params,
+                        n=1,
+                        max_new_tokens=budget,
+                        seed=None if seed is None else sample_seed(seed, number),
+                    ),
+                    prompt_index=index,
+                )
+            )
+    return requests
+
+
+def generate_with_requests(
+    rollout: Rollout, requests: Sequence[Request], *, poll_s: float = 0.05
+) -> list[Completion]:
+    """Submit ``requests``, poll until every one finished, return their completions in
+    submission order: batch generation over the request interface."""
+    collector = Collector()
+    for request in requests:
+        collector.track(request)
+    rollout.submit(requests)
+    while not collector.done:
+        collector.add(rollout.poll(poll_s))
+    return collector.completions()

@@ -1,0 +1,113 @@
+"""The rollout conformance kit against the fake rollout, and against rollouts that break the
+contract in one way each (the kit must notice)."""
+
+import pytest
+
+from drivetrain.api.testing import FakeRollout, FakeRolloutConfig, fake_model
+from drivetrain.api.testing.rollout_kit import (
+    ROLLOUT_CHECKS,
+    RolloutConformance,
+    RolloutHarness,
+    run_rollout_conformance,
+)
+
+VOCAB = 12
+
+
+class FakeRolloutHarness(RolloutHarness):
+    log_prob_tolerance = 1e-12
+    deadline_s = 30.0
+
+    def __init__(self, rollout_class: type[FakeRollout] = FakeRollout, **config) -> None:
+        self.rollout_class = rollout_class
+        self.config = FakeRolloutConfig(vocab_size=VOCAB, seed=1, **config)
+
+    def make_rollout(self):
+        return self.rollout_class(self.config)
+
+    def prompts(self):
+        return [(i % (VOCAB - 1) + 1, (3 * i) % (VOCAB - 1) + 1) for i in range(8)]
+
+    def changed_weights(self):
+        return list(fake_model.init_weights(VOCAB, seed=99, scale=2.0).items())
+
+    def reference_log_probs(self, prompt_ids, token_ids, temperature, changed):
+        weights = (
+            dict(self.changed_weights()) if changed else fake_model.init_weights(VOCAB, 1, 0.5)
+        )
+        scale = temperature or 1.0
+        out, previous = [], prompt_ids[-1]
+        for token in token_ids:
+            logits = fake_model.next_token_logits(weights, previous)
+            out.append(fake_model.log_softmax([x / scale for x in logits])[token])
+            previous = token
+        return out
+
+
+class TestFakeRolloutConformance(RolloutConformance):
+    def harness(self):
+        return FakeRolloutHarness()
+
+
+def test_a_small_batch_capacity_still_conforms():
+    """Requests beyond the running capacity wait and join as others finish."""
+    assert all(r.error is None for r in run_rollout_conformance(FakeRolloutHarness(max_batch=3)))
+
+
+class NoVersion(FakeRollout):
+    """Tags chunks with a stale version."""
+
+    def update_weights(self, weights, *, version):
+        super().update_weights(weights, version=0)
+
+
+class AbortAsLength(FakeRollout):
+    """An aborted request ends as if it had reached its length."""
+
+    def poll(self, timeout_s: float = 0.0):
+        from dataclasses import replace
+
+        from drivetrain.api.rollout import FinishReason
+
+        return [
+            replace(c, finish_reason=FinishReason.LENGTH)
+            if c.finish_reason is FinishReason.ABORT else c
+            for c in super().poll(timeout_s)
+        ]  # fmt: skip
+
+
+class BatchDependent(FakeRollout):
+    """Greedy picks the second-best token when more than one request runs."""
+
+    def _step(self, joining, aborted):
+        events = super()._step(joining, aborted)
+        if len(events) > 1:
+            for e in events:
+                e.token_ids = [(e.token_ids[0] + 1) % VOCAB]
+        return events
+
+
+@pytest.mark.parametrize(
+    ("broken", "check"),
+    [
+        (NoVersion, "weight_versions"),
+        (AbortAsLength, "abort"),
+        (BatchDependent, "greedy_determinism"),
+    ],
+)
+def test_the_kit_catches_a_broken_rollout(broken, check):
+    with pytest.raises(AssertionError):
+        ROLLOUT_CHECKS[check](FakeRolloutHarness(broken))
+
+
+def test_an_unknown_chunk_or_a_chunk_after_the_end_is_refused():
+    from drivetrain.api.requests import Chunk, Collector, Request
+    from drivetrain.api.rollout import FinishReason, SamplingParams
+
+    collector = Collector()
+    collector.track(Request("a", (1,), SamplingParams()))
+    with pytest.raises(ValueError, match="unknown request 'b'"):
+        collector.add([Chunk("b", (), (), 0)])
+    collector.add([Chunk("a", (2,), (-0.5,), 0, FinishReason.STOP)])
+    with pytest.raises(ValueError, match="after it finished"):
+        collector.add([Chunk("a", (3,), (-0.5,), 0)])
