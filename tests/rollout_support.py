@@ -157,6 +157,8 @@ class TransformersRolloutHarness(RolloutHarness):
                 param.add_(torch.randn(param.shape, generator=generator) * 0.05)
         self.models[True] = changed
         self._changed = [(n, t.clone()) for n, t in changed.state_dict().items() if n in names]
+        initial = self.models[False].state_dict()
+        self.initial = [(n, t.clone()) for n, t in initial.items() if n in names]
         vocab = changed.get_input_embeddings().weight.shape[0]
         rng = torch.Generator().manual_seed(3)
         self._prompts = [
@@ -180,3 +182,47 @@ class TransformersRolloutHarness(RolloutHarness):
         start = len(prompt_ids) - 1
         picked = scores[start : start + len(token_ids)].gather(1, torch.tensor(token_ids)[:, None])
         return picked[:, 0].tolist()
+
+
+class KeptRollout(Rollout):
+    """One long-running rollout lent to every kit check (a vLLM start costs ~20 s): the
+    check's ``shutdown`` only ends its requests and puts the initial weights back as version
+    0; :meth:`close` shuts it down."""
+
+    def __init__(self, inner: Rollout, initial: list[tuple[str, torch.Tensor]]) -> None:
+        super().__init__(inner.config)
+        self.inner, self.initial = inner, initial
+
+    def submit(self, requests):
+        self.inner.submit(requests)
+
+    def poll(self, timeout_s=0.0):
+        return self.inner.poll(timeout_s)
+
+    def abort(self, request_ids=None):
+        return self.inner.abort(request_ids)
+
+    def generate(self, prompts, params):
+        return self.inner.generate(prompts, params)
+
+    def pause_generation(self, *, abort=False):
+        return self.inner.pause_generation(abort=abort)
+
+    def resume_generation(self):
+        self.inner.resume_generation()
+
+    def update_weights(self, weights, *, version):
+        self.inner.update_weights(weights, version=version)
+
+    @property
+    def weight_version(self):
+        return self.inner.weight_version
+
+    def shutdown(self):
+        self.inner.resume_generation()
+        self.inner.abort()
+        self.inner.poll(0.0)  # the aborted requests' last chunks
+        self.inner.update_weights(self.initial, version=0)
+
+    def close(self):
+        self.inner.shutdown()

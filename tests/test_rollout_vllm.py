@@ -9,9 +9,12 @@ import torch
 
 from drivetrain.api import FinishReason, Prompt, SamplingParams
 from drivetrain.api.registry import rollouts
+from drivetrain.api.testing.rollout_kit import RolloutConformance
 from drivetrain.rollout.config import HFRolloutConfig, VLLMRolloutConfig
 from rollout_support import (
     CHAT_PROMPTS,
+    KeptRollout,
+    TransformersRolloutHarness,
     build_model,
     fsdp_engine,
     log_prob_gap,
@@ -50,6 +53,20 @@ def vllm(model_dir):
     rollout = start_vllm(model_dir)
     yield rollout
     rollout.shutdown()
+
+
+class TestVLLMRolloutConformance(RolloutConformance):
+    """The rollout kit on one vLLM server process (its weights reset between checks)."""
+
+    @pytest.fixture(autouse=True)
+    def _rollout(self, vllm, model_dir):
+        self.model_dir, self.vllm = model_dir, vllm
+
+    def harness(self):
+        harness = TransformersRolloutHarness(self.model_dir, lambda: None)
+        kept = KeptRollout(self.vllm, harness.initial)
+        harness.make = lambda: kept
+        return harness
 
 
 def test_runs_in_its_own_environment(vllm):
@@ -102,7 +119,8 @@ def test_new_weights_from_an_engine_equal_a_fresh_vllm(vllm, model_dir, tmp_path
             c.token_ids for c in after
         ]
         assert fresh.generate(CHAT_PROMPTS, SAMPLED) == [
-            dataclasses.replace(c, weight_version=0) for c in sampled
+            dataclasses.replace(c, weight_version=0, token_versions=(0,) * len(c.token_ids))
+            for c in sampled
         ]
     finally:
         fresh.shutdown()

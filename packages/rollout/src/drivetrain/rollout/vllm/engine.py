@@ -1,4 +1,6 @@
-"""The ``vllm`` rollout engine: vLLM's ``LLM`` in this process.
+"""The ``vllm`` rollout engine: vLLM's ``LLM`` in this process, serving requests through its
+``LLMEngine`` (``add_request``/``step``/``abort_request``, outputs as per-step deltas), stepped
+by whoever polls (:class:`~drivetrain.api.request_queue.RequestQueue`).
 
 Weights: with vLLM's engine core in this process (``multiprocessing=False``, the default, which
 needs tensor-parallel size 1) new weights go in as tensors through vLLM's public
@@ -18,12 +20,15 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from drivetrain.api.engine import NamedTensor
+from drivetrain.api.request_queue import RequestQueue, TokenEvent
+from drivetrain.api.requests import Chunk, Request, call_requests, generate_with_requests
 from drivetrain.api.rollout import (
     MEMORY_TAGS,
     Completion,
@@ -35,7 +40,12 @@ from drivetrain.api.rollout import (
 from drivetrain.rollout.checkpoint_names import checkpoint_shapes
 from drivetrain.rollout.config import VLLMRolloutConfig
 from drivetrain.rollout.devices import model_dir
-from drivetrain.rollout.prompts import check_stop_token_ids, new_token_budgets, render_prompts
+from drivetrain.rollout.prompts import (
+    check_request,
+    check_stop_token_ids,
+    new_token_budgets,
+    render_prompts,
+)
 from drivetrain.rollout.weight_dirs import (
     adapter_config,
     adapter_update,
@@ -129,76 +139,117 @@ class VLLMEngine(Rollout):
         self._asleep = False
         self._woken: set[str] = set()  # memory tags restored since the last sleep
         self._weights_discarded = False
+        # vLLM queues what it cannot schedule yet: hand every request to it at once
+        self.requests = RequestQueue(self._step, lambda: self._version, capacity=2**31)
 
     @property
     def weight_version(self) -> int:
         return self._version
 
-    # ---- generation ---------------------------------------------------------------------
-    def sampling_params(self, params: SamplingParams, budget: int) -> Any:
+    # ---- requests: vLLM's LLMEngine, stepped by whoever polls ---------------------------
+    def sampling_params(self, params: SamplingParams) -> Any:
+        from vllm.sampling_params import RequestOutputKind
+
         return self.vllm.SamplingParams(
-            n=params.n,
+            n=1,
             temperature=params.temperature,
             top_p=params.top_p,
             top_k=params.top_k if params.top_k > 0 else 0,
-            max_tokens=budget,
+            max_tokens=params.max_new_tokens,
             stop=list(params.stop) or None,
             stop_token_ids=list(params.stop_token_ids) or None,
             ignore_eos=params.ignore_eos,
             seed=params.seed,
             logprobs=0,  # the sampled token's log-prob only
             include_stop_str_in_output=True,
+            output_kind=RequestOutputKind.DELTA,  # each step's new tokens
         )
 
-    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
+    def _step(self, joining: list[Request], aborted: list[str]) -> list[TokenEvent]:
+        """Aborted requests leave vLLM (it reports nothing more for them), joining ones enter
+        its scheduler, then one engine step; every output is a request's new tokens."""
+        engine = self.llm.llm_engine
+        if aborted:
+            engine.abort_request(aborted)
+        for request in joining:
+            engine.add_request(
+                request.request_id,
+                {"prompt_token_ids": list(request.prompt_ids)},
+                self.sampling_params(request.params),
+                lora_request=self._lora_request,
+            )
+        if not engine.has_unfinished_requests():
+            return []
+        events = []
+        for output in engine.step():
+            sample = output.outputs[0]
+            events.append(
+                TokenEvent(
+                    output.request_id,
+                    list(sample.token_ids),
+                    list(_sampled_log_probs(sample.token_ids, sample.logprobs)),
+                    FINISH_REASONS.get(sample.finish_reason, FinishReason.LENGTH)
+                    if output.finished
+                    else None,
+                )
+            )
+        return events
+
+    def _check_ready(self) -> None:
         if self._asleep:
             raise RuntimeError("the vllm rollout is asleep; call wake_up() first")
         if self._weights_discarded:
             raise RuntimeError("sleep(level=2) discarded the weights; send new weights first")
+
+    def _validate(self, request: Request) -> None:
+        check_request(request, self.vocab_size, self.max_model_len)
+
+    def submit(self, requests: Sequence[Request]) -> None:
+        self._check_ready()
+        self.requests.submit(requests, self._validate)
+
+    def poll(self, timeout_s: float = 0.0) -> list[Chunk]:
+        return self.requests.poll(timeout_s)
+
+    def abort(self, request_ids: Sequence[str] | None = None) -> int:
+        return self.requests.abort(request_ids)
+
+    def pause_generation(self, *, abort: bool = False) -> int:
+        return self.requests.pause(abort=abort)
+
+    def resume_generation(self) -> None:
+        self.requests.resume()
+
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
+        self._check_ready()
         prompt_ids = render_prompts(prompts, self.tokenizer, self.vocab_size)
         budgets = new_token_budgets(prompt_ids, params, self.max_model_len)
         check_stop_token_ids(params, self.vocab_size)
-        from vllm.inputs import TokensPrompt
-
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids],
-            [self.sampling_params(params, budget) for budget in budgets],
-            lora_request=self._lora_request,
-            use_tqdm=False,
-        )
-        completions = []
-        for index, (ids, output) in enumerate(zip(prompt_ids, outputs, strict=True)):
-            for sample in output.outputs:
-                completions.append(
-                    Completion(
-                        prompt_index=index,
-                        prompt_ids=tuple(ids),
-                        token_ids=tuple(sample.token_ids),
-                        log_probs=_sampled_log_probs(sample.token_ids, sample.logprobs),
-                        finish_reason=FINISH_REASONS.get(sample.finish_reason, FinishReason.LENGTH),
-                        weight_version=self._version,
-                        text=sample.text,
-                    )
-                )
-        return completions
+        requests = call_requests(prompt_ids, budgets, params, seed=params.seed)
+        completions = generate_with_requests(self, requests)
+        return [replace(c, text=self.tokenizer.decode(c.token_ids, skip_special_tokens=True))
+                for c in completions]  # fmt: skip
 
     # ---- weights ------------------------------------------------------------------------
     def update_weights(self, weights: Iterable[NamedTensor], *, version: int) -> None:
         items = collect_weights(weights)
         adapter = adapter_update(items, self.config.lora.enabled)
-        if adapter is not None:
-            self._load_adapter(list(adapter), version)
-        else:
-            staged = stage_weights(items, self._shapes, copy=False)
-            if self.config.multiprocessing:
-                self._reload_from_directory(staged, version)
+        with self.requests.lock:  # between engine steps, never inside one
+            if adapter is not None:
+                self._load_adapter(list(adapter), version)
             else:
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(staged)})
-            # a tied output layer is not reloaded with the embedding (see worker_extension)
-            self.llm.collective_rpc("drivetrain_refresh_tied_lm_head")
-            self._weights_discarded = False
-        self.llm.reset_prefix_cache()  # its KV was computed with the old weights
-        self._version = version
+                staged = stage_weights(items, self._shapes, copy=False)
+                if self.config.multiprocessing:
+                    self._reload_from_directory(staged, version)
+                else:
+                    self.llm.collective_rpc(
+                        "reload_weights", kwargs={"weights_iterator": iter(staged)}
+                    )
+                # a tied output layer is not reloaded with the embedding (see worker_extension)
+                self.llm.collective_rpc("drivetrain_refresh_tied_lm_head")
+                self._weights_discarded = False
+            self.llm.reset_prefix_cache()  # its KV was computed with the old weights
+            self._version = version
 
     def _reload_from_directory(self, staged: list[tuple[str, torch.Tensor]], version: int) -> None:
         """Worker processes read the update from a directory written for it (see the module
