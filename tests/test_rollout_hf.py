@@ -1,7 +1,9 @@
 """The ``hf`` rollout against plain transformers and engine-fsdp, in this process and in a
-server process; new weights streamed from an engine."""
+server process; new weights streamed from an engine; the rollout conformance kit (in-process,
+with 4 rows, behind a server process) and 64 streaming requests, half of them aborted."""
 
 import os
+import random
 import signal
 
 import pytest
@@ -9,10 +11,13 @@ import torch
 
 from drivetrain.api import FinishReason, Prompt, SamplingParams
 from drivetrain.api.registry import rollouts
+from drivetrain.api.requests import Collector, Request
+from drivetrain.api.testing.rollout_kit import RolloutConformance, run_rollout_conformance
 from drivetrain.rollout.config import HFRolloutConfig
 from drivetrain.rollout.errors import RolloutProcessError
 from rollout_support import (
     CHAT_PROMPTS,
+    TransformersRolloutHarness,
     build_model,
     fsdp_engine,
     log_prob_gap,
@@ -165,3 +170,77 @@ def test_a_server_process_equals_in_process_and_takes_weights_over_the_wire(mode
             remote.update_weights(dying_stream(), version=5)
     finally:
         remote.shutdown()
+
+
+# ---- the rollout kit and request-level serving --------------------------------------------
+class TestHFRollout(RolloutConformance):
+    @pytest.fixture(autouse=True)
+    def _model(self, model_dir):
+        self.model_dir = model_dir
+
+    def harness(self):
+        return TransformersRolloutHarness(self.model_dir, lambda: hf(self.model_dir))
+
+
+class TestHFRolloutSmallBatch(TestHFRollout):
+    """Four rows at most: requests wait for a free row and join a running batch."""
+
+    def harness(self):
+        return TransformersRolloutHarness(
+            self.model_dir, lambda: hf(self.model_dir, max_batch_size=4)
+        )
+
+
+def test_the_kit_passes_through_a_rollout_server_process(model_dir):
+    harness = TransformersRolloutHarness(model_dir, lambda: hf(model_dir, python=this_python()))
+    failed = [r for r in run_rollout_conformance(harness) if r.error is not None]
+    assert not failed, failed
+
+
+def test_64_streaming_requests_half_aborted(model_dir):
+    """Aborted requests return their partial tokens and log-probs with finish reason abort;
+    the others equal an undisturbed greedy run bitwise."""
+    harness = TransformersRolloutHarness(model_dir, lambda: hf(model_dir))
+    rng = random.Random(0)
+    vocab = 90
+    prompts = [tuple(rng.randrange(3, vocab) for _ in range(rng.randint(3, 12))) for _ in range(64)]
+    greedy = SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True)
+
+    def run(prefix, abort_at):
+        rollout = hf(model_dir)
+        collector = Collector()
+        requests = [Request(f"{prefix}{i}", p, greedy, i) for i, p in enumerate(prompts)]
+        for r in requests:
+            collector.track(r)
+        rollout.submit(requests[:32])  # the rest join a running batch
+        seen = dict.fromkeys(abort_at, 0)
+        polls = 0
+        while not collector.done:
+            chunks = rollout.poll(0.05)
+            collector.add(chunks)
+            polls += 1
+            if polls == 3:
+                rollout.submit(requests[32:])
+            for c in chunks:
+                if c.request_id in seen and not c.finished:
+                    seen[c.request_id] += len(c.token_ids)
+                    if seen[c.request_id] >= abort_at[c.request_id]:
+                        rollout.abort([c.request_id])
+                        del seen[c.request_id]
+        rollout.shutdown()
+        return collector.completions()
+
+    undisturbed = run("u", {})
+    abort_at = {f"a{i}": rng.randint(1, 30) for i in rng.sample(range(64), 32)}
+    disturbed = run("a", abort_at)
+    for i, (ours, theirs) in enumerate(zip(disturbed, undisturbed, strict=True)):
+        if f"a{i}" in abort_at:
+            assert ours.finish_reason is FinishReason.ABORT
+            n = len(ours.token_ids)
+            assert n >= abort_at[f"a{i}"] and ours.token_ids == theirs.token_ids[:n]
+            assert len(ours.log_probs) == n
+            reference = harness.reference_log_probs(ours.prompt_ids, ours.token_ids, 0, False)
+            assert max(abs(a - b) for a, b in zip(ours.log_probs, reference, strict=True)) < 1e-4
+        else:
+            assert ours.finish_reason is FinishReason.LENGTH
+            assert ours.token_ids == theirs.token_ids  # bitwise, whatever ran beside it

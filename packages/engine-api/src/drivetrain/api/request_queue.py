@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from drivetrain.api.requests import Chunk, Request
-from drivetrain.api.rollout import FinishReason
+from drivetrain.api.rollout import FinishReason, Rollout
 
 
 @dataclass
@@ -177,3 +177,34 @@ class RequestQueue:
                 )  # fmt: skip
         self._pending.clear()
         return chunks
+
+
+class QueuedRollout(Rollout):
+    """A rollout whose requests a :class:`RequestQueue` keeps: set :attr:`requests` in
+    ``__init__``; override :meth:`validate_request` (``ValueError`` for a request the backend
+    cannot serve) and :meth:`check_ready` (``RuntimeError`` while it cannot generate, e.g.
+    asleep)."""
+
+    requests: RequestQueue
+
+    def validate_request(self, request: Request) -> None:
+        return None
+
+    def check_ready(self) -> None:
+        return None
+
+    def submit(self, requests: Sequence[Request]) -> None:
+        self.check_ready()
+        self.requests.submit(requests, self.validate_request)
+
+    def poll(self, timeout_s: float = 0.0) -> list[Chunk]:
+        return self.requests.poll(timeout_s)
+
+    def abort(self, request_ids: Sequence[str] | None = None) -> int:
+        return self.requests.abort(request_ids)
+
+    def pause_generation(self, *, abort: bool = False) -> int:
+        return self.requests.pause(abort=abort)
+
+    def resume_generation(self) -> None:
+        self.requests.resume()

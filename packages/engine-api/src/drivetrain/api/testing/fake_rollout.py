@@ -17,9 +17,9 @@ from typing import Any
 
 from drivetrain.api.config import RolloutConfig
 from drivetrain.api.engine import NamedTensor
-from drivetrain.api.request_queue import RequestQueue, TokenEvent
-from drivetrain.api.requests import Chunk, Request, call_requests, generate_with_requests
-from drivetrain.api.rollout import Completion, FinishReason, Prompt, Rollout, SamplingParams
+from drivetrain.api.request_queue import QueuedRollout, RequestQueue, TokenEvent
+from drivetrain.api.requests import Request, call_requests, generate_with_requests
+from drivetrain.api.rollout import Completion, FinishReason, Prompt, SamplingParams
 from drivetrain.api.testing import fake_model
 from drivetrain.api.testing.nested import shape_of
 
@@ -80,7 +80,7 @@ class _Sequence:
         return TokenEvent(self.request.request_id, [token], [logp[token]], reason)
 
 
-class FakeRollout(Rollout):
+class FakeRollout(QueuedRollout):
     """Request-level: generation advances one token per running request each time the caller
     polls (:class:`~drivetrain.api.request_queue.RequestQueue`); every request samples from
     its own seeded generator, so a seeded request gives the same tokens in any batch."""
@@ -104,24 +104,8 @@ class FakeRollout(Rollout):
         return self._version
 
     # ---- requests -----------------------------------------------------------------------
-    def submit(self, requests: Sequence[Request]) -> None:
-        self._check_awake()
-        self.requests.submit(requests, self._validate)
-
-    def poll(self, timeout_s: float = 0.0) -> list[Chunk]:
-        return self.requests.poll(timeout_s)
-
-    def abort(self, request_ids: Sequence[str] | None = None) -> int:
-        return self.requests.abort(request_ids)
-
-    def pause_generation(self, *, abort: bool = False) -> int:
-        return self.requests.pause(abort=abort)
-
-    def resume_generation(self) -> None:
-        self.requests.resume()
-
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
-        self._check_awake()
+        self.check_ready()
         ids = []
         for i, prompt in enumerate(prompts):
             if prompt.messages:
@@ -131,7 +115,7 @@ class FakeRollout(Rollout):
         budgets = [params.max_new_tokens] * len(ids)
         return generate_with_requests(self, call_requests(ids, budgets, params, seed=params.seed))
 
-    def _check_awake(self) -> None:
+    def check_ready(self) -> None:
         if self.asleep:
             raise RuntimeError("the rollout is asleep; call wake_up() first")
 
@@ -145,7 +129,7 @@ class FakeRollout(Rollout):
         if bad:
             raise ValueError(f"{what}: token ids {bad[:5]} outside the vocabulary")
 
-    def _validate(self, request: Request) -> None:
+    def validate_request(self, request: Request) -> None:
         self._check_prompt(
             f"request {request.request_id!r}", request.prompt_ids, request.params.max_new_tokens
         )

@@ -10,9 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from drivetrain.api.engine import NamedTensor
-from drivetrain.api.request_queue import RequestQueue
-from drivetrain.api.requests import Chunk, Request, call_requests, generate_with_requests
-from drivetrain.api.rollout import Completion, Prompt, Rollout, SamplingParams
+from drivetrain.api.request_queue import QueuedRollout, RequestQueue
+from drivetrain.api.requests import Request, call_requests, generate_with_requests
+from drivetrain.api.rollout import Completion, Prompt, SamplingParams
 from drivetrain.rollout.config import HFRolloutConfig
 from drivetrain.rollout.devices import model_dir, resolve_device
 from drivetrain.rollout.hf.batcher import ContinuousBatcher
@@ -25,7 +25,7 @@ from drivetrain.rollout.prompts import (
 from drivetrain.rollout.weights import stage_weights
 
 
-class HFEngine(Rollout):
+class HFEngine(QueuedRollout):
     config: HFRolloutConfig
 
     def __init__(self, config: HFRolloutConfig) -> None:
@@ -66,22 +66,7 @@ class HFEngine(Rollout):
         return self._version
 
     # ---- requests (continuous batching, see hf/batcher.py) ---------------------------
-    def submit(self, requests: Sequence[Request]) -> None:
-        self.requests.submit(requests, self._validate)
-
-    def poll(self, timeout_s: float = 0.0) -> list[Chunk]:
-        return self.requests.poll(timeout_s)
-
-    def abort(self, request_ids: Sequence[str] | None = None) -> int:
-        return self.requests.abort(request_ids)
-
-    def pause_generation(self, *, abort: bool = False) -> int:
-        return self.requests.pause(abort=abort)
-
-    def resume_generation(self) -> None:
-        self.requests.resume()
-
-    def _validate(self, request: Request) -> None:
+    def validate_request(self, request: Request) -> None:
         check_request(request, self.vocab_size, self.max_model_len)
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:

@@ -27,14 +27,13 @@ from typing import Any
 import torch
 
 from drivetrain.api.engine import NamedTensor
-from drivetrain.api.request_queue import RequestQueue, TokenEvent
-from drivetrain.api.requests import Chunk, Request, call_requests, generate_with_requests
+from drivetrain.api.request_queue import QueuedRollout, RequestQueue, TokenEvent
+from drivetrain.api.requests import Request, call_requests, generate_with_requests
 from drivetrain.api.rollout import (
     MEMORY_TAGS,
     Completion,
     FinishReason,
     Prompt,
-    Rollout,
     SamplingParams,
 )
 from drivetrain.rollout.checkpoint_names import checkpoint_shapes
@@ -85,7 +84,7 @@ FINISH_REASONS = {
 }
 
 
-class VLLMEngine(Rollout):
+class VLLMEngine(QueuedRollout):
     config: VLLMRolloutConfig
 
     def __init__(self, config: VLLMRolloutConfig) -> None:
@@ -195,33 +194,17 @@ class VLLMEngine(Rollout):
             )
         return events
 
-    def _check_ready(self) -> None:
+    def check_ready(self) -> None:
         if self._asleep:
             raise RuntimeError("the vllm rollout is asleep; call wake_up() first")
         if self._weights_discarded:
             raise RuntimeError("sleep(level=2) discarded the weights; send new weights first")
 
-    def _validate(self, request: Request) -> None:
+    def validate_request(self, request: Request) -> None:
         check_request(request, self.vocab_size, self.max_model_len)
 
-    def submit(self, requests: Sequence[Request]) -> None:
-        self._check_ready()
-        self.requests.submit(requests, self._validate)
-
-    def poll(self, timeout_s: float = 0.0) -> list[Chunk]:
-        return self.requests.poll(timeout_s)
-
-    def abort(self, request_ids: Sequence[str] | None = None) -> int:
-        return self.requests.abort(request_ids)
-
-    def pause_generation(self, *, abort: bool = False) -> int:
-        return self.requests.pause(abort=abort)
-
-    def resume_generation(self) -> None:
-        self.requests.resume()
-
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
-        self._check_ready()
+        self.check_ready()
         prompt_ids = render_prompts(prompts, self.tokenizer, self.vocab_size)
         budgets = new_token_budgets(prompt_ids, params, self.max_model_len)
         check_stop_token_ids(params, self.vocab_size)

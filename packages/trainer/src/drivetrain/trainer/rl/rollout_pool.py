@@ -15,6 +15,7 @@ from drivetrain.api import Completion, Prompt, Rollout, SamplingParams, registry
 from drivetrain.api.config import RolloutConfig, WeightSyncConfig
 from drivetrain.api.engine import NamedTensor
 from drivetrain.api.partition import chunk_sizes
+from drivetrain.api.requests import Chunk, Request
 from drivetrain.api.weight_sync import SyncStats, Topology
 from drivetrain.trainer.workers.ray_runtime import wait_all
 
@@ -51,6 +52,15 @@ class RayRolloutHandle(Rollout):
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
         return self._call("generate", list(prompts), params)
+
+    def submit(self, requests: Sequence[Request]) -> None:
+        self._call("submit", list(requests))
+
+    def poll(self, timeout_s: float = 0.0) -> list[Chunk]:
+        return self._call("poll", timeout_s)
+
+    def abort(self, request_ids: Sequence[str] | None = None) -> int:
+        return self._call("abort", None if request_ids is None else list(request_ids))
 
     def update_weights(self, weights: Iterable[NamedTensor], *, version: int) -> None:
         raise NotImplementedError(
