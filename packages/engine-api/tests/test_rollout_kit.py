@@ -3,6 +3,7 @@ contract in one way each (the kit must notice)."""
 
 import pytest
 
+from drivetrain.api import Prompt
 from drivetrain.api.testing import FakeRollout, FakeRolloutConfig, fake_model
 from drivetrain.api.testing.rollout_kit import (
     ROLLOUT_CHECKS,
@@ -87,17 +88,59 @@ class BatchDependent(FakeRollout):
         return events
 
 
+class PauseIgnored(FakeRollout):
+    """Pausing holds nothing."""
+
+    def pause_generation(self, *, abort=False):
+        return 0
+
+
 @pytest.mark.parametrize(
-    ("broken", "check"),
+    ("broken", "check", "message"),
     [
-        (NoVersion, "weight_versions"),
-        (AbortAsLength, "abort"),
-        (BatchDependent, "greedy_determinism"),
+        (NoVersion, "weight_versions", "weight_version is 0 after update 7"),
+        (AbortAsLength, "abort", "was aborted but ended with FinishReason.LENGTH"),
+        (BatchDependent, "greedy_determinism", "greedy tokens depend on the batch"),
+        (PauseIgnored, "abort", "a paused rollout generated"),
     ],
 )
-def test_the_kit_catches_a_broken_rollout(broken, check):
-    with pytest.raises(AssertionError):
+def test_the_kit_catches_a_broken_rollout(broken, check, message):
+    with pytest.raises(AssertionError, match=message):
         ROLLOUT_CHECKS[check](FakeRolloutHarness(broken))
+
+
+def test_a_failing_step_ends_every_request_and_the_rollout_serves_again():
+    """A backend step that raises: the error reaches the poller, every request it held ends
+    with abort at the next poll, and new requests run."""
+    from drivetrain.api.requests import Collector, Request
+    from drivetrain.api.rollout import FinishReason, SamplingParams
+
+    class Flaky(FakeRollout):
+        fail = True
+
+        def _step(self, joining, aborted):
+            events = super()._step(joining, aborted)
+            if self.fail and self.steps == 3:
+                self.fail = False
+                raise RuntimeError("device lost")
+            return events
+
+    rollout = Flaky(FakeRolloutConfig(vocab_size=VOCAB))
+    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    requests = [Request(f"r{i}", (1 + i,), params) for i in range(3)]
+    collector = Collector()
+    for r in requests:
+        collector.track(r)
+    rollout.submit(requests)
+    with pytest.raises(RuntimeError, match="device lost"):
+        while True:
+            collector.add(rollout.poll())
+    collector.add(rollout.poll())
+    assert collector.done
+    assert {c.finish_reason for c in collector.completions()} == {FinishReason.ABORT}
+    assert not rollout._running  # the backend dropped its batch
+    again = rollout.generate([Prompt(token_ids=(2,))], params)
+    assert len(again[0].token_ids) == 8
 
 
 def test_an_unknown_chunk_or_a_chunk_after_the_end_is_refused():

@@ -55,12 +55,23 @@ class RequestQueue:
 
     ``step`` is called under :attr:`lock`, as must be anything that changes the weights;
     ``version`` reads the version in use; ``capacity`` is how many requests may run at once.
+    A step that raises ends every running request (``abort``, their chunks at the next poll),
+    calls ``reset`` (the backend drops its running batch) and re-raises: nothing is left
+    half-running.
     """
 
-    def __init__(self, step: Step, version: Callable[[], int], *, capacity: int) -> None:
+    def __init__(
+        self,
+        step: Step,
+        version: Callable[[], int],
+        *,
+        capacity: int,
+        reset: Callable[[], None] | None = None,
+    ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self._step = step
+        self._reset = reset
         self._version = version
         self.capacity = capacity
         #: held by every token step; take it to change weights between steps
@@ -77,7 +88,7 @@ class RequestQueue:
         """Queue ``requests`` after ``validate`` accepted every one (it raises ``ValueError``)."""
         ids = [r.request_id for r in requests]
         with self.lock:
-            known = self._unfinished()
+            known = self._unfinished() | set(self._pending)  # ended, last chunk not yet polled
             clash = sorted({i for i in ids if i in known or ids.count(i) > 1})
             if clash:
                 raise ValueError(f"request ids {clash[:5]} are already in use")
@@ -106,6 +117,7 @@ class RequestQueue:
                 self._finish(request.request_id, FinishReason.ABORT)
             running = (wanted & self._running) - self._to_abort
             self._to_abort |= running
+            self._arrived.notify_all()  # a poller waiting for work has chunks to collect
             return len(waiting) + len(running)
 
     def pause(self, *, abort: bool) -> int:
@@ -147,7 +159,16 @@ class RequestQueue:
             joining.append(request)
             self._running.add(request.request_id)
         version = self._version()
-        events = self._step(joining, aborted) if joining or self._running or aborted else []
+        try:
+            events = self._step(joining, aborted) if joining or self._running or aborted else []
+        except BaseException:
+            for request_id in self._running | set(aborted):
+                self._finish(request_id, FinishReason.ABORT)
+            self._running.clear()
+            self._to_abort.clear()
+            if self._reset is not None:
+                self._reset()
+            raise
         for request_id in aborted:
             self._finish(request_id, FinishReason.ABORT)
         for event in events:

@@ -15,6 +15,8 @@ Standard library only: requests and chunks cross process boundaries as plain dat
 
 from __future__ import annotations
 
+import contextlib
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -88,6 +90,7 @@ class _Progress:
     token_ids: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    last_version: int = 0  # of the latest chunk, tokens or not
     finish_reason: FinishReason | None = None
 
 
@@ -124,6 +127,7 @@ class Collector:
             progress.token_ids += chunk.token_ids
             progress.log_probs += chunk.log_probs
             progress.versions += [chunk.weight_version] * len(chunk.token_ids)
+            progress.last_version = chunk.weight_version
             if chunk.finish_reason is not None:
                 progress.finish_reason = chunk.finish_reason
                 finished.append(key)
@@ -131,8 +135,10 @@ class Collector:
 
     def resume(self, request_id: str, new_id: str) -> Request:
         """The request continuing aborted ``request_id``: prompt plus its tokens so far, the
-        remaining token budget. Tracked under ``new_id``; its chunks extend the same
-        completion."""
+        remaining token budget (a seeded request continues with a seed of its own, not its
+        first one again). Tracked under ``new_id``; its chunks extend the same completion. A
+        stop string that would span the abort point is not seen: the continuation's stop
+        strings match its own tokens."""
         key = self._alias[request_id]
         progress = self._progress[key]
         if progress.finish_reason is not FinishReason.ABORT:
@@ -145,10 +151,15 @@ class Collector:
             raise ValueError(f"request {request_id!r} has no token budget left to resume")
         progress.finish_reason = None
         self._alias[new_id] = key
+        seed = first.params.seed
         return Request(
             new_id,
             first.prompt_ids + tuple(progress.token_ids),
-            replace(first.params, max_new_tokens=left),
+            replace(
+                first.params,
+                max_new_tokens=left,
+                seed=None if seed is None else sample_seed(seed, len(progress.token_ids)),
+            ),
             first.prompt_index,
         )
 
@@ -168,9 +179,8 @@ class Collector:
             token_ids=tuple(progress.token_ids),
             log_probs=tuple(progress.log_probs),
             finish_reason=progress.finish_reason,
-            # an empty aborted request was sampled under no weights: it reports none older
-            # than the ones it was submitted under (0 when unknown)
-            weight_version=versions[0] if versions else 0,
+            # a request aborted before its first token reports the version of its last chunk
+            weight_version=versions[0] if versions else progress.last_version,
             token_versions=versions,
         )
 
@@ -185,11 +195,13 @@ def call_requests(
     params: SamplingParams,
     *,
     seed: int | None,
-    prefix: str = "generate",
+    prefix: str | None = None,
 ) -> list[Request]:
     """The requests of one batch ``generate`` call: ``params.n`` per prompt, prompt order,
     each with at most its prompt's token budget; a seeded call seeds every sample
-    (:func:`sample_seed`) so the call is reproducible."""
+    (:func:`sample_seed`) so the call is reproducible. Ids are ``{prefix}-{number}``, the
+    prefix unique per call unless given."""
+    prefix = prefix or f"generate-{uuid.uuid4().hex[:12]}"
     requests = []
     for index, (ids, budget) in enumerate(zip(prompt_ids, budgets, strict=True)):
         for _ in range(params.n):
@@ -214,11 +226,22 @@ def generate_with_requests(
     rollout: Rollout, requests: Sequence[Request], *, poll_s: float = 0.05
 ) -> list[Completion]:
     """Submit ``requests``, poll until every one finished, return their completions in
-    submission order: batch generation over the request interface."""
+    submission order: batch generation over the request interface. The caller is the
+    rollout's one poller meanwhile (chunks go to whoever polls). If anything fails, the
+    requests are aborted and their last chunks collected before the error propagates, so the
+    rollout is left with nothing of this call."""
     collector = Collector()
     for request in requests:
         collector.track(request)
     rollout.submit(requests)
-    while not collector.done:
-        collector.add(rollout.poll(poll_s))
+    try:
+        while not collector.done:
+            collector.add(rollout.poll(poll_s))
+    except BaseException:
+        with contextlib.suppress(Exception):
+            rollout.abort([r.request_id for r in requests])
+            for _ in range(3):  # aborted requests end at the next step
+                if not rollout.poll(0.0):
+                    break
+        raise
     return collector.completions()

@@ -131,17 +131,17 @@ class Rollout(abc.ABC):
 
     # ---- requests ----------------------------------------------------------------------
     def submit(self, requests: Sequence[Request]) -> None:
-        """Start generating ``requests`` (ids unique among the unfinished ones). A prompt
-        that leaves no room in the context, token ids outside the vocabulary or a duplicate id
-        raise ``ValueError`` before any of them starts. Returns at once."""
+        """Start generating ``requests`` (ids unique among the requests not yet fully polled).
+        A prompt plus ``max_new_tokens`` beyond the context, token ids outside the vocabulary
+        or an id in use raise ``ValueError`` before any of them starts. Returns at once."""
         raise NotImplementedError(f"{type(self).__name__} serves batch generate calls only")
 
     def poll(self, timeout_s: float = 0.0) -> list[Chunk]:
         """The chunks generated since the last poll (one per request and weight version, in
-        sampling order), waiting up to
-        ``timeout_s`` for at least one while requests are unfinished. A backend whose
-        generation is driven by its caller advances in here (at least one token step when
-        requests are running), so a caller that polls keeps generation going."""
+        sampling order), waiting up to ``timeout_s`` for at least one while requests are
+        unfinished. A backend whose generation is driven by its caller advances in here (at
+        least one token step when requests are running), so a caller that polls keeps
+        generation going. Chunks go to whoever polls: a rollout has one poller at a time."""
         raise NotImplementedError(f"{type(self).__name__} serves batch generate calls only")
 
     def abort(self, request_ids: Sequence[str] | None = None) -> int:

@@ -96,7 +96,9 @@ class FakeRollout(QueuedRollout):
         self.asleep = False
         self._seeds = random.Random(config.seed)  # seeds of unseeded requests, call after call
         self._running: dict[str, _Sequence] = {}
-        self.requests = RequestQueue(self._step, lambda: self._version, capacity=config.max_batch)
+        self.requests = RequestQueue(
+            self._step, lambda: self._version, capacity=config.max_batch, reset=self._running.clear
+        )
         self.steps = 0  # token steps run so far (the conformance kit watches updates vs steps)
 
     @property

@@ -199,6 +199,9 @@ def check_abort(h: RolloutHarness) -> None:
         waiting = Request("never-started", h.prompts()[0], _greedy(4))
         rollout.pause_generation()
         rollout.submit([waiting])
+        held = [c for _ in range(3) for c in rollout.poll(0.05)]
+        if held:
+            raise AssertionError(f"a paused rollout generated {held[0]}")
         if rollout.abort([waiting.request_id]) != 1:
             raise AssertionError("aborting a waiting request did not report it")
         rollout.resume_generation()
@@ -366,8 +369,8 @@ def run_rollout_conformance(h: RolloutHarness) -> list[RolloutCheckResult]:
     for name, check in ROLLOUT_CHECKS.items():
         try:
             check(h)
-        except AssertionError as exc:
-            results.append(RolloutCheckResult(name, str(exc)))
+        except Exception as exc:  # a contract violation may surface as any error
+            results.append(RolloutCheckResult(name, f"{type(exc).__name__}: {exc}"))
         else:
             results.append(RolloutCheckResult(name, None))
     return results

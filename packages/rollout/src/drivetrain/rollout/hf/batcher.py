@@ -87,6 +87,10 @@ class ContinuousBatcher:
         self.share_prefill = share_prefill
         self.seed_for = seed_for
         self.decode = decode
+        self.reset()
+
+    def reset(self) -> None:
+        """Drop the running batch (after a failed step: its state may be half-updated)."""
         self.rows: list[_Row] = []
         self.cache: DynamicCache | None = None
         self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
@@ -173,7 +177,10 @@ class ContinuousBatcher:
             ids[i, width - len(prompt) :] = torch.tensor(prompt)
             mask[i, width - len(prompt) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        cache = DynamicCache(config=self.model.config)
+        # full-width layers (no config): rows are index-selected and left padded in place,
+        # which a sliding-window layer's own bookkeeping would not follow; a sliding window
+        # still applies through the model's attention mask
+        cache = DynamicCache()
         out = self.model(input_ids=ids, attention_mask=mask,
                          position_ids=(mask.cumsum(-1) - 1).clamp(min=0), past_key_values=cache,
                          use_cache=True, logits_to_keep=1)  # fmt: skip

@@ -58,7 +58,10 @@ class HFEngine(QueuedRollout):
             decode=self.tokenizer.decode,
         )
         self.requests = RequestQueue(
-            self.batcher.step, lambda: self._version, capacity=config.max_batch_size
+            self.batcher.step,
+            lambda: self._version,
+            capacity=config.max_batch_size,
+            reset=self.batcher.reset,
         )
 
     @property

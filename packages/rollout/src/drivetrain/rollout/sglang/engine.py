@@ -30,6 +30,7 @@ import torch
 
 from drivetrain.api.engine import NamedTensor
 from drivetrain.api.rollout import Completion, Prompt, Rollout, SamplingParams
+from drivetrain.rollout.call_gate import CallGate
 from drivetrain.rollout.checkpoint_names import checkpoint_shapes
 from drivetrain.rollout.config import SGLangRolloutConfig
 from drivetrain.rollout.devices import model_dir
@@ -156,6 +157,7 @@ class SGLangEngine(Rollout):
         self._weights_discarded = False
         self._rng = random.Random(config.seed)
         self._warned_seed = False
+        self._gate = CallGate()  # batch calls: a weight update waits for the running one
         self.engine: Any = sglang.Engine(**kwargs)  # last: nothing to clean up if above fails
 
     @property
@@ -178,8 +180,18 @@ class SGLangEngine(Rollout):
             seeds=self._seeds(params, len(prompt_ids) * params.n),
             lora_name=self._lora_name,
         )
-        outputs = self.engine.generate(**kwargs)
-        return parse_outputs(outputs, prompt_ids, params.n, self._version)
+        with self._gate.call():
+            outputs = self.engine.generate(**kwargs)
+            return parse_outputs(outputs, prompt_ids, params.n, self._version)
+
+    def pause_generation(self, *, abort: bool = False) -> int:
+        """Waits for the running ``generate`` call (SGLang's offline engine serves whole
+        calls here; nothing is aborted) and holds new ones."""
+        self._gate.pause()
+        return 0
+
+    def resume_generation(self) -> None:
+        self._gate.resume()
 
     def _seeds(self, params: SamplingParams, count: int) -> list[int] | None:
         """Per-request seeds where SGLang honours them (deterministic inference): the call's

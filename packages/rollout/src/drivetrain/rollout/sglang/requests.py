@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
+from drivetrain.api.requests import sample_seed
 from drivetrain.api.rollout import Completion, FinishReason, SamplingParams
 
 TOP_K_DISABLED = -1  # SGLang's "no top-k" (its SamplingParams maps it to the whole vocabulary)
-SEED_MODULUS = 2**31 - 1  # some SGLang versions keep sampling seeds as int32
 KV_CACHE = "kv_cache"  # SGLang's memory tags (sglang.srt.constants)
 
 FINISH_REASONS = {
@@ -82,10 +82,10 @@ def sampling_params_dict(
 
 
 def request_seeds(seed: int, count: int) -> list[int]:
-    """A distinct seed per request: SGLang derives each step's randomness from the request's
-    seed and the position only, so ``n`` samples of a prompt sharing one seed would be equal."""
-    step = 0x9E3779B1  # coprime with the (prime) modulus: distinct seeds for distinct requests
-    return [(seed + index * step) % SEED_MODULUS for index in range(count)]
+    """A distinct seed per request (:func:`drivetrain.api.requests.sample_seed`, as every
+    backend derives them): SGLang derives each step's randomness from the request's seed and
+    the position only, so ``n`` samples of a prompt sharing one seed would be equal."""
+    return [sample_seed(seed, index) for index in range(count)]
 
 
 def generate_kwargs(

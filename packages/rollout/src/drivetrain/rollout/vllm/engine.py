@@ -138,8 +138,12 @@ class VLLMEngine(QueuedRollout):
         self._asleep = False
         self._woken: set[str] = set()  # memory tags restored since the last sleep
         self._weights_discarded = False
-        # vLLM queues what it cannot schedule yet: hand every request to it at once
-        self.requests = RequestQueue(self._step, lambda: self._version, capacity=2**31)
+        # as many requests in vLLM as it schedules at once: the rest wait in our queue, where
+        # a pause holds them (vLLM would start them)
+        self._in_vllm: set[str] = set()
+        self.requests = RequestQueue(
+            self._step, lambda: self._version, capacity=config.max_num_seqs, reset=self._reset
+        )
 
     @property
     def weight_version(self) -> int:
@@ -170,7 +174,9 @@ class VLLMEngine(QueuedRollout):
         engine = self.llm.llm_engine
         if aborted:
             engine.abort_request(aborted)
+            self._in_vllm -= set(aborted)
         for request in joining:
+            self._in_vllm.add(request.request_id)
             engine.add_request(
                 request.request_id,
                 {"prompt_token_ids": list(request.prompt_ids)},
@@ -187,12 +193,18 @@ class VLLMEngine(QueuedRollout):
                     output.request_id,
                     list(sample.token_ids),
                     list(_sampled_log_probs(sample.token_ids, sample.logprobs)),
-                    FINISH_REASONS.get(sample.finish_reason, FinishReason.LENGTH)
-                    if output.finished
-                    else None,
+                    _finish_reason(sample.finish_reason) if output.finished else None,
                 )
             )
+            if output.finished:
+                self._in_vllm.discard(output.request_id)
         return events
+
+    def _reset(self) -> None:
+        """After a failed step: nothing of ours stays in vLLM."""
+        if self._in_vllm:
+            self.llm.llm_engine.abort_request(sorted(self._in_vllm))
+        self._in_vllm.clear()
 
     def check_ready(self) -> None:
         if self._asleep:
@@ -231,7 +243,9 @@ class VLLMEngine(QueuedRollout):
                 # a tied output layer is not reloaded with the embedding (see worker_extension)
                 self.llm.collective_rpc("drivetrain_refresh_tied_lm_head")
                 self._weights_discarded = False
-            self.llm.reset_prefix_cache()  # its KV was computed with the old weights
+            # its KV was computed with the old weights; running requests are preempted and
+            # recompute theirs under the new ones (vLLM refuses the reset while they hold KV)
+            self.llm.reset_prefix_cache(reset_running_requests=True)
             self._version = version
 
     def _reload_from_directory(self, staged: list[tuple[str, torch.Tensor]], version: int) -> None:
@@ -260,7 +274,9 @@ class VLLMEngine(QueuedRollout):
         super().sleep(level)
         if self.on_cpu or not self.config.enable_sleep_mode:
             return False  # vLLM's CPU backend ignores sleep: nothing is freed
-        self.llm.sleep(level=level)
+        with self.requests.lock:  # nothing runs on a sleeping engine
+            self.requests.pause(abort=True)
+            self.llm.sleep(level=level)
         self._asleep = True
         self._woken = set()
         self._weights_discarded = level == 2
@@ -275,6 +291,7 @@ class VLLMEngine(QueuedRollout):
             self.llm.wake_up(tags=sorted(wanted))
             self._woken |= wanted
         if self._woken >= MEMORY_TAGS:
+            self.requests.resume()
             self._asleep = False
             self._woken = set()
 
@@ -297,6 +314,12 @@ def _max_lora_rank(rank: int) -> int:
     if not fitting:
         raise ValueError(f"rollout.lora.rank={rank} exceeds vLLM's largest ({LORA_RANKS[-1]})")
     return fitting[0]
+
+
+def _finish_reason(reason: str | None) -> FinishReason:
+    """vLLM's reason for a finished request; anything but stop/length/abort (its ``error``)
+    ended the request without finishing it, which is what ``abort`` tells the caller."""
+    return FINISH_REASONS.get(reason or "", FinishReason.ABORT)
 
 
 def _sampled_log_probs(token_ids: Sequence[int], logprobs: Any) -> tuple[float, ...]:
