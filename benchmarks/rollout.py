@@ -21,6 +21,7 @@ Usage: uv run python benchmarks/rollout.py [--pairs N] [--no-vllm] [--quick]
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import statistics
@@ -164,7 +165,7 @@ def compare(model_dir: Path, requests: list[Request], eos: list[int], pairs: int
     rollout = rollouts.load("hf")(
         HFRolloutConfig(model_path=str(model_dir), max_model_len=2048, max_batch_size=256)
     )
-    calls = iter(range(10**6))
+    calls = itertools.count()
 
     def continuous() -> int:
         call = next(calls)  # fresh ids each call

@@ -157,8 +157,6 @@ class TransformersRolloutHarness(RolloutHarness):
                 param.add_(torch.randn(param.shape, generator=generator) * 0.05)
         self.models[True] = changed
         self._changed = [(n, t.clone()) for n, t in changed.state_dict().items() if n in names]
-        initial = self.models[False].state_dict()
-        self.initial = [(n, t.clone()) for n, t in initial.items() if n in names]
         vocab = changed.get_input_embeddings().weight.shape[0]
         rng = torch.Generator().manual_seed(3)
         self._prompts = [
@@ -189,9 +187,12 @@ class KeptRollout(Rollout):
     check's ``shutdown`` only ends its requests and puts the initial weights back as version
     0; :meth:`close` shuts it down."""
 
-    def __init__(self, inner: Rollout, initial: list[tuple[str, torch.Tensor]]) -> None:
+    def __init__(self, inner: Rollout, model_dir: Path) -> None:
+        from safetensors.torch import load_file
+
         super().__init__(inner.config)
-        self.inner, self.initial = inner, initial
+        self.inner = inner
+        self.initial = list(load_file(str(model_dir / "model.safetensors")).items())
 
     def submit(self, requests):
         self.inner.submit(requests)

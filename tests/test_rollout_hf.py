@@ -12,7 +12,11 @@ import torch
 from drivetrain.api import FinishReason, Prompt, SamplingParams
 from drivetrain.api.registry import rollouts
 from drivetrain.api.requests import Collector, Request
-from drivetrain.api.testing.rollout_kit import RolloutConformance, run_rollout_conformance
+from drivetrain.api.testing.rollout_kit import (
+    RolloutConformance,
+    abort_after,
+    run_rollout_conformance,
+)
 from drivetrain.rollout.config import HFRolloutConfig
 from drivetrain.rollout.errors import RolloutProcessError
 from rollout_support import (
@@ -213,20 +217,15 @@ def test_64_streaming_requests_half_aborted(model_dir):
         for r in requests:
             collector.track(r)
         rollout.submit(requests[:32])  # the rest join a running batch
-        seen = dict.fromkeys(abort_at, 0)
+        consume = abort_after(rollout, abort_at)
         polls = 0
         while not collector.done:
             chunks = rollout.poll(0.05)
             collector.add(chunks)
+            consume(chunks)
             polls += 1
             if polls == 3:
                 rollout.submit(requests[32:])
-            for c in chunks:
-                if c.request_id in seen and not c.finished:
-                    seen[c.request_id] += len(c.token_ids)
-                    if seen[c.request_id] >= abort_at[c.request_id]:
-                        rollout.abort([c.request_id])
-                        del seen[c.request_id]
         rollout.shutdown()
         return collector.completions()
 

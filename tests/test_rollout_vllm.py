@@ -63,10 +63,8 @@ class TestVLLMRolloutConformance(RolloutConformance):
         self.model_dir, self.vllm = model_dir, vllm
 
     def harness(self):
-        harness = TransformersRolloutHarness(self.model_dir, lambda: None)
-        kept = KeptRollout(self.vllm, harness.initial)
-        harness.make = lambda: kept
-        return harness
+        kept = KeptRollout(self.vllm, self.model_dir)
+        return TransformersRolloutHarness(self.model_dir, lambda: kept)
 
 
 def test_runs_in_its_own_environment(vllm):

@@ -135,12 +135,6 @@ class RequestQueue:
             self._paused = False
             self._arrived.notify_all()
 
-    @property
-    def in_flight(self) -> int:
-        """Requests submitted and not finished (waiting or running)."""
-        with self.lock:
-            return len(self._waiting) + len(self._running)
-
     # ---- internals -----------------------------------------------------------------------
     def _unfinished(self) -> set[str]:
         return {r.request_id for r in self._waiting} | self._running

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
-from drivetrain.api.requests import Request
-from drivetrain.api.rollout import Prompt, SamplingParams
+from drivetrain.api.requests import Request, call_requests, generate_with_requests
+from drivetrain.api.rollout import Completion, Prompt, Rollout, SamplingParams
 
 
 def render_prompts(prompts: Sequence[Prompt], tokenizer: Any, vocab_size: int) -> list[list[int]]:
@@ -78,3 +79,25 @@ def check_request(request: Request, vocab_size: int, max_model_len: int) -> None
             f"{what}: {len(request.prompt_ids)} prompt tokens + max_new_tokens "
             f"{request.params.max_new_tokens} exceed the context (max_model_len={max_model_len})"
         )
+
+
+def generate_prompts(
+    rollout: Rollout,
+    tokenizer: Any,
+    prompts: Sequence[Prompt],
+    params: SamplingParams,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+) -> list[Completion]:
+    """Batch ``generate`` of a request-level rollout with a tokenizer: prompts rendered and
+    checked, ``n`` requests per prompt (:func:`~drivetrain.api.requests.call_requests`) served
+    through ``rollout``'s own submit/poll, each completion with its decoded text."""
+    prompt_ids = render_prompts(prompts, tokenizer, vocab_size)
+    budgets = new_token_budgets(prompt_ids, params, max_model_len)
+    check_stop_token_ids(params, vocab_size)
+    requests = call_requests(prompt_ids, budgets, params, seed=params.seed)
+    return [
+        replace(c, text=tokenizer.decode(c.token_ids, skip_special_tokens=True))
+        for c in generate_with_requests(rollout, requests)
+    ]

@@ -99,7 +99,7 @@ class FakeRollout(QueuedRollout):
         self.requests = RequestQueue(
             self._step, lambda: self._version, capacity=config.max_batch, reset=self._running.clear
         )
-        self.steps = 0  # token steps run so far (the conformance kit watches updates vs steps)
+        self.steps = 0  # token steps run so far
 
     @property
     def weight_version(self) -> int:

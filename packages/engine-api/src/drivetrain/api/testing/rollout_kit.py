@@ -11,6 +11,7 @@ import abc
 import math
 import random
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -55,18 +56,42 @@ def _requests(h: RolloutHarness, params: SamplingParams, prefix: str) -> list[Re
     return [Request(f"{prefix}{i}", p, params, i) for i, p in enumerate(h.prompts())]
 
 
+def _deadline(h: RolloutHarness) -> Callable[[str], None]:
+    """A check that raises once the harness's deadline passed, naming what was awaited."""
+    end = time.monotonic() + h.deadline_s
+
+    def check(what: str) -> None:
+        if time.monotonic() > end:
+            raise AssertionError(f"{what} did not happen within {h.deadline_s:.0f} s")
+
+    return check
+
+
 def _drain(rollout: Rollout, collector: Collector, h: RolloutHarness,
            on_chunks: Callable[[list[Chunk]], None] | None = None) -> None:  # fmt: skip
-    import time
-
-    deadline = time.monotonic() + h.deadline_s
+    overdue = _deadline(h)
     while not collector.done:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"requests did not finish within {h.deadline_s:.0f} s")
+        overdue("the requests' end")
         chunks = rollout.poll(0.05)
         collector.add(chunks)
         if on_chunks is not None:
             on_chunks(chunks)
+
+
+def abort_after(rollout: Rollout, abort_at: dict[str, int]) -> Callable[[list[Chunk]], None]:
+    """A chunk consumer that aborts request ``id`` once it has streamed ``abort_at[id]``
+    tokens (the abort lands while it runs: its last chunk comes with a later poll)."""
+    counts = dict.fromkeys(abort_at, 0)
+
+    def consume(chunks: list[Chunk]) -> None:
+        for chunk in chunks:
+            if chunk.request_id in counts and not chunk.finished:
+                counts[chunk.request_id] += len(chunk.token_ids)
+                if counts[chunk.request_id] >= abort_at[chunk.request_id]:
+                    rollout.abort([chunk.request_id])
+                    del counts[chunk.request_id]
+
+    return consume
 
 
 def _run(h: RolloutHarness, rollout: Rollout, requests: list[Request]) -> list[Completion]:
@@ -169,20 +194,10 @@ def check_abort(h: RolloutHarness) -> None:
         collector = Collector()
         for r in requests:
             collector.track(r)
-        counts = dict.fromkeys(abort_at, 0)
-
-        def maybe_abort(chunks: list[Chunk]) -> None:
-            for chunk in chunks:
-                if chunk.request_id in counts and not chunk.finished:
-                    counts[chunk.request_id] += len(chunk.token_ids)
-                    if counts[chunk.request_id] >= abort_at[chunk.request_id]:
-                        rollout.abort([chunk.request_id])
-                        del counts[chunk.request_id]
-
         rollout.submit(requests)
         if rollout.abort(["no-such-request"]) != 0:
             raise AssertionError("aborting an unknown request id reported an abort")
-        _drain(rollout, collector, h, maybe_abort)
+        _drain(rollout, collector, h, abort_after(rollout, abort_at))
         for r, ours, theirs in zip(requests, collector.completions(), undisturbed, strict=True):
             n = len(ours.token_ids)
             if r.request_id in abort_at:
@@ -226,8 +241,9 @@ def check_weight_versions(h: RolloutHarness) -> None:
         first = Request("span", prompt, _greedy(20))
         span.track(first)
         rollout.submit([first])
-        got = 0
+        got, overdue = 0, _deadline(h)
         while got < 6:
+            overdue("6 tokens of request 'span'")
             chunks = rollout.poll(0.05)
             span.add(chunks)
             got += sum(len(c.token_ids) for c in chunks)
@@ -293,12 +309,17 @@ def check_updates_between_steps(h: RolloutHarness) -> None:
 
         thread = threading.Thread(target=poller, daemon=True)
         thread.start()
-        while len(chunks_seen) < 8 and thread.is_alive():
-            thread.join(0.01)
-        rollout.update_weights(h.changed_weights(), version=1)
-        while thread.is_alive() and not any(c.weight_version == 1 for c in chunks_seen):
-            thread.join(0.01)
-        stop_submitting.set()
+        overdue = _deadline(h)
+        try:
+            while len(chunks_seen) < 8 and thread.is_alive():
+                overdue("8 chunks")
+                thread.join(0.01)
+            rollout.update_weights(h.changed_weights(), version=1)
+            while thread.is_alive() and not any(c.weight_version == 1 for c in chunks_seen):
+                overdue("a chunk tagged with version 1")
+                thread.join(0.01)
+        finally:
+            stop_submitting.set()
         thread.join(h.deadline_s)
         if failure:
             raise failure[0]

@@ -15,8 +15,9 @@ Sampling is per row (temperature, top-k, top-p as transformers' warpers apply th
 request's own ``torch.Generator`` (an exponential race, equivalent to multinomial sampling), so
 a seeded request samples the same tokens in any batch. Each token's log-prob is taken under
 the distribution it was sampled from (the unscaled one for greedy). Why not transformers' own
-continuous batching (``generate_batch``): on CPU it was slower here and does not share prompt
-prefill; see ``benchmarks/rollout.py``.
+continuous batching (``generate_batch``): it has no per-request seed, cannot mix greedy and
+sampled requests, does not share a prompt's prefill between its samples, and its cancel
+returns nothing of what was generated.
 """
 
 from __future__ import annotations

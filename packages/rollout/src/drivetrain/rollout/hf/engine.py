@@ -4,23 +4,20 @@ continuous batching (:mod:`drivetrain.rollout.hf.batcher`), driven by whoever po
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import replace
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from drivetrain.api.engine import NamedTensor
 from drivetrain.api.request_queue import QueuedRollout, RequestQueue
-from drivetrain.api.requests import Request, call_requests, generate_with_requests
+from drivetrain.api.requests import Request
 from drivetrain.api.rollout import Completion, Prompt, SamplingParams
 from drivetrain.rollout.config import HFRolloutConfig
 from drivetrain.rollout.devices import model_dir, resolve_device
 from drivetrain.rollout.hf.batcher import ContinuousBatcher
 from drivetrain.rollout.prompts import (
     check_request,
-    check_stop_token_ids,
-    new_token_budgets,
-    render_prompts,
+    generate_prompts,
 )
 from drivetrain.rollout.weights import stage_weights
 
@@ -73,13 +70,14 @@ class HFEngine(QueuedRollout):
         check_request(request, self.vocab_size, self.max_model_len)
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
-        prompt_ids = render_prompts(prompts, self.tokenizer, self.vocab_size)
-        budgets = new_token_budgets(prompt_ids, params, self.max_model_len)
-        check_stop_token_ids(params, self.vocab_size)
-        requests = call_requests(prompt_ids, budgets, params, seed=params.seed)
-        completions = generate_with_requests(self, requests)
-        return [replace(c, text=self.tokenizer.decode(c.token_ids, skip_special_tokens=True))
-                for c in completions]  # fmt: skip
+        return generate_prompts(
+            self,
+            self.tokenizer,
+            prompts,
+            params,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+        )
 
     # ---- weights ------------------------------------------------------------------------
     def update_weights(self, weights: Iterable[NamedTensor], *, version: int) -> None:

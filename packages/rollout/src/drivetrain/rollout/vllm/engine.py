@@ -20,7 +20,6 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterable, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ import torch
 
 from drivetrain.api.engine import NamedTensor
 from drivetrain.api.request_queue import QueuedRollout, RequestQueue, TokenEvent
-from drivetrain.api.requests import Request, call_requests, generate_with_requests
+from drivetrain.api.requests import Request
 from drivetrain.api.rollout import (
     MEMORY_TAGS,
     Completion,
@@ -41,9 +40,7 @@ from drivetrain.rollout.config import VLLMRolloutConfig
 from drivetrain.rollout.devices import model_dir
 from drivetrain.rollout.prompts import (
     check_request,
-    check_stop_token_ids,
-    new_token_budgets,
-    render_prompts,
+    generate_prompts,
 )
 from drivetrain.rollout.weight_dirs import (
     adapter_config,
@@ -217,13 +214,14 @@ class VLLMEngine(QueuedRollout):
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
         self.check_ready()
-        prompt_ids = render_prompts(prompts, self.tokenizer, self.vocab_size)
-        budgets = new_token_budgets(prompt_ids, params, self.max_model_len)
-        check_stop_token_ids(params, self.vocab_size)
-        requests = call_requests(prompt_ids, budgets, params, seed=params.seed)
-        completions = generate_with_requests(self, requests)
-        return [replace(c, text=self.tokenizer.decode(c.token_ids, skip_special_tokens=True))
-                for c in completions]  # fmt: skip
+        return generate_prompts(
+            self,
+            self.tokenizer,
+            prompts,
+            params,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+        )
 
     # ---- weights ------------------------------------------------------------------------
     def update_weights(self, weights: Iterable[NamedTensor], *, version: int) -> None:
