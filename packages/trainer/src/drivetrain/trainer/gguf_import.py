@@ -39,6 +39,10 @@ def import_gguf(gguf_file: Path, out_dir: Path, *, dtype: str = "bfloat16") -> P
         )
     plain = plain.to(getattr(torch, dtype))
     plain.config.dtype = getattr(torch, dtype)
+    # the weights are plain now; a config that still names GGUF quantisation (transformers
+    # keeps it from the load) makes vLLM refuse the model
+    if hasattr(plain.config, "quantization_config"):
+        del plain.config.quantization_config
     staging = staging_path(out_dir)
     plain.save_pretrained(str(staging))
     tokenizer.save_pretrained(str(staging))
