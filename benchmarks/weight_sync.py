@@ -1,8 +1,10 @@
 """Weight sync: seconds and GB/s per transport against the naive path and memcpy.
 
 For a ~100M and a ~500M parameter Llama (bf16), a sender in this process streams the model's
-tensors to a receiver process that copies them into its own copy of the model (what a rollout
-does), through each drivetrain transport, measured side by side with:
+tensors to a receiver process running drivetrain's ``hf`` rollout on the same model, which
+applies them as they arrive (the rollout's own weight path: ``WeightReceiver.receive`` ->
+``update_weights``; a tensor split across buckets is written straight into its parameter),
+through each drivetrain transport, measured side by side with:
 
 - the naive path: ``torch.save(model.state_dict())`` and ``from_pretrained`` on the other
   side (the reload of a whole checkpoint that weight sync replaces), and
@@ -74,28 +76,43 @@ def build_model(size: str, *, random: bool, device: str = "cpu"):
     return model
 
 
+def save_model(size: str, directory: Path) -> Path:
+    """The model (bf16) with a small tokenizer, for the receiving rollout to load."""
+    from drivetrain.trainer.builtin.char_tokenizer import build_char_tokenizer
+
+    build_model(size, random=False).save_pretrained(directory)
+    build_char_tokenizer(directory)
+    return directory
+
+
 def receiver(
-    name: str, config: dict, endpoint: dict, size: str, repeats: int, device: str, out
+    name: str, config: dict, endpoint: dict, model_dir: str, repeats: int, device: str, out
 ) -> None:
-    """The rollout side: receive every sync into a model of the same shape."""
+    """The rollout side: an ``hf`` rollout receiving every sync into its model."""
     torch.set_num_threads(1)
     from drivetrain.api.config import WeightSyncConfig
-    from drivetrain.api.registry import ckpt_engines
-    from drivetrain.api.weight_sync import Topology, TransportRole
+    from drivetrain.api.registry import ckpt_engines, rollouts
+    from drivetrain.api.weight_receiver import WeightReceiver
+    from drivetrain.api.weight_sync import Topology
+    from drivetrain.rollout.config import HFRolloutConfig
 
-    params = dict(build_model(size, random=False, device=device).state_dict())
+    rollout = rollouts.load("hf")(
+        HFRolloutConfig(model_path=model_dir, dtype="bfloat16", device=device, num_threads=1)
+    )
     config_cls = ckpt_engines.load_config_class(name, WeightSyncConfig)
-    transport = ckpt_engines.load(name)(config_cls(**config))
-    transport.connect(TransportRole.RECEIVER, 1, Topology.one_sender(1), endpoint)
-    with torch.no_grad():
-        for _ in range(repeats):
-            for tensor_name, tensor in transport.receive():
-                params[tensor_name].copy_(tensor)
-    transport.finalize()
+    weights = WeightReceiver(rollout)
+    topology = Topology.one_sender(1)
+    weights.connect(name, config_cls(**config), rank=1, topology=topology, endpoint=endpoint)
+    for version in range(1, repeats + 1):
+        weights.receive(version)
+    weights.disconnect()
+    rollout.shutdown()
     out.put("done")
 
 
-def time_transport(name: str, model, size: str, repeats: int, bucket_bytes: int) -> list[float]:
+def time_transport(
+    name: str, model, model_dir: Path, repeats: int, bucket_bytes: int
+) -> list[float]:
     from drivetrain.api.config import WeightSyncConfig
     from drivetrain.api.registry import ckpt_engines
     from drivetrain.api.weight_sync import Topology, TransportRole
@@ -108,7 +125,8 @@ def time_transport(name: str, model, size: str, repeats: int, bucket_bytes: int)
     ctx = mp.get_context("spawn")
     done = ctx.Queue()
     proc = ctx.Process(
-        target=receiver, args=(name, config, dict(endpoint), size, repeats, device, done)
+        target=receiver,
+        args=(name, config, dict(endpoint), str(model_dir), repeats, device, done),
     )
     proc.start()
     try:
@@ -189,9 +207,10 @@ def main() -> None:
             naive = time_naive(model, size, work, args.repeats)
             rows.append((size, params, "naive", naive[0], steady(naive), nbytes))
             speedup[size], first[size], fraction[size] = {}, {}, {}
+            model_dir = save_model(size, work / f"model-{size}")
             for name in args.transports.split(","):
                 seconds = time_transport(
-                    name, model, size, args.repeats, args.bucket_mib * 1024 * 1024
+                    name, model, model_dir, args.repeats, args.bucket_mib * 1024 * 1024
                 )
                 rows.append((size, params, name, seconds[0], steady(seconds), nbytes))
                 speedup[size][name] = round(steady(naive) / steady(seconds), 2)

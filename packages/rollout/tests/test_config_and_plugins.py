@@ -4,7 +4,7 @@ from drivetrain.api import ConfigError, Prompt, SamplingParams
 from drivetrain.api.registry import rollouts
 from drivetrain.rollout.config import HFRolloutConfig, VLLMRolloutConfig
 from drivetrain.rollout.errors import BackendNotInstalledError
-from drivetrain.rollout.frontends import load_engine_class
+from drivetrain.rollout.frontends import load_backend_class
 
 
 def test_registry_lists_the_three_backends_with_capabilities():
@@ -43,7 +43,7 @@ def test_missing_backend_library_gives_install_hint(backend):
     else:
         pytest.skip(f"{backend} is installed in this environment")
     with pytest.raises(BackendNotInstalledError, match=r"pip install 'drivetrain-rollout\["):
-        load_engine_class(backend)
+        load_backend_class(backend)
     # the frontend class itself imports (the registry lists the backend as usable)
     assert rollouts.load(backend).backend == backend
 
@@ -71,9 +71,9 @@ def test_sampling_params_are_validated_before_any_backend():
 
 
 def test_cpu_tensor_parallel_workers_split_the_cores(monkeypatch):
-    from drivetrain.rollout.vllm import engine
+    from drivetrain.rollout.vllm import rollout as vllm_rollout
 
-    monkeypatch.setattr(engine.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
-    assert engine.cpu_binding(2) == "0,1|2,3"
+    monkeypatch.setattr(vllm_rollout.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
+    assert vllm_rollout.cpu_binding(2) == "0,1|2,3"
     with pytest.raises(ValueError, match="need at least 8 cores"):
-        engine.cpu_binding(8)
+        vllm_rollout.cpu_binding(8)

@@ -13,7 +13,7 @@ from drivetrain.api import PluginError, Prompt, SamplingParams
 from drivetrain.api.testing import FakeRollout, FakeRolloutConfig
 from drivetrain.rollout.config import BackendConfig
 from drivetrain.rollout.errors import RolloutProcessError
-from drivetrain.rollout.process.client import RolloutProcess
+from drivetrain.rollout.process.client import start_server_rollout
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -24,7 +24,7 @@ PROMPTS = [Prompt(token_ids=(1, 2)), Prompt(token_ids=(3,))]
 
 @pytest.fixture
 def remote():
-    process = RolloutProcess("fake", CONFIG, LAUNCH)
+    process = start_server_rollout("fake", CONFIG, LAUNCH)
     yield process
     process.shutdown()
 
@@ -32,7 +32,7 @@ def remote():
 def test_remote_generation_equals_in_process(remote):
     params = SamplingParams(n=3, max_new_tokens=6, seed=11, temperature=0.8)
     assert remote.generate(PROMPTS, params) == FakeRollout(CONFIG).generate(PROMPTS, params)
-    assert remote.info["pid"] == remote.process.pid
+    assert remote.channel.info["pid"] == remote.channel.process.pid
     assert remote.weight_version == 0
     assert remote.sleep(1) is False  # nothing freed: the fake holds no accelerator memory
     remote.wake_up()
@@ -48,14 +48,14 @@ def test_remote_errors_keep_their_type_and_the_server_keeps_serving(remote):
 
 
 def test_clean_shutdown_exits_and_removes_the_log(remote):
-    log = remote.log_path
+    log = remote.channel.log_path
     remote.shutdown()
-    assert remote.process.returncode == 0
+    assert remote.channel.process.returncode == 0
     assert not log.exists()
 
 
 def test_a_dead_server_is_an_error_not_a_hang(remote):
-    os.killpg(remote.process.pid, signal.SIGKILL)
+    os.killpg(remote.channel.process.pid, signal.SIGKILL)
     start = time.monotonic()
     with pytest.raises(RolloutProcessError, match="fake rollout process"):
         remote.generate(PROMPTS, SamplingParams())
@@ -64,20 +64,20 @@ def test_a_dead_server_is_an_error_not_a_hang(remote):
 
 def test_engine_start_failures_reach_the_caller_and_leave_no_process():
     with pytest.raises(PluginError, match="unknown rollout 'nonesuch'"):
-        RolloutProcess("nonesuch", CONFIG, LAUNCH)
+        start_server_rollout("nonesuch", CONFIG, LAUNCH)
 
 
 def test_an_interpreter_that_never_connects_fails_fast(tmp_path):
     false = shutil.which("false")
     assert false
     with pytest.raises(RolloutProcessError, match="exited before connecting"):
-        RolloutProcess("fake", CONFIG, BackendConfig(python=false, start_timeout_s=30))
+        start_server_rollout("fake", CONFIG, BackendConfig(python=false, start_timeout_s=30))
 
 
 def test_a_hung_server_times_out_instead_of_blocking():
     launch = BackendConfig(python=sys.executable, start_timeout_s=60, request_timeout_s=2)
-    remote = RolloutProcess("fake", CONFIG, launch)
-    os.killpg(remote.process.pid, signal.SIGSTOP)  # alive, but never answers
+    remote = start_server_rollout("fake", CONFIG, launch)
+    os.killpg(remote.channel.process.pid, signal.SIGSTOP)  # alive, but never answers
     start = time.monotonic()
     with pytest.raises(RolloutProcessError, match="did not answer within 2 s"):
         remote.generate(PROMPTS, SamplingParams())

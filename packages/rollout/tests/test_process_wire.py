@@ -19,7 +19,7 @@ from drivetrain.api.testing import FakeRollout, FakeRolloutConfig
 from drivetrain.rollout.config import BackendConfig
 from drivetrain.rollout.errors import ProtocolError, RolloutProcessError
 from drivetrain.rollout.process import wire
-from drivetrain.rollout.process.client import RolloutProcess
+from drivetrain.rollout.process.client import start_server_rollout
 from drivetrain.rollout.process.protocol import ADDRESS_ENV, AUTHKEY_ENV
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(120)]
@@ -73,7 +73,7 @@ def test_every_message_kind_round_trips_as_json():
         ("start", ("fake", CONFIG)),  # a plugin's own config class, declared in its spec
         ("generate", ([Prompt(messages=({"role": "user", "content": "hi"},))], SamplingParams())),
         ("ok", [Completion(0, (1,), (2, 3), (-0.5, float("-inf")), FinishReason.STOP, 4)]),
-        ("connect_weight_sync", ("fake", FakeTransportConfig(), 1, Topology((0,), (1,)), {})),
+        ("weights_connect", ("fake", FakeTransportConfig(), 1, Topology((0,), (1,)), {})),
         ("ok", SyncStats(version=2, num_tensors=3, num_buckets=1, bytes=10, seconds=0.5)),
         ("x", {"address": ("127.0.0.1", 5), 7: b"\x00\xff", "$tag": [None, True, 1.5]}),
         ("ok", LoraConfig(rank=8)),
@@ -111,12 +111,12 @@ def test_a_transport_config_declared_by_a_plugin_reaches_the_server():
     from drivetrain.api.testing.fake_transport import FakeTransportConfig
     from drivetrain.api.weight_sync import Topology
 
-    remote = RolloutProcess("fake", CONFIG, BackendConfig(python=sys.executable))
+    remote = start_server_rollout("fake", CONFIG, BackendConfig(python=sys.executable))
     try:
         # The server rebuilds the config, builds the transport, which then finds no channel
         # (the fake transport works within one process): its error, not a protocol error.
         with pytest.raises(RolloutProcessError, match="WeightSyncError: no fake channel 'x'"):
-            remote.connect_weight_sync(
+            remote.weight_receiver().connect(
                 "fake", FakeTransportConfig(timeout_s=7), rank=1,
                 topology=Topology((0,), (1,)), endpoint={"channel": "x"},
             )  # fmt: skip
@@ -193,7 +193,7 @@ except EOFError:
 """,
     )
     with pytest.raises(ProtocolError, match="not a drivetrain wire message"):
-        RolloutProcess("fake", CONFIG, BackendConfig(python=evil_server, start_timeout_s=60))
+        start_server_rollout("fake", CONFIG, BackendConfig(python=evil_server, start_timeout_s=60))
     assert not marker.exists(), "the client unpickled the reply (and ran its code)"
 
 
@@ -222,7 +222,7 @@ os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
 """,
     )
     caplog.set_level(logging.WARNING, logger="drivetrain.rollout.process.listener")
-    remote = RolloutProcess("fake", CONFIG, BackendConfig(python=strays, start_timeout_s=60))
+    remote = start_server_rollout("fake", CONFIG, BackendConfig(python=strays, start_timeout_s=60))
     try:
         params = SamplingParams(n=2, max_new_tokens=4, seed=5)
         assert remote.generate(PROMPTS, params) == FakeRollout(CONFIG).generate(PROMPTS, params)

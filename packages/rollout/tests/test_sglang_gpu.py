@@ -52,7 +52,7 @@ def model_b(tmp_path_factory):
 
 
 def _engine(path):
-    from drivetrain.rollout.sglang.engine import SGLangEngine
+    from drivetrain.rollout.sglang.rollout import SGLangRollout
 
     config = SGLangRolloutConfig(
         model_path=str(path),
@@ -62,7 +62,7 @@ def _engine(path):
         attention_backend="torch_native",  # fp32 attention, as transformers computes it
         disable_cuda_graph=True,
     )
-    return SGLangEngine(config)
+    return SGLangRollout(config)
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,8 @@ from drivetrain.api.rollout import FinishReason, SamplingParams
 from drivetrain.api.testing.fake_rollout import processed_log_probs
 from drivetrain.rollout.config import SGLangRolloutConfig
 from drivetrain.rollout.errors import BackendNotInstalledError
-from drivetrain.rollout.frontends import load_engine_class
+from drivetrain.rollout.frontends import load_backend_class
 from drivetrain.rollout.sglang import requests
-from drivetrain.rollout.sglang.engine import NO_CUDA, SGLangEngine, engine_arguments
 from drivetrain.rollout.sglang.requests import (
     TopKTopPFilter,
     check_result,
@@ -32,6 +31,7 @@ from drivetrain.rollout.sglang.requests import (
     sampling_params_dict,
     weight_buckets,
 )
+from drivetrain.rollout.sglang.rollout import NO_CUDA, SGLangRollout, engine_arguments
 
 
 # ---- sampling params ----------------------------------------------------------------------
@@ -287,7 +287,7 @@ def test_engine_refuses_a_machine_without_cuda_before_importing_sglang(model_dir
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setitem(sys.modules, "sglang", None)  # importing it would raise ImportError
     with pytest.raises(RuntimeError, match=NO_CUDA) as error:
-        SGLangEngine(SGLangRolloutConfig(model_path=str(model_dir)))
+        SGLangRollout(SGLangRolloutConfig(model_path=str(model_dir)))
     assert "SGLang needs a CUDA GPU; on CPU use the hf or vllm rollout" in str(error.value)
 
 
@@ -295,18 +295,18 @@ def test_engine_refuses_device_cpu_even_with_cuda(model_dir, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setitem(sys.modules, "sglang", None)
     with pytest.raises(RuntimeError, match=r"CUDA GPU.*rollout.device='cpu'"):
-        SGLangEngine(SGLangRolloutConfig(model_path=str(model_dir), device="cpu"))
+        SGLangRollout(SGLangRolloutConfig(model_path=str(model_dir), device="cpu"))
 
 
 def test_engine_checks_the_model_directory_first(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a Hugging Face model directory"):
-        SGLangEngine(SGLangRolloutConfig(model_path=str(tmp_path / "nowhere")))
+        SGLangRollout(SGLangRolloutConfig(model_path=str(tmp_path / "nowhere")))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang installed")
-def test_load_engine_class_names_the_install_command():
+def test_load_backend_class_names_the_install_command():
     with pytest.raises(BackendNotInstalledError, match="needs sglang") as error:
-        load_engine_class("sglang")
+        load_backend_class("sglang")
     assert "pip install 'drivetrain-rollout[sglang]'" in str(error.value)
     assert "python -m drivetrain.rollout.env sglang" in str(error.value)
 

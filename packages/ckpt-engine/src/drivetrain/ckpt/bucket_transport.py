@@ -9,7 +9,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from drivetrain.api.engine import NamedTensor
-from drivetrain.api.weight_sync import SyncStats, WeightTransport
+from drivetrain.api.weight_sync import Destination, SyncStats, WeightTransport
 from drivetrain.ckpt.pipeline import (
     ReceiverLink,
     SenderLink,
@@ -43,10 +43,11 @@ class BucketTransport(WeightTransport):
             if getattr(link, "broken", False):
                 self._on_broken()
 
-    def receive(self) -> Iterator[NamedTensor]:
-        return self._receiving(self._receiver_link())  # "not connected" raises here, not later
+    def receive(self, into: Destination | None = None) -> Iterator[NamedTensor]:
+        link = self._receiver_link()  # "not connected" raises here, not at the first tensor
+        return self._receiving(link, into)
 
-    def _receiving(self, link: ReceiverLink) -> Iterator[NamedTensor]:
+    def _receiving(self, link: ReceiverLink, into: Destination | None) -> Iterator[NamedTensor]:
         try:
             yield from receive_stream(
                 link,
@@ -54,6 +55,7 @@ class BucketTransport(WeightTransport):
                 verify=self.config.verify,
                 timeout_s=self.config.deadline_s(link.buffers[0].numel()),  # one bucket
                 on_stats=self._record,
+                into=into,
             )
         finally:
             if getattr(link, "broken", False):

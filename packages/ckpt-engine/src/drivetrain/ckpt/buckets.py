@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from drivetrain.api.engine import NamedTensor
-from drivetrain.api.weight_sync import WeightSyncError
+from drivetrain.api.weight_sync import Destination, WeightSyncError
 
 ALIGN = 64
 
@@ -132,11 +132,13 @@ class Reassembler:
     """Rebuilds full tensors from pieces on the receiving side. A tensor that arrived whole is
     a view of the bucket (valid until the consumer moves past the bucket, as the stream
     contract says: consumers copy what they keep, and copying once is the cost of a sync);
-    one that arrived in pieces is rejoined in new memory on ``device``."""
+    one that arrived in pieces is written into the consumer's own tensor when ``into`` gives
+    one (no second copy, no allocation), else rejoined in new memory on ``device``."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, into: Destination | None = None) -> None:
         self.device = device
-        self._partial: tuple[Piece, torch.Tensor] | None = None
+        self.into = into
+        self._partial: tuple[Piece, torch.Tensor, torch.Tensor | None] | None = None
         self.completed = 0
 
     def add(self, piece: Piece, data: torch.Tensor) -> NamedTensor | None:
@@ -146,16 +148,40 @@ class Reassembler:
                 raise WeightSyncError(f"tensor {self._partial[0].name!r} ended incomplete")
             if piece.last:
                 return self._finish(piece, data)
-            storage = torch.empty(piece.total, dtype=torch.uint8, device=self.device)
-            self._partial = (piece, storage)
+            target = self._destination(piece)
+            storage = (
+                torch.empty(piece.total, dtype=torch.uint8, device=self.device)
+                if target is None
+                else byte_view(target)
+            )
+            self._partial = (piece, storage, target)
         elif self._partial is None or self._partial[0].name != piece.name:
             raise WeightSyncError(f"piece of {piece.name!r} arrived without its beginning")
-        storage = self._partial[1]
+        _, storage, target = self._partial
         storage[piece.start : piece.stop].copy_(data)
         if not piece.last:
             return None
         self._partial = None
+        if target is not None:
+            self.completed += 1
+            return piece.name, target
         return self._finish(piece, storage)
+
+    def _destination(self, piece: Piece) -> torch.Tensor | None:
+        """The consumer's tensor for ``piece``'s weight when it can take the bytes as they are
+        (same shape, dtype and device, contiguous), else ``None``."""
+        if self.into is None:
+            return None
+        target = self.into(piece.name, piece.shape, piece.dtype)
+        if (
+            isinstance(target, torch.Tensor)
+            and tuple(target.shape) == piece.shape
+            and dtype_name(target.dtype) == piece.dtype
+            and target.device == self.device
+            and target.is_contiguous()
+        ):
+            return target.detach()
+        return None
 
     def _finish(self, piece: Piece, storage: torch.Tensor) -> NamedTensor:
         self.completed += 1

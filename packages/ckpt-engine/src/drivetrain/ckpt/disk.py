@@ -37,6 +37,7 @@ import torch
 from drivetrain.api.atomic_dir import remove_stale_staging, staging_path
 from drivetrain.api.engine import NamedTensor
 from drivetrain.api.weight_sync import (
+    Destination,
     SyncStats,
     Topology,
     TransportRole,
@@ -266,7 +267,8 @@ class DiskTransport(WeightTransport):
         remove_stale_staging(self.root)
 
     # ---- receiver -------------------------------------------------------------------------
-    def receive(self) -> Iterator[NamedTensor]:
+    def receive(self, into: Destination | None = None) -> Iterator[NamedTensor]:
+        del into  # whole tensors only: nothing to rebuild
         if self.role is not TransportRole.RECEIVER or self.root is None:
             raise WeightSyncError("not connected as a receiver")
         return self._receive()

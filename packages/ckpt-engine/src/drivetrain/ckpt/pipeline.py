@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from drivetrain.api.engine import NamedTensor
-from drivetrain.api.weight_sync import SyncStats, WeightSyncError
+from drivetrain.api.weight_sync import Destination, SyncStats, WeightSyncError
 from drivetrain.ckpt.buckets import Piece, Reassembler, StreamDigest, pack, plan_buckets
 from drivetrain.ckpt.devices import synchronize
 
@@ -134,9 +134,11 @@ def receive_stream(
     verify: bool,
     timeout_s: float,
     on_stats: Callable[[SyncStats], None],
+    into: Destination | None = None,
 ) -> Iterator[NamedTensor]:
     """Yield one sync's tensors; ``on_stats`` gets its statistics after the end was verified.
-    Raises :class:`WeightSyncError` (before the end) on abort, timeout, or a mismatch."""
+    Raises :class:`WeightSyncError` (before the end) on abort, timeout, or a mismatch. A
+    tensor sent in pieces goes straight into ``into``'s tensor when it names one."""
     start = time.perf_counter()
     messages: queue.Queue[Any] = queue.Queue()
     stop = threading.Event()
@@ -144,7 +146,7 @@ def receive_stream(
         target=_read_ahead, args=(link, messages, stop), name="weight-sync-recv", daemon=True
     )
     reader.start()
-    rebuild = Reassembler(device)
+    rebuild = Reassembler(device, into)
     digest = StreamDigest() if verify else None
     num_buckets = total_bytes = 0
     completed = False

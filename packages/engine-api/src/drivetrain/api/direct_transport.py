@@ -21,6 +21,7 @@ from typing import Any
 from drivetrain.api.engine import NamedTensor
 from drivetrain.api.plugin import PluginSpec
 from drivetrain.api.weight_sync import (
+    Destination,
     SyncStats,
     Topology,
     TransportRole,
@@ -155,7 +156,8 @@ class DirectTransport(WeightTransport):
                                    max(0.0, deadline - time.monotonic()))  # fmt: skip
                 link.drain()
 
-    def receive(self) -> Iterator[NamedTensor]:
+    def receive(self, into: Destination | None = None) -> Iterator[NamedTensor]:
+        del into  # whole tensors only: nothing to rebuild
         link = self._link
         if link is None:
             raise WeightSyncError("the direct transport's receiver is not connected")

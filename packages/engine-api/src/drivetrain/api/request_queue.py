@@ -12,10 +12,11 @@ steps.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from drivetrain.api.requests import Chunk, Request
@@ -194,19 +195,58 @@ class RequestQueue:
         return chunks
 
 
+@dataclass
+class WeightUpdate:
+    """One weight update in progress (see :meth:`QueuedRollout.updating_weights`)."""
+
+    version: int
+    #: set by whatever writes a weight: from then on a failure leaves old and new weights mixed
+    changed: bool = False
+
+
 class QueuedRollout(Rollout):
     """A rollout whose requests a :class:`RequestQueue` keeps: set :attr:`requests` in
     ``__init__``; override :meth:`validate_request` (``ValueError`` for a request the backend
     cannot serve) and :meth:`check_ready` (``RuntimeError`` while it cannot generate, e.g.
-    asleep)."""
+    asleep; call ``super().check_ready()``). Backends change weights inside
+    :meth:`updating_weights`."""
 
     requests: RequestQueue
+    #: why the weights are a mix of two versions (an update failed part-way), else ``None``
+    torn: str | None = None
+    #: the update in progress, if any
+    weight_update: WeightUpdate | None = None
 
     def validate_request(self, request: Request) -> None:
         return None
 
     def check_ready(self) -> None:
-        return None
+        if self.torn is not None:
+            raise RuntimeError(f"{type(self).__name__} cannot generate: {self.torn}")
+
+    @contextlib.contextmanager
+    def updating_weights(self, version: int) -> Iterator[WeightUpdate]:
+        """Around applying the weights of ``version`` as they arrive: holds the step lock
+        (weights change between token steps only). The body sets ``changed`` before it writes
+        the first weight. If it fails after that, the rollout holds a mix of two versions: it
+        aborts every request and refuses new ones until an update succeeds. A failure before
+        any weight changed leaves the rollout as it was."""
+        update = WeightUpdate(version)
+        with self.requests.lock:
+            self.weight_update = update
+            try:
+                yield update
+            except BaseException as exc:
+                if update.changed:
+                    self.torn = (
+                        f"the update to weights version {version} failed part-way "
+                        f"({type(exc).__name__}: {exc}); send the weights again"
+                    )
+                    self.requests.abort()
+                raise
+            finally:
+                self.weight_update = None
+            self.torn = None
 
     def submit(self, requests: Sequence[Request]) -> None:
         self.check_ready()

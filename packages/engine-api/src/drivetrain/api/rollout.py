@@ -15,14 +15,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from drivetrain.api.config import RolloutConfig, WeightSyncConfig
+from drivetrain.api.config import RolloutConfig
 from drivetrain.api.engine import NamedTensor
-from drivetrain.api.weight_sync import (
-    SyncStats,
-    Topology,
-    TransportRole,
-    WeightSyncError,
-)
 
 if TYPE_CHECKING:
     from drivetrain.api.requests import Chunk, Request
@@ -170,6 +164,13 @@ class Rollout(abc.ABC):
         generation uses the new weights and reports ``version``.
         """
 
+    def weight_destination(self, name: str, shape: tuple[int, ...], dtype: str) -> Any:
+        """During :meth:`update_weights`: the tensor the weight ``name`` is copied into, when
+        it has this shape and dtype (``"bfloat16"``...), so a transport that rebuilds a tensor
+        from pieces writes them there directly (see ``WeightTransport.receive``); else
+        ``None``, the default. A backend that returns one applies weights as they arrive."""
+        return None
+
     @property
     @abc.abstractmethod
     def weight_version(self) -> int:
@@ -191,7 +192,7 @@ class Rollout(abc.ABC):
             raise ValueError(f"unknown memory tags {sorted(set(tags) - MEMORY_TAGS)}")
         return None
 
-    # ---- weight sync ----------------------------------------------------------------------
+    # ---- around a weight update -----------------------------------------------------------
     def pause_generation(self, *, abort: bool = False) -> int:
         """Hold new requests (submitted ones wait) and let none be in flight (before a weight
         update): ``abort`` aborts the running ones, else they run to their end. Returns how
@@ -202,52 +203,6 @@ class Rollout(abc.ABC):
     def resume_generation(self) -> None:
         """Undo :meth:`pause_generation`."""
         return None
-
-    def connect_weight_sync(
-        self,
-        transport: str,
-        config: WeightSyncConfig,
-        *,
-        rank: int,
-        topology: Topology,
-        endpoint: Mapping[str, Any],
-    ) -> None:
-        """Join a weight-sync transport (a ``drivetrain.ckpt_engines`` plugin) as receiver
-        ``rank``, in the process that holds the weights; reused until
-        :meth:`disconnect_weight_sync`. Backends living in another process forward the call."""
-        from drivetrain.api.registry import ckpt_engines
-
-        self.disconnect_weight_sync()
-        receiver = ckpt_engines.load(transport)(config)
-        receiver.connect(TransportRole.RECEIVER, rank, topology, endpoint)
-        self._weight_receiver = receiver
-
-    def receive_weights(self, version: int) -> SyncStats:
-        """Receive one sync from the connected transport into :meth:`update_weights` (all or
-        nothing: a failed or unverified stream leaves the old weights in use)."""
-        receiver = getattr(self, "_weight_receiver", None)
-        if receiver is None:
-            raise WeightSyncError("receive_weights before connect_weight_sync")
-        receiver.last_stats = None
-        stream = receiver.receive()
-        try:
-            self.update_weights(stream, version=version)
-        finally:  # a consumer that stopped early lets the transport know now, not at GC
-            close = getattr(stream, "close", None)
-            if close is not None:
-                close()
-        stats = receiver.last_stats
-        if stats is None:
-            raise WeightSyncError("the transport ended its stream without its statistics")
-        if stats.version != version:  # a receiver that fell a sync behind
-            raise WeightSyncError(f"expected weights version {version}, got {stats.version}")
-        return stats
-
-    def disconnect_weight_sync(self) -> None:
-        receiver = getattr(self, "_weight_receiver", None)
-        if receiver is not None:
-            self._weight_receiver = None
-            receiver.finalize()
 
     def shutdown(self) -> None:
         """Release processes and memory; the object is unusable afterwards."""

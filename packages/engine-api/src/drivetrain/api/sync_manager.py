@@ -10,11 +10,12 @@
         resume generation               (also after a failure, old weights kept)
 
 Nothing here touches tensors: the sender is any function ``send(version)`` (an engine rank
-exporting into a transport, or a Ray call doing so), the receivers are
-:class:`~drivetrain.api.rollout.Rollout` objects (in-process, in a server process or behind a
-proxy) joined to the same transport with :meth:`Rollout.connect_weight_sync`. In-process
-placement uses the ``direct`` transport (:mod:`drivetrain.api.direct_transport`), so one
-sequence serves every placement.
+exporting into a transport, or a Ray call doing so); each rollout (in this process, or behind
+a :class:`~drivetrain.api.remote_rollout.RemoteRollout` proxy) has a receiving end
+(:class:`~drivetrain.api.weight_receiver.WeightReceiver`, kept here or by the rollout's host)
+joined to the same transport by :func:`connect_rollouts`. In-process placement uses the
+``direct`` transport (:mod:`drivetrain.api.direct_transport`), so one sequence serves every
+placement.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from drivetrain.api.engine import NamedTensor
+from drivetrain.api.remote_rollout import RemoteRollout
 from drivetrain.api.rollout import Rollout
+from drivetrain.api.weight_receiver import Receiving, WeightReceiver
 from drivetrain.api.weight_sync import (
     SyncStats,
     Topology,
@@ -111,31 +114,40 @@ def _all_at_once(calls: Sequence[Callable[[], Any]], *, settle: bool = False) ->
     return results
 
 
+def receiver_for(rollout: Rollout) -> Receiving:
+    """The rollout's receiving end: in its host's process for a proxy, else here."""
+    if isinstance(rollout, RemoteRollout):
+        return rollout.weight_receiver()
+    return WeightReceiver(rollout)
+
+
 def connect_rollouts(
     sender: Callable[[Topology, Mapping[str, Any]], None],
     endpoint: Mapping[str, Any],
     transport: str,
     config: Any,
     rollouts: Sequence[Rollout],
-) -> Topology:
-    """Join the sending side (``sender(topology, endpoint)``, rank 0) and every rollout (rank
-    ``i + 1``) into one transport group; ``transport`` is the plugin name the rollouts load on
-    their side. Connecting is collective, so every side runs at once."""
+) -> list[Receiving]:
+    """Join the sending side (``sender(topology, endpoint)``, rank 0) and every rollout's
+    receiving end (rank ``i + 1``) into one transport group; ``transport`` is the plugin name
+    the receivers load on their side. Connecting is collective, so every side runs at once.
+    Returns the connected receivers, in the rollouts' order."""
     topology = Topology.one_sender(len(rollouts))
+    receivers = [receiver_for(rollout) for rollout in rollouts]
     calls: list[Callable[[], Any]] = [lambda: sender(topology, endpoint)]
-    for rank, rollout in zip(topology.receivers, rollouts, strict=True):
+    for rank, receiver in zip(topology.receivers, receivers, strict=True):
         calls.append(
-            lambda rollout=rollout, rank=rank: rollout.connect_weight_sync(
+            lambda receiver=receiver, rank=rank: receiver.connect(
                 transport, config, rank=rank, topology=topology, endpoint=endpoint
             )
         )
     _all_at_once(calls)
-    return topology
+    return receivers
 
 
 def connect_transport(
     sender: WeightTransport, transport: str, rollouts: Sequence[Rollout]
-) -> Topology:
+) -> list[Receiving]:
     """:func:`connect_rollouts` for a sending transport object in this process."""
 
     def join(topology: Topology, endpoint: Mapping[str, Any]) -> None:
@@ -145,22 +157,27 @@ def connect_transport(
 
 
 class WeightSyncManager:
-    """Runs :meth:`sync` every step. ``abort_inflight`` ends running requests instead of
-    waiting for them; ``colocated`` puts the rollouts to sleep while the trainer updates (they
-    share its device) and wakes them by tag around the transfer."""
+    """Runs :meth:`sync` every step for ``rollouts``, whose connected ``receivers`` (from
+    :func:`connect_rollouts`, in the same order) take the weights. ``abort_inflight`` ends
+    running requests instead of waiting for them; ``colocated`` puts the rollouts to sleep while
+    the trainer updates (they share its device) and wakes them by tag around the transfer."""
 
     def __init__(
         self,
         send: SendFn,
         rollouts: Sequence[Rollout],
+        receivers: Sequence[Receiving],
         *,
         abort_inflight: bool = False,
         colocated: bool = False,
     ) -> None:
         if not rollouts:
             raise ValueError("a weight sync needs at least one rollout")
+        if len(receivers) != len(rollouts):
+            raise ValueError(f"{len(rollouts)} rollouts but {len(receivers)} receivers")
         self.send = send
         self.rollouts = tuple(rollouts)
+        self.receivers = tuple(receivers)
         self.abort_inflight = abort_inflight
         self.colocated = colocated
         self.reports: list[SyncReport] = []
@@ -221,7 +238,7 @@ class WeightSyncManager:
 
     def _transfer(self, version: int) -> tuple[SyncStats, list[SyncStats]]:
         calls: list[Callable[[], Any]] = [lambda: self.send(version)]
-        calls += [lambda r=r: r.receive_weights(version) for r in self.rollouts]
+        calls += [lambda r=r: r.receive(version) for r in self.receivers]
         results = _all_at_once(calls, settle=True)
         failures = [r for r in results if isinstance(r, Exception)]
         if failures:
@@ -238,3 +255,10 @@ class WeightSyncManager:
                     f"a rollout received digest {stats.digest}, the sender sent {sent.digest}"
                 )
         return sent, received
+
+    def close(self) -> None:
+        """Every receiver leaves the transport (each tried, the first failure raised)."""
+        results = _all_at_once([r.disconnect for r in self.receivers], settle=True)
+        failures = [r for r in results if isinstance(r, Exception)]
+        if failures:
+            raise failures[0]

@@ -8,7 +8,8 @@ One sync, as the trainer's manager runs it::
     receiver_i.connect(TransportRole.RECEIVER, i + 1, topology, endpoint)
     # every step, sender and receivers at once (threads or processes):
     stats = sender.send(engine.export_weights(), version=step)  ‖
-    rollout_i.update_weights(receiver_i.receive(), version=step)
+    rollout_i.update_weights(receiver_i.receive(into=rollout_i.weight_destination),
+                             version=step)
     ...
     transport.finalize()
 
@@ -21,13 +22,17 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from drivetrain.api.config import WeightSyncConfig
 from drivetrain.api.engine import NamedTensor
 from drivetrain.api.errors import DrivetrainError
+
+#: ``into(name, shape, dtype_name)``: the receiving side's own tensor for a weight (the same
+#: shape and dtype), or ``None``. See :meth:`WeightTransport.receive`.
+Destination = Callable[[str, tuple[int, ...], str], Any]
 
 
 class WeightSyncError(DrivetrainError):
@@ -121,13 +126,18 @@ class WeightTransport(abc.ABC):
         the last bucket; raises :class:`WeightSyncError` within the deadline if one does not."""
 
     @abc.abstractmethod
-    def receive(self) -> Iterator[NamedTensor]:
+    def receive(self, into: Destination | None = None) -> Iterator[NamedTensor]:
         """Yield the tensors of one sync (blocking), in the sender's order, as full tensors
         with the sender's names, shapes and dtypes, ending when the sender's stream ends. A
         yielded tensor may be a view of the transport's buffers, valid until the next one is
         requested (as with an engine's export): consumers copy what they keep. Raises
         :class:`WeightSyncError` before the end if the stream is incomplete or fails
-        verification, so an all-or-nothing consumer applies nothing."""
+        verification (an all-or-nothing consumer stages what it got and applies nothing).
+
+        ``into`` lets a transport skip a copy: for a tensor it must rebuild (one that arrives
+        in pieces), it may ask ``into(name, shape, dtype)`` for the consumer's own tensor,
+        write the pieces there as they arrive and yield that tensor itself (copying it onto
+        itself is free). Such a consumer's weights change before the stream ends."""
 
     @abc.abstractmethod
     def finalize(self) -> None:

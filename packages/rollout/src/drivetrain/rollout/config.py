@@ -61,7 +61,7 @@ class VLLMRolloutConfig(BackendConfig):
     ``multiprocessing=False`` keeps vLLM's engine core in this process (uni executor at
     tensor-parallel size 1), so new weights are handed over as tensors through vLLM's
     ``reload_weights``; with worker processes (``multiprocessing=True``, required for tensor
-    parallel) they are handed over through a directory (see ``vllm/engine.py``).
+    parallel) they are handed over through a directory (see ``vllm/rollout.py``).
     ``kv_cache_space_gib`` sets ``VLLM_CPU_KVCACHE_SPACE`` on CPU.
     """
 

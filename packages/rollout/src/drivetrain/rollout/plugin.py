@@ -6,7 +6,7 @@ API = ">=0.1,<0.2"
 
 HF = PluginSpec(
     name="hf",
-    factory="drivetrain.rollout.frontends:HFRollout",
+    factory="drivetrain.rollout.frontends:HFFrontend",
     config="drivetrain.rollout.config:HFRolloutConfig",
     api=API,
     capabilities=frozenset({"separate_process", "device:cpu", "device:cuda"}),
@@ -16,7 +16,7 @@ HF = PluginSpec(
 
 VLLM = PluginSpec(
     name="vllm",
-    factory="drivetrain.rollout.frontends:VLLMRollout",
+    factory="drivetrain.rollout.frontends:VLLMFrontend",
     config="drivetrain.rollout.config:VLLMRolloutConfig",
     api=API,
     capabilities=frozenset(
@@ -31,7 +31,7 @@ VLLM = PluginSpec(
 
 SGLANG = PluginSpec(
     name="sglang",
-    factory="drivetrain.rollout.frontends:SGLangRollout",
+    factory="drivetrain.rollout.frontends:SGLangFrontend",
     config="drivetrain.rollout.config:SGLangRolloutConfig",
     api=API,
     capabilities=frozenset({"sleep", "tensor_parallel", "separate_process", "device:cuda"}),

@@ -1,21 +1,82 @@
-"""New weights in: checked by name and shape before any is applied, so a bad stream changes
-nothing; and tensors as bytes, for crossing into another Python environment."""
+"""New weights in: applied tensor by tensor as they arrive (each checked by name and shape
+before it is written), or checked and staged whole where a backend loads them at once; and
+tensors as bytes, for crossing into another Python environment."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
 from drivetrain.api.engine import NamedTensor
+from drivetrain.api.request_queue import WeightUpdate
 
 
 def collect_weights(weights: Iterable[NamedTensor]) -> list[tuple[str, torch.Tensor]]:
     """The stream as a list, each tensor copied (to the CPU) as it arrives: a stream's tensors
     may be views of the sender's reused buffers, valid only until the next one."""
     return [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in weights]
+
+
+def _check(name: str, tensor: torch.Tensor, expected: Mapping[str, Any]) -> None:
+    """``KeyError`` for a name the model lacks, ``ValueError`` for a wrong shape."""
+    if name not in expected:
+        raise KeyError(f"unknown weight {name!r}; the model has e.g. {sorted(expected)[:8]}")
+    target = expected[name]
+    shape = tuple(target.shape) if isinstance(target, torch.Tensor) else tuple(target)
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, the model has {shape}")
+
+
+def apply_weights(
+    weights: Iterable[NamedTensor], params: Mapping[str, torch.Tensor], update: WeightUpdate
+) -> int:
+    """Copy each tensor of the stream into the model's tensor of that name as it arrives (no
+    staging: a stream's tensors may be views of a transport's buffers, each valid until the
+    next). A bad name or shape raises before that tensor is written; ``update.changed`` is set
+    before the first write. A tensor a transport already wrote into ``params`` (see
+    :func:`destination`) is the parameter itself, and copying it onto itself is free. Returns
+    the number of tensors."""
+    count = 0
+    with torch.no_grad():
+        for name, tensor in weights:
+            _check(name, tensor, params)
+            update.changed = True
+            params[name].copy_(tensor)
+            count += 1
+    return count
+
+
+def destination(
+    params: Mapping[str, torch.Tensor],
+    update: WeightUpdate | None,
+    name: str,
+    shape: tuple[int, ...],
+    dtype: str,
+) -> torch.Tensor | None:
+    """``Rollout.weight_destination`` for a model whose weights are ``params``: the tensor of
+    that name when an update is in progress and it has this shape and dtype."""
+    target = params.get(name)
+    if update is None or target is None:
+        return None
+    if tuple(target.shape) != tuple(shape) or dtype_name(target.dtype) != dtype:
+        return None
+    update.changed = True  # the transport writes into it from now on
+    return target
+
+
+def kept(
+    weights: Iterable[NamedTensor], expected: Mapping[str, tuple[int, ...]]
+) -> Iterator[NamedTensor]:
+    """The stream, each tensor checked (:func:`stage_weights`' errors) and cloned where it
+    is (a GPU tensor stays on the GPU), for a loader that holds on to tensors for a while
+    (vLLM keeps a layer's until the layer is complete); a stream's tensor is valid only until
+    the next one."""
+    for name, tensor in weights:
+        _check(name, tensor, expected)
+        yield name, tensor.detach().clone()
 
 
 def stage_weights(
@@ -26,14 +87,7 @@ def stage_weights(
     its buffers once the stream advances) unless ``copy=False`` says they already were."""
     staged = []
     for name, tensor in weights:
-        if name not in expected:
-            near = sorted(expected)[:8]
-            raise KeyError(f"unknown weight {name!r}; the model has e.g. {near}")
-        if tuple(tensor.shape) != tuple(expected[name]):
-            raise ValueError(
-                f"weight {name!r} has shape {tuple(tensor.shape)}, the model has "
-                f"{tuple(expected[name])}"
-            )
+        _check(name, tensor, expected)
         staged.append((name, tensor.detach().to("cpu", copy=copy)))
     return staged
 

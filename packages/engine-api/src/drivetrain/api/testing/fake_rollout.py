@@ -118,6 +118,7 @@ class FakeRollout(QueuedRollout):
         return generate_with_requests(self, call_requests(ids, budgets, params, seed=params.seed))
 
     def check_ready(self) -> None:
+        super().check_ready()
         if self.asleep:
             raise RuntimeError("the rollout is asleep; call wake_up() first")
 
@@ -153,15 +154,14 @@ class FakeRollout(QueuedRollout):
         return events
 
     def update_weights(self, weights: Iterable[NamedTensor], *, version: int) -> None:
-        staged: dict[str, Any] = {}
-        for name, value in weights:
-            if name not in self.weights:
-                raise KeyError(f"unknown weight {name!r}; the model has {sorted(self.weights)}")
-            if shape_of(value) != shape_of(self.weights[name]):
-                raise ValueError(f"weight {name!r} has shape {shape_of(value)}")
-            staged[name] = copy.deepcopy(value)
-        with self.requests.lock:  # between token steps, never inside one
-            self.weights.update(staged)
+        with self.updating_weights(version) as update:  # applied as they arrive
+            for name, value in weights:
+                if name not in self.weights:
+                    raise KeyError(f"unknown weight {name!r}; the model has {sorted(self.weights)}")
+                if shape_of(value) != shape_of(self.weights[name]):
+                    raise ValueError(f"weight {name!r} has shape {shape_of(value)}")
+                update.changed = True
+                self.weights[name] = copy.deepcopy(value)
             self._version = version
 
     def sleep(self, level: int = 1) -> bool:

@@ -21,6 +21,7 @@ from typing import Any
 from drivetrain.api.config import WeightSyncConfig
 from drivetrain.api.engine import NamedTensor
 from drivetrain.api.weight_sync import (
+    Destination,
     SyncStats,
     Topology,
     TransportRole,
@@ -90,7 +91,8 @@ class FakeTransport(WeightTransport):
             q.put(("end", *summary))
         return SyncStats(version, count, 1, size, time.perf_counter() - start, digest.hexdigest())
 
-    def receive(self) -> Iterator[NamedTensor]:
+    def receive(self, into: Destination | None = None) -> Iterator[NamedTensor]:
+        del into  # whole tensors only: nothing to rebuild
         if self.channel is None:
             raise WeightSyncError("not connected")
         inbox = self.channel[self.rank]

@@ -12,7 +12,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from drivetrain.api.engine import NamedTensor
@@ -277,6 +277,48 @@ def check_weight_versions(h: RolloutHarness) -> None:
     _with_rollout(h, check)
 
 
+def check_failed_update(h: RolloutHarness) -> None:
+    """A weight stream that breaks part-way (rollouts apply weights as they arrive) never
+    leaves the rollout silently generating from a mix of two versions: it kept the old weights
+    (same greedy tokens, version unchanged) or it refuses requests (``RuntimeError``) until a
+    whole update lands, after which it serves that update's weights and version."""
+
+    def check(rollout: Rollout) -> None:
+        prompt = h.prompts()[0]
+        before = _run(h, rollout, [Request("before", prompt, _greedy(16))])[0]
+        changed = h.changed_weights()
+
+        def breaking() -> Iterator[NamedTensor]:
+            yield from changed[: max(1, len(changed) // 2)]
+            raise ConnectionError("the weight stream broke")
+
+        try:
+            rollout.update_weights(breaking(), version=5)
+        except Exception:  # backends may wrap the stream's error
+            pass
+        else:
+            raise AssertionError("update_weights returned although its stream raised")
+        if rollout.weight_version != 0:
+            raise AssertionError(f"version {rollout.weight_version} after a failed update")
+        try:
+            again = _run(h, rollout, [Request("after-failure", prompt, _greedy(16))])[0]
+        except RuntimeError:
+            pass  # refused until whole weights arrive
+        else:
+            if again.token_ids != before.token_ids or set(again.token_versions) != {0}:
+                raise AssertionError(
+                    "after a failed update the rollout generated from other weights than "
+                    f"version 0 without refusing (versions {set(again.token_versions)})"
+                )
+        rollout.update_weights(changed, version=6)
+        after = _run(h, rollout, [Request("after", prompt, _greedy(16))])[0]
+        if after.token_ids == before.token_ids or set(after.token_versions) != {6}:
+            raise AssertionError("a whole update after a failed one did not take effect")
+        _assert_log_probs(h, after, 0, True, "greedy after the repeated update")
+
+    _with_rollout(h, check)
+
+
 def check_updates_between_steps(h: RolloutHarness) -> None:
     """Weights sent while requests run (a thread polls and keeps submitting) apply between
     token steps: tokens tagged with the old version score as the old weights sampled them, and
@@ -373,6 +415,7 @@ ROLLOUT_CHECKS: dict[str, Callable[[RolloutHarness], None]] = {
     "sampled_log_probs": check_sampled_log_probs,
     "abort": check_abort,
     "weight_versions": check_weight_versions,
+    "failed_update": check_failed_update,
     "updates_between_steps": check_updates_between_steps,
     "generate_helper": check_generate_helper,
 }
@@ -414,6 +457,9 @@ class RolloutConformance:
 
     def test_weight_versions(self) -> None:
         check_weight_versions(self.harness())
+
+    def test_failed_update(self) -> None:
+        check_failed_update(self.harness())
 
     def test_updates_between_steps(self) -> None:
         check_updates_between_steps(self.harness())

@@ -1,8 +1,10 @@
-"""Run a rollout engine in a server process, possibly of another Python environment.
+"""Run a rollout backend in a server process, possibly of another Python environment.
 
+:func:`start_server_rollout` returns the one remote-rollout proxy
+(:class:`~drivetrain.api.remote_rollout.RemoteRollout`) over a :class:`ServerProcess` channel.
 The server (:mod:`server`) is started with the given interpreter in its own session (so its
 children, e.g. vLLM's workers, go down with it), connects back over an authenticated loopback
-connection (:mod:`listener`; messages are JSON, :mod:`wire`), and builds the engine there.
+connection (:mod:`listener`; messages are JSON, :mod:`wire`), and builds the backend there.
 Every call waits on the reply *and* on the process: a server that dies raises
 :class:`RolloutProcessError` with the tail of its log instead of hanging.
 """
@@ -18,16 +20,15 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from drivetrain.api.config import WeightSyncConfig
+from drivetrain.api.config import RolloutConfig
 from drivetrain.api.engine import NamedTensor
-from drivetrain.api.requests import Chunk, Request
-from drivetrain.api.rollout import Completion, Prompt, Rollout, SamplingParams
-from drivetrain.api.weight_sync import SyncStats, Topology
+from drivetrain.api.remote_rollout import RemoteRollout
 from drivetrain.rollout.config import BackendConfig
 from drivetrain.rollout.errors import ProtocolError, RolloutProcessError
 from drivetrain.rollout.process import wire
@@ -46,11 +47,23 @@ def _kill(process: subprocess.Popen[bytes]) -> None:
         process.wait()
 
 
-class RolloutProcess(Rollout):
-    """A :class:`Rollout` whose engine lives in a server process."""
+def start_server_rollout(
+    backend: str, config: RolloutConfig, launch: BackendConfig | None = None
+) -> RemoteRollout:
+    """``backend`` built from ``config`` in a server process started as ``launch`` says
+    (its ``python``, timeouts and ``env``; default: ``config``'s own)."""
+    if launch is None:
+        if not isinstance(config, BackendConfig):
+            raise TypeError(f"{type(config).__name__} has no launch settings; pass launch=")
+        launch, config = config, replace(config, python="")
+    return RemoteRollout(config, ServerProcess(backend, config, launch))
 
-    def __init__(self, backend: str, config: BackendConfig, launch: BackendConfig) -> None:
-        super().__init__(config)
+
+class ServerProcess:
+    """The channel to a rollout backend in a server process (``call`` by name, see
+    :class:`~drivetrain.api.remote_rollout.Channel`)."""
+
+    def __init__(self, backend: str, config: RolloutConfig, launch: BackendConfig) -> None:
         python = Path(launch.python).expanduser()
         if not python.is_file() or not os.access(python, os.X_OK):
             raise FileNotFoundError(
@@ -89,7 +102,7 @@ class RolloutProcess(Rollout):
         try:
             self.conn = self._accept(listener, deadline)
             self.info: dict[str, Any] = self._call(
-                "start", backend, config, timeout=deadline - time.monotonic()
+                "start", (backend, config), timeout=deadline - time.monotonic()
             )
         except Exception as exc:
             if not isinstance(exc, RolloutProcessError):  # those carry the log already
@@ -153,7 +166,7 @@ class RolloutProcess(Rollout):
             f"the {self.backend} rollout process sent an unknown reply {reply!r:.200}"
         )
 
-    def _call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+    def _call(self, method: str, args: tuple[Any, ...], *, timeout: float | None = None) -> Any:
         with self._conversation:
             if self.process.poll() is not None:
                 raise self._died("is not running")
@@ -163,26 +176,11 @@ class RolloutProcess(Rollout):
                 raise self._died(f"dropped the connection ({exc})") from exc
             return self._reply(self.request_timeout_s if timeout is None else timeout)
 
-    # ---- the rollout contract -----------------------------------------------------------
-    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
-        return self._call("generate", list(prompts), params)
+    # ---- the channel ---------------------------------------------------------------------
+    def call(self, method: str, *args: Any, wait_s: float = 0.0) -> Any:
+        return self._call(method, args, timeout=self.request_timeout_s + wait_s)
 
-    def submit(self, requests: Sequence[Request]) -> None:
-        self._call("submit", list(requests))
-
-    def poll(self, timeout_s: float = 0.0) -> list[Chunk]:
-        return self._call("poll", timeout_s, timeout=self.request_timeout_s + timeout_s)
-
-    def abort(self, request_ids: Sequence[str] | None = None) -> int:
-        return self._call("abort", None if request_ids is None else list(request_ids))
-
-    def pause_generation(self, *, abort: bool = False) -> int:
-        return self._call("pause_generation", abort)
-
-    def resume_generation(self) -> None:
-        self._call("resume_generation")
-
-    def update_weights(self, weights: Iterable[NamedTensor], *, version: int) -> None:
+    def send_weights(self, weights: Iterable[NamedTensor], version: int) -> None:
         """Streams tensors as bytes; the server applies them only once the stream ended
         cleanly, so a failing stream leaves the old weights in use."""
         with self._conversation:
@@ -206,42 +204,11 @@ class RolloutProcess(Rollout):
         wire.send(self.conn, ("end",))
         self._reply(self.request_timeout_s)
 
-    @property
-    def weight_version(self) -> int:
-        return self._call("weight_version")
-
-    def sleep(self, level: int = 1) -> bool:
-        super().sleep(level)
-        return self._call("sleep", level)
-
-    def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        self._call("wake_up", None if tags is None else tuple(tags))
-
-    # ---- weight sync: the receiving end lives in the server, next to the weights ------------
-    def connect_weight_sync(
-        self,
-        transport: str,
-        config: WeightSyncConfig,
-        *,
-        rank: int,
-        topology: Topology,
-        endpoint: Mapping[str, Any],
-    ) -> None:
-        self._call("connect_weight_sync", transport, config, rank, topology, dict(endpoint))
-
-    def receive_weights(self, version: int) -> SyncStats:
-        return self._call("receive_weights", version)
-
-    def disconnect_weight_sync(self) -> None:
-        if self.process.poll() is None:
-            self._call("disconnect_weight_sync")
-
-    def shutdown(self) -> None:
-        if self.process.poll() is None:
-            with contextlib.suppress(Exception):
-                self._call("shutdown", timeout=60)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(timeout=30)
+    def close(self) -> None:
+        """After the server was asked to shut down: wait for it, else kill it; its log goes
+        when it exited cleanly."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=30)
         self._finalizer()
         with contextlib.suppress(Exception):
             self.conn.close()

@@ -1,5 +1,7 @@
-"""``python -m drivetrain.rollout.process.server``: hosts one rollout engine for a
-:class:`~drivetrain.rollout.process.client.RolloutProcess`, in whatever environment runs it."""
+"""``python -m drivetrain.rollout.process.server``: hosts one rollout backend for a
+:class:`~drivetrain.rollout.process.client.ServerProcess` channel, in whatever environment runs
+it. Calls are dispatched by name by :class:`~drivetrain.api.remote_rollout.RolloutHost`; the
+server itself answers only ``start`` and the tensor stream of ``update_weights``."""
 
 from __future__ import annotations
 
@@ -11,9 +13,10 @@ import traceback
 from multiprocessing.connection import Client, Connection
 from typing import Any
 
+from drivetrain.api.remote_rollout import RolloutHost
 from drivetrain.api.rollout import Rollout
 from drivetrain.rollout.errors import ProtocolError
-from drivetrain.rollout.frontends import IMPLEMENTATIONS, load_engine_class
+from drivetrain.rollout.frontends import IMPLEMENTATIONS, load_backend_class
 from drivetrain.rollout.process import wire
 from drivetrain.rollout.process.protocol import ADDRESS_ENV, AUTHKEY_ENV
 from drivetrain.rollout.weights import tensor_from_bytes
@@ -58,7 +61,7 @@ def _receive_weights(conn: Connection, rollout: Rollout, version: int) -> None:
 
 
 def serve(conn: Connection) -> None:
-    rollout: Rollout | None = None
+    host: RolloutHost | None = None
     while True:
         try:
             data = conn.recv_bytes()
@@ -73,33 +76,17 @@ def serve(conn: Connection) -> None:
                     raise ProtocolError(f"a request is (method, args), not {request!r:.200}")
             if method == "start":
                 backend, config = args
-                rollout = load_engine_class(backend)(config)
+                host = RolloutHost(load_backend_class(backend)(config))
                 result = {"pid": os.getpid(), "python": sys.executable, **_versions(backend)}
-            elif rollout is None:
-                raise RuntimeError(f"{method!r} before the engine started")
+            elif host is None:
+                raise RuntimeError(f"{method!r} before the rollout started")
             elif method == "update_weights":
-                _receive_weights(conn, rollout, *args)
-            elif method == "weight_version":
-                result = rollout.weight_version
-            elif method in ("generate", "submit", "poll", "abort", "sleep", "wake_up",
-                            "receive_weights", "resume_generation"):  # fmt: skip
-                result = getattr(rollout, method)(*args)
-            elif method == "pause_generation":
-                result = rollout.pause_generation(abort=bool(args[0]))
-            elif method == "connect_weight_sync":
-                transport, config, rank, topology, endpoint = args
-                rollout.connect_weight_sync(
-                    transport, config, rank=rank, topology=topology, endpoint=endpoint
-                )
-            elif method == "disconnect_weight_sync":
-                rollout.disconnect_weight_sync()
-            elif method == "shutdown":
-                rollout.disconnect_weight_sync()
-                rollout.shutdown()
-                wire.send(conn, ("ok", None))
-                break
+                _receive_weights(conn, host.rollout, *args)
             else:
-                raise RuntimeError(f"unknown request {method!r}")
+                result = host.call(method, *args)
+                if method == "shutdown":
+                    wire.send(conn, ("ok", None))
+                    break
             wire.send(conn, ("ok", result))
         except Exception as exc:
             wire.send(conn, ("error", type(exc).__name__, str(exc), traceback.format_exc()))

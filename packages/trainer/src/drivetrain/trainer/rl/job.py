@@ -107,7 +107,9 @@ def load_rl_job(
     elif not config.actor.model.path:
         raise ConfigError("actor.model.path is required when data.train_path is set")
     mode = resolve_mode(config.placement, config.workers)
-    transport = resolve_transport(weight_sync, mode)
+    transport = resolve_transport(
+        weight_sync, mode, rollout_process=bool(getattr(config.rollout, "python", ""))
+    )
     if weight_sync not in ("auto", transport):
         raise ConfigError(f"placement {mode} moves weights in-process; drop --weight-sync")
     return RLJob(algorithm, engine, critic_engine, rollout, transport, config, builtin)

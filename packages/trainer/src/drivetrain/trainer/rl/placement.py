@@ -18,13 +18,14 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from drivetrain.api import Rollout, registry
+from drivetrain.api import registry
 from drivetrain.api.config import RolloutConfig, WeightSyncConfig
 from drivetrain.api.errors import ConfigError
+from drivetrain.api.remote_rollout import RemoteRollout
 from drivetrain.api.sync_manager import WeightSyncManager, connect_rollouts
 from drivetrain.api.weight_sync import Topology
 from drivetrain.trainer.rl.config import PlacementConfig
-from drivetrain.trainer.rl.rollout_pool import RayRolloutHandle, RolloutActor, RolloutPool
+from drivetrain.trainer.rl.rollout_pool import RayChannel, RolloutActor, RolloutPool
 from drivetrain.trainer.rl.worker import RLWorker, RoleSpec
 from drivetrain.trainer.sft_config import WorkersConfig
 from drivetrain.trainer.workers.group import LocalWorkerGroup, WorkerGroup
@@ -48,9 +49,14 @@ def resolve_mode(placement: PlacementConfig, workers: WorkersConfig) -> str:
     return mode
 
 
-def resolve_transport(requested: str, mode: str) -> str:
+def resolve_transport(requested: str, mode: str, *, rollout_process: bool = False) -> str:
+    """The transport of a placement. In-process, a rollout running in its own server process
+    (``rollout.python``) is not in this address space: the weights cross over ``colocated``
+    (shared memory / CUDA IPC) unless another transport is asked for."""
     if mode == "inprocess":
-        return "direct"
+        if not rollout_process:
+            return "direct"
+        return "colocated" if requested == "auto" else requested
     return DEFAULT_TRANSPORT[mode] if requested == "auto" else requested
 
 
@@ -79,9 +85,9 @@ def connect_weights(
     def sender(topology: Topology, endpoint: Any) -> None:
         group.run_all("sync_connect", topology, endpoint)
 
-    connect_rollouts(sender, endpoint, transport, config, pool.rollouts)
+    receivers = connect_rollouts(sender, endpoint, transport, config, pool.rollouts)
     send = functools.partial(group.run_all, "sync_send")
-    return WeightSyncManager(send, pool.rollouts, colocated=colocated)
+    return WeightSyncManager(send, pool.rollouts, receivers, colocated=colocated)
 
 
 @dataclass
@@ -93,15 +99,17 @@ class Placement:
     started_ray: bool = False
 
     def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.weights.close()
         self.pool.shutdown()
         with contextlib.suppress(Exception):
             self.group.close()
         for rollout in self.pool.rollouts:
-            if isinstance(rollout, RayRolloutHandle):
+            if isinstance(rollout, RemoteRollout) and isinstance(rollout.channel, RayChannel):
                 import ray
 
                 with contextlib.suppress(Exception):
-                    ray.kill(rollout.actor)
+                    ray.kill(rollout.channel.actor)
         if self.started_ray:
             import ray
 
@@ -131,7 +139,9 @@ def build_placement(
             raise
         pool = RolloutPool(rollouts)
         try:
-            weights = connect_weights(group, pool, "direct", sync_config)
+            weights = connect_weights(
+                group, pool, transport, transport_config(transport, sync_config)
+            )
         except BaseException:
             pool.shutdown()
             group.close()
@@ -169,7 +179,7 @@ def _ray_placement(
     from drivetrain.trainer.workers.ray_group import RayWorkerGroup
 
     group = None
-    handles: list[Rollout] = []
+    handles: list[RemoteRollout] = []
     try:
         share = 1.0 - placement.colocated_share if colocated else 1.0
         group = RayWorkerGroup(factory, workers, share=share)
@@ -209,7 +219,8 @@ def _ray_placement(
         ]
         wait_all([a.pid.remote() for a in actors], workers.start_timeout_s, "starting rollouts")
         handles = [
-            RayRolloutHandle(a, rollout_config, workers.start_timeout_s * 10) for a in actors
+            RemoteRollout(rollout_config, RayChannel(a, workers.start_timeout_s * 10))
+            for a in actors
         ]
         pool = RolloutPool(handles)
         weights = connect_weights(group, pool, transport, sync_config, colocated=colocated)
@@ -217,7 +228,7 @@ def _ray_placement(
     except BaseException:
         for handle in handles:
             with contextlib.suppress(Exception):
-                ray.kill(handle.actor)  # type: ignore[attr-defined]
+                ray.kill(handle.channel.actor)
         if group is not None:
             group.close()
         if started:

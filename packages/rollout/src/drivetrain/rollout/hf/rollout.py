@@ -1,9 +1,10 @@
-"""The ``hf`` rollout engine: a transformers model on CPU or GPU serving requests with
+"""The ``hf`` rollout: a transformers model on CPU or GPU serving requests with
 continuous batching (:mod:`drivetrain.rollout.hf.batcher`), driven by whoever polls it."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -19,10 +20,10 @@ from drivetrain.rollout.prompts import (
     check_request,
     generate_prompts,
 )
-from drivetrain.rollout.weights import stage_weights
+from drivetrain.rollout.weights import apply_weights, destination
 
 
-class HFEngine(QueuedRollout):
+class HFRollout(QueuedRollout):
     config: HFRolloutConfig
 
     def __init__(self, config: HFRolloutConfig) -> None:
@@ -42,7 +43,7 @@ class HFEngine(QueuedRollout):
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else next(iter(sorted(self.eos_ids)), 0)
-        self._shapes = {name: tuple(t.shape) for name, t in self.model.state_dict().items()}
+        self._params: dict[str, torch.Tensor] = {}  # the model's tensors, during an update
         self._version = 0
         # seeds of unseeded requests: from the config's seed, moving on request after request
         self._seeds = torch.Generator().manual_seed(config.seed)
@@ -81,12 +82,17 @@ class HFEngine(QueuedRollout):
 
     # ---- weights ------------------------------------------------------------------------
     def update_weights(self, weights: Iterable[NamedTensor], *, version: int) -> None:
-        staged = stage_weights(weights, self._shapes)
-        params = self.model.state_dict()
-        with self.requests.lock, torch.no_grad():  # between token steps, never inside one
-            for name, tensor in staged:
-                params[name].copy_(tensor)
+        # applied as they arrive, between token steps (see QueuedRollout.updating_weights)
+        with self.updating_weights(version) as update:
+            self._params = self.model.state_dict()
+            try:
+                apply_weights(weights, self._params, update)
+            finally:
+                self._params = {}
             self._version = version
+
+    def weight_destination(self, name: str, shape: tuple[int, ...], dtype: str) -> Any:
+        return destination(self._params, self.weight_update, name, shape, dtype)
 
     def shutdown(self) -> None:
         self.model = None  # type: ignore[assignment]

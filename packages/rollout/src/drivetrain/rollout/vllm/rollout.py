@@ -1,4 +1,4 @@
-"""The ``vllm`` rollout engine: vLLM's ``LLM`` in this process, serving requests through its
+"""The ``vllm`` rollout: vLLM's ``LLM`` in this process, serving requests through its
 ``LLMEngine`` (``add_request``/``step``/``abort_request``, outputs as per-step deltas), stepped
 by whoever polls (:class:`~drivetrain.api.request_queue.RequestQueue`).
 
@@ -16,6 +16,7 @@ a ckpt-engine transport into vLLM's weight-transfer engine is the fast path on G
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import tempfile
@@ -45,10 +46,11 @@ from drivetrain.rollout.prompts import (
 from drivetrain.rollout.weight_dirs import (
     adapter_config,
     adapter_update,
+    is_adapter_weight,
     write_adapter,
     write_weights_dir,
 )
-from drivetrain.rollout.weights import collect_weights, stage_weights
+from drivetrain.rollout.weights import collect_weights, kept, stage_weights
 
 
 def _configure_environment(config: VLLMRolloutConfig) -> None:
@@ -81,7 +83,7 @@ FINISH_REASONS = {
 }
 
 
-class VLLMEngine(QueuedRollout):
+class VLLMRollout(QueuedRollout):
     config: VLLMRolloutConfig
 
     def __init__(self, config: VLLMRolloutConfig) -> None:
@@ -204,6 +206,7 @@ class VLLMEngine(QueuedRollout):
         self._in_vllm.clear()
 
     def check_ready(self) -> None:
+        super().check_ready()
         if self._asleep:
             raise RuntimeError("the vllm rollout is asleep; call wake_up() first")
         if self._weights_discarded:
@@ -225,19 +228,26 @@ class VLLMEngine(QueuedRollout):
 
     # ---- weights ------------------------------------------------------------------------
     def update_weights(self, weights: Iterable[NamedTensor], *, version: int) -> None:
-        items = collect_weights(weights)
-        adapter = adapter_update(items, self.config.lora.enabled)
-        with self.requests.lock:  # between engine steps, never inside one
-            if adapter is not None:
-                self._load_adapter(list(adapter), version)
-            else:
-                staged = stage_weights(items, self._shapes, copy=False)
-                if self.config.multiprocessing:
-                    self._reload_from_directory(staged, version)
-                else:
-                    self.llm.collective_rpc(
-                        "reload_weights", kwargs={"weights_iterator": iter(staged)}
-                    )
+        stream = iter(weights)
+        first = next(stream, None)
+        adapter = first is not None and is_adapter_weight(first[0])
+        stream = itertools.chain([first] if first is not None else [], stream)
+        with self.updating_weights(version) as update:  # between engine steps, never inside one
+            if adapter:  # small: vLLM takes an adapter from a directory
+                tensors = adapter_update(collect_weights(stream), self.config.lora.enabled)
+                self._load_adapter(list(tensors or ()), version)
+            elif self.config.multiprocessing:  # worker processes read the update from a directory
+                staged = stage_weights(stream, self._shapes)
+                update.changed = True
+                self._reload_from_directory(staged, version)
+            elif first is not None:
+                # in this process vLLM loads the stream as it arrives; its layer-wise reload
+                # sets the layers aside before the first tensor, so a failure leaves them torn
+                update.changed = True
+                self.llm.collective_rpc(
+                    "reload_weights", kwargs={"weights_iterator": kept(stream, self._shapes)}
+                )
+            if not adapter:
                 # a tied output layer is not reloaded with the embedding (see worker_extension)
                 self.llm.collective_rpc("drivetrain_refresh_tied_lm_head")
                 self._weights_discarded = False

@@ -1,4 +1,4 @@
-"""The ``sglang`` rollout engine: SGLang's offline ``sglang.Engine``, CUDA GPUs only.
+"""The ``sglang`` rollout: SGLang's offline ``sglang.Engine``, CUDA GPUs only.
 
 SGLang runs its scheduler (one process per tensor-parallel rank) and detokenizer as child
 processes; this object drives them through ``sglang.Engine``. Requests and answers are built
@@ -9,8 +9,8 @@ per tensor-parallel rank through CUDA IPC; its maintainers ask for GPU tensors t
 cache flushed after the last bucket. LoRA adapters are written as a peft directory and swapped
 with ``load_lora_adapter``/``unload_lora_adapter``. Memory: ``release_memory_occupation`` /
 ``resume_memory_occupation`` (torch_memory_saver; server arg ``enable_memory_saver``). A
-broadcast weight-sync transport drives :meth:`SGLangEngine.init_weights_update_group` and
-:meth:`SGLangEngine.update_weights_from_distributed`.
+broadcast weight-sync transport drives :meth:`SGLangRollout.init_weights_update_group` and
+:meth:`SGLangRollout.update_weights_from_distributed`.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def _server_arg_names() -> set[str]:
     return set(inspect.signature(ServerArgs).parameters)
 
 
-class SGLangEngine(Rollout):
+class SGLangRollout(Rollout):
     config: SGLangRolloutConfig
 
     def __init__(self, config: SGLangRolloutConfig) -> None:

@@ -1,0 +1,153 @@
+"""A rollout in another process, through one proxy and one host:
+
+    caller ── RemoteRollout ──(Channel)──▶ RolloutHost ── rollout
+
+where the channel is a pipe to a server process (another Python environment) or a Ray actor.
+
+Every call is a method name and positional arguments (plain data: :mod:`drivetrain.api.wire`
+on a pipe), dispatched by name on the far side among :data:`ROLLOUT_CALLS` and nothing else.
+The host keeps the rollout's receiving end of the weight path
+(:class:`~drivetrain.api.weight_receiver.WeightReceiver`) next to the weights; the proxy's
+:meth:`RemoteRollout.weight_receiver` reaches it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Protocol
+
+from drivetrain.api.config import RolloutConfig, WeightSyncConfig
+from drivetrain.api.engine import NamedTensor
+from drivetrain.api.requests import Chunk, Request
+from drivetrain.api.rollout import Completion, Prompt, Rollout, SamplingParams
+from drivetrain.api.weight_receiver import Receiving, WeightReceiver
+from drivetrain.api.weight_sync import SyncStats, Topology
+
+#: what a proxy may ask of the far side
+ROLLOUT_CALLS = frozenset(
+    {
+        "generate", "submit", "poll", "abort", "pause_generation", "resume_generation",
+        "weight_version", "sleep", "wake_up", "shutdown",
+        "weights_connect", "weights_receive", "weights_disconnect",
+    }
+)  # fmt: skip
+
+
+class Channel(Protocol):
+    """How a proxy reaches its host."""
+
+    def call(self, method: str, *args: Any, wait_s: float = 0.0) -> Any:
+        """``host.call(method, *args)`` on the far side; ``wait_s``: seconds the call may
+        take beyond the channel's own timeout (a poll that waits)."""
+
+    def send_weights(self, weights: Iterable[NamedTensor], version: int) -> None:
+        """``rollout.update_weights`` on the far side with this stream, or
+        ``NotImplementedError`` where weights only arrive through a transport."""
+
+    def close(self) -> None:
+        """After ``shutdown``: release the process or actor."""
+
+
+class RolloutHost:
+    """The far side: one rollout and its weight receiver, answering calls by name."""
+
+    def __init__(self, rollout: Rollout) -> None:
+        self.rollout = rollout
+        self.weights = WeightReceiver(rollout)
+
+    def call(self, method: str, *args: Any) -> Any:
+        if method not in ROLLOUT_CALLS:
+            raise ValueError(f"{method!r} is not a rollout call")
+        match method:
+            case "weight_version":
+                return self.rollout.weight_version
+            case "pause_generation":
+                return self.rollout.pause_generation(abort=bool(args[0]))
+            case "weights_connect":
+                transport, config, rank, topology, endpoint = args
+                return self.weights.connect(
+                    transport, config, rank=rank, topology=topology, endpoint=endpoint
+                )
+            case "weights_receive":
+                return self.weights.receive(*args)
+            case "weights_disconnect":
+                return self.weights.disconnect()
+            case "shutdown":
+                self.weights.disconnect()
+                return self.rollout.shutdown()
+        return getattr(self.rollout, method)(*args)
+
+
+class RemoteReceiver:
+    """A rollout's receiving end, reached through its proxy's channel."""
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+
+    def connect(
+        self,
+        transport: str,
+        config: WeightSyncConfig,
+        *,
+        rank: int,
+        topology: Topology,
+        endpoint: Mapping[str, Any],
+    ) -> None:
+        self.channel.call("weights_connect", transport, config, rank, topology, dict(endpoint))
+
+    def receive(self, version: int) -> SyncStats:
+        return self.channel.call("weights_receive", version)
+
+    def disconnect(self) -> None:
+        self.channel.call("weights_disconnect")
+
+
+class RemoteRollout(Rollout):
+    """The proxy: the rollout contract forwarded by name over ``channel``."""
+
+    def __init__(self, config: RolloutConfig, channel: Channel) -> None:
+        super().__init__(config)
+        self.channel = channel
+
+    def weight_receiver(self) -> Receiving:
+        """The receiving end of this rollout's weight path, in the host's process."""
+        return RemoteReceiver(self.channel)
+
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
+        return self.channel.call("generate", list(prompts), params)
+
+    def submit(self, requests: Sequence[Request]) -> None:
+        self.channel.call("submit", list(requests))
+
+    def poll(self, timeout_s: float = 0.0) -> list[Chunk]:
+        return self.channel.call("poll", timeout_s, wait_s=timeout_s)
+
+    def abort(self, request_ids: Sequence[str] | None = None) -> int:
+        return self.channel.call("abort", None if request_ids is None else list(request_ids))
+
+    def pause_generation(self, *, abort: bool = False) -> int:
+        return self.channel.call("pause_generation", abort)
+
+    def resume_generation(self) -> None:
+        self.channel.call("resume_generation")
+
+    def update_weights(self, weights: Iterable[NamedTensor], *, version: int) -> None:
+        self.channel.send_weights(weights, version)
+
+    @property
+    def weight_version(self) -> int:
+        return self.channel.call("weight_version")
+
+    def sleep(self, level: int = 1) -> bool:
+        super().sleep(level)  # validates the level here
+        return self.channel.call("sleep", level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        super().wake_up(tags)
+        self.channel.call("wake_up", None if tags is None else tuple(tags))
+
+    def shutdown(self) -> None:
+        with contextlib.suppress(Exception):  # a host that is gone already is shut down
+            self.channel.call("shutdown")
+        self.channel.close()
