@@ -58,7 +58,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         state[node] = 1
         for dep in sorted(graph.get(node, ())):
             if state.get(dep) == 1:
-                return path[path.index(dep) :] + [dep]
+                return [*path[path.index(dep) :], dep]
             if dep not in state and (cycle := walk(dep, [*path, dep])):
                 return cycle
         state[node] = 2

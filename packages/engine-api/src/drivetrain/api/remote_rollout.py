@@ -54,7 +54,14 @@ class RolloutHost:
 
     def __init__(self, rollout: Rollout) -> None:
         self.rollout = rollout
-        self.weights = WeightReceiver(rollout)
+        # a host of a proxy (a Ray actor whose rollout runs in a server process) forwards the
+        # receiving end to the proxy's host, next to the weights, instead of receiving here
+        # and copying every tensor over the pipe
+        self.weights: Receiving = (
+            rollout.weight_receiver()
+            if isinstance(rollout, RemoteRollout)
+            else WeightReceiver(rollout)
+        )
 
     def call(self, method: str, *args: Any) -> Any:
         if method not in ROLLOUT_CALLS:
@@ -74,8 +81,11 @@ class RolloutHost:
             case "weights_disconnect":
                 return self.weights.disconnect()
             case "shutdown":
-                self.weights.disconnect()
-                return self.rollout.shutdown()
+                try:
+                    self.weights.disconnect()
+                finally:  # a transport that fails to leave does not keep the rollout alive
+                    self.rollout.shutdown()
+                return None
         return getattr(self.rollout, method)(*args)
 
 

@@ -229,8 +229,8 @@ class QueuedRollout(Rollout):
         """Around applying the weights of ``version`` as they arrive: holds the step lock
         (weights change between token steps only). The body sets ``changed`` before it writes
         the first weight. If it fails after that, the rollout holds a mix of two versions: it
-        aborts every request and refuses new ones until an update succeeds. A failure before
-        any weight changed leaves the rollout as it was."""
+        aborts every request and refuses new ones until an update that changed weights
+        succeeds. A failure before any weight changed leaves the rollout as it was."""
         update = WeightUpdate(version)
         with self.requests.lock:
             self.weight_update = update
@@ -246,11 +246,15 @@ class QueuedRollout(Rollout):
                 raise
             finally:
                 self.weight_update = None
-            self.torn = None
+            if update.changed:  # an empty stream leaves a torn rollout's mix as it was
+                self.torn = None
 
     def submit(self, requests: Sequence[Request]) -> None:
-        self.check_ready()
-        self.requests.submit(requests, self.validate_request)
+        # checked under the step lock: a submit that waited for the lock while an update
+        # failed part-way must see the rollout torn, not queue requests on mixed weights
+        with self.requests.lock:
+            self.check_ready()
+            self.requests.submit(requests, self.validate_request)
 
     def poll(self, timeout_s: float = 0.0) -> list[Chunk]:
         return self.requests.poll(timeout_s)

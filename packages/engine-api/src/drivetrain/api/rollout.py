@@ -159,8 +159,11 @@ class Rollout(abc.ABC):
     def update_weights(self, weights: Iterable[NamedTensor], *, version: int) -> None:
         """Load new weights, given as a stream of Hugging Face named full tensors.
 
-        The stream may cover all weights or a subset (e.g. LoRA adapters); names the model does
-        not have raise ``KeyError`` and leave the old weights in use. After it returns, every
+        The stream may cover all weights or a subset (e.g. LoRA adapters); a name the model
+        does not have raises ``KeyError``. A backend may apply tensors as they arrive: then a
+        stream that fails after a weight changed leaves it refusing requests until a whole
+        update lands (:meth:`~drivetrain.api.request_queue.QueuedRollout.updating_weights`);
+        one that fails before leaves the old weights in use. After it returns, every
         generation uses the new weights and reports ``version``.
         """
 

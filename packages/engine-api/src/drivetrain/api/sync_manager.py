@@ -7,15 +7,16 @@
     sync(version):
         pause generation (wait for, or abort, in-flight requests)
         send ‖ receive                  (the trainer's sender and every rollout at once)
-        resume generation               (also after a failure, old weights kept)
+        resume generation               (also after a failure: a rollout that got part of
+                                         the weights refuses requests until the next sync)
 
 Nothing here touches tensors: the sender is any function ``send(version)`` (an engine rank
 exporting into a transport, or a Ray call doing so); each rollout (in this process, or behind
 a :class:`~drivetrain.api.remote_rollout.RemoteRollout` proxy) has a receiving end
 (:class:`~drivetrain.api.weight_receiver.WeightReceiver`, kept here or by the rollout's host)
 joined to the same transport by :func:`connect_rollouts`. In-process placement uses the
-``direct`` transport (:mod:`drivetrain.api.direct_transport`), so one sequence serves every
-placement.
+``direct`` transport (:mod:`drivetrain.api.direct_transport`; ``colocated`` for a rollout in a
+server process), so one sequence serves every placement.
 """
 
 from __future__ import annotations
@@ -218,8 +219,9 @@ class WeightSyncManager:
             self._each("wake_up", ("kv_cache",), settle=True)
 
     def sync(self, version: int) -> SyncReport:
-        """One whole sync; raises :class:`WeightSyncError` (generation resumed, old weights in
-        use on every rollout that did not finish) if any side fails."""
+        """One whole sync; raises :class:`WeightSyncError` if any side fails (generation
+        resumed; a rollout that did not finish kept its old weights, or, when some of the new
+        ones had landed, refuses requests until the next sync)."""
         phases: dict[str, float] = {}
         start = time.perf_counter()
         try:

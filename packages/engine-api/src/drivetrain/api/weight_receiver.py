@@ -10,6 +10,7 @@ Every sync is one call chain::
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -63,7 +64,12 @@ class WeightReceiver:
         reused by every sync until :meth:`disconnect`."""
         self.disconnect()
         receiver = ckpt_engines.load(transport)(config)
-        receiver.connect(TransportRole.RECEIVER, rank, topology, endpoint)
+        try:
+            receiver.connect(TransportRole.RECEIVER, rank, topology, endpoint)
+        except BaseException:  # what it opened before failing (segments, sockets) goes now
+            with contextlib.suppress(Exception):
+                receiver.finalize()
+            raise
         self.transport = receiver
 
     def receive(self, version: int) -> SyncStats:

@@ -38,6 +38,9 @@ from drivetrain.rollout.weights import tensor_to_bytes
 
 # Variables that would make the other interpreter load this environment's packages.
 _ISOLATE = ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")
+# A server that takes longer to shut down is killed (close): shutting down is not worth the
+# request timeout (an hour by default) when the backend hangs there.
+SHUTDOWN_TIMEOUT_S = 60.0
 
 
 def _kill(process: subprocess.Popen[bytes]) -> None:
@@ -178,11 +181,14 @@ class ServerProcess:
 
     # ---- the channel ---------------------------------------------------------------------
     def call(self, method: str, *args: Any, wait_s: float = 0.0) -> Any:
-        return self._call(method, args, timeout=self.request_timeout_s + wait_s)
+        limit = SHUTDOWN_TIMEOUT_S if method == "shutdown" else self.request_timeout_s
+        return self._call(method, args, timeout=limit + wait_s)
 
     def send_weights(self, weights: Iterable[NamedTensor], version: int) -> None:
-        """Streams tensors as bytes; the server applies them only once the stream ended
-        cleanly, so a failing stream leaves the old weights in use."""
+        """Streams tensors as bytes; the server hands them to the rollout only once the
+        stream ended cleanly, so a failing stream leaves the old weights in use (a bad name
+        or shape may still leave a rollout that applies as it goes torn, see
+        ``QueuedRollout.updating_weights``)."""
         with self._conversation:
             self._stream_weights(weights, version)
 

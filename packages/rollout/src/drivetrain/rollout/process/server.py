@@ -33,8 +33,9 @@ def _versions(backend: str) -> dict[str, str]:
 
 
 def _receive_weights(conn: Connection, rollout: Rollout, version: int) -> None:
-    """Stage every tensor of the update, then hand them over in one call (all or nothing).
-    A bad tensor still reads the stream to its end, so the next request starts in step."""
+    """Stage every tensor of the update, then hand them over in one call (a stream that
+    failed reaches the rollout not at all). A bad tensor still reads the stream to its end,
+    so the next request starts in step."""
     staged = []
     failure: Exception | None = None
     while True:

@@ -2,7 +2,8 @@
 
 - ``inprocess``: one actor rank and the rollout(s) in this process; new weights go over the
   ``direct`` transport, which hands the engine's export tensors to the rollouts as they are
-  (same address space: nothing copied on the way).
+  (same address space: nothing copied on the way); a rollout in its own server process
+  (``rollout.python``) gets them over ``colocated``.
 - ``colocated`` (Ray): the actor's ranks are Ray actors; rollout replica ``i`` is a Ray actor
   in rank ``i``'s placement bundle, sharing its CPU/GPU, asleep while the actor trains; weights
   move over the ``colocated`` transport (shared memory on CPU, CUDA IPC on GPU).
@@ -56,6 +57,11 @@ def resolve_transport(requested: str, mode: str, *, rollout_process: bool = Fals
     if mode == "inprocess":
         if not rollout_process:
             return "direct"
+        if requested == "direct":  # refused here, not as 'unknown ckpt-engine direct' there
+            raise ConfigError(
+                "the direct transport cannot reach a rollout in its own process "
+                "(rollout.python); drop --weight-sync or pick colocated"
+            )
         return "colocated" if requested == "auto" else requested
     return DEFAULT_TRANSPORT[mode] if requested == "auto" else requested
 
