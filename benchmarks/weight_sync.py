@@ -20,7 +20,7 @@ One torch thread per process (the machine has two cores: sender and receiver get
 The last line is JSON with ``speedup_vs_naive`` and ``fraction_of_memcpy`` per model and
 transport.
 
-    uv run python benchmarks/weight_sync.py [--sizes 100M,500M] [--repeats 6] [--bucket-mib 64]
+    uv run python benchmarks/weight_sync.py [--sizes 100M,500M] [--repeats 10] [--bucket-mib 64]
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ def memcpy_gb_per_s(nbytes: int = 1 << 30, device: str = "cpu") -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="100M,500M")
-    parser.add_argument("--repeats", type=int, default=6, help="runs per path, 2 of them warm-up")
+    parser.add_argument("--repeats", type=int, default=10, help="runs per path, 2 of them warm-up")
     parser.add_argument("--bucket-mib", type=int, default=64)
     parser.add_argument("--transports", default=",".join(TRANSPORTS))
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU: no broadcast)")
