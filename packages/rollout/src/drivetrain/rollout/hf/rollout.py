@@ -37,6 +37,8 @@ class HFRollout(QueuedRollout):
             path, dtype=getattr(torch, config.dtype), attn_implementation=config.attn_implementation
         ).to(self.device)
         self.model.eval().requires_grad_(False)
+        if self.device.type == "cpu":
+            _own_parameters(self.model)
         positions = getattr(self.model.config, "max_position_embeddings", None)
         self.max_model_len = min(config.max_model_len, positions or config.max_model_len)
         self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
@@ -98,6 +100,16 @@ class HFRollout(QueuedRollout):
         self.model = None  # type: ignore[assignment]
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _own_parameters(model: torch.nn.Module) -> None:
+    """Give every parameter memory of its own. On the CPU transformers leaves parameters of
+    the file's dtype as views of the memory-mapped safetensors file, so the first weight update
+    faulted and copied every page of them (8x slower than later ones: 0.15 s vs 0.018 s for
+    SmolLM2-135M, 3.2 s for a 500M model); copying once here, while loading, costs less."""
+    with torch.no_grad():
+        for param in model.parameters():  # a tied parameter is listed once
+            param.data = param.data.clone()
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer: object) -> set[int]:
