@@ -67,7 +67,7 @@ def destination(
     return target
 
 
-def kept(
+def checked_clones(
     weights: Iterable[NamedTensor], expected: Mapping[str, tuple[int, ...]]
 ) -> Iterator[NamedTensor]:
     """The stream, each tensor checked (:func:`stage_weights`' errors) and cloned where it

@@ -45,7 +45,6 @@ class HFRollout(QueuedRollout):
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else next(iter(sorted(self.eos_ids)), 0)
-        self._params: dict[str, torch.Tensor] = {}  # the model's tensors, during an update
         self._version = 0
         # seeds of unseeded requests: from the config's seed, moving on request after request
         self._seeds = torch.Generator().manual_seed(config.seed)
@@ -86,15 +85,11 @@ class HFRollout(QueuedRollout):
     def update_weights(self, weights: Iterable[NamedTensor], *, version: int) -> None:
         # applied as they arrive, between token steps (see QueuedRollout.updating_weights)
         with self.updating_weights(version) as update:
-            self._params = self.model.state_dict()
-            try:
-                apply_weights(weights, self._params, update)
-            finally:
-                self._params = {}
+            apply_weights(weights, self.model.state_dict(), update)
             self._version = version
 
     def weight_destination(self, name: str, shape: tuple[int, ...], dtype: str) -> Any:
-        return destination(self._params, self.weight_update, name, shape, dtype)
+        return destination(self.model.state_dict(), self.weight_update, name, shape, dtype)
 
     def shutdown(self) -> None:
         self.model = None  # type: ignore[assignment]

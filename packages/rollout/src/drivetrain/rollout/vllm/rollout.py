@@ -50,7 +50,7 @@ from drivetrain.rollout.weight_dirs import (
     write_adapter,
     write_weights_dir,
 )
-from drivetrain.rollout.weights import collect_weights, kept, stage_weights
+from drivetrain.rollout.weights import checked_clones, collect_weights, stage_weights
 
 
 def _configure_environment(config: VLLMRolloutConfig) -> None:
@@ -244,9 +244,8 @@ class VLLMRollout(QueuedRollout):
                 # in this process vLLM loads the stream as it arrives; its layer-wise reload
                 # sets the layers aside before the first tensor, so a failure leaves them torn
                 update.changed = True
-                self.llm.collective_rpc(
-                    "reload_weights", kwargs={"weights_iterator": kept(stream, self._shapes)}
-                )
+                clones = checked_clones(stream, self._shapes)
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": clones})
             if not adapter:
                 # a tied output layer is not reloaded with the embedding (see worker_extension)
                 self.llm.collective_rpc("drivetrain_refresh_tied_lm_head")
