@@ -1,5 +1,5 @@
-"""The sglang backend's request building and answer parsing, and its refusals on a machine
-without CUDA; none of it needs sglang installed."""
+"""The sglang backend's request building and streamed-answer parsing, and its refusals on a
+machine without CUDA; none of it needs sglang installed."""
 
 import importlib.util
 import json
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from drivetrain.api.config import LoraConfig
+from drivetrain.api.requests import Request
 from drivetrain.api.rollout import FinishReason, SamplingParams
 from drivetrain.api.testing.fake_rollout import processed_log_probs
 from drivetrain.rollout.config import SGLangRolloutConfig
@@ -24,12 +25,10 @@ from drivetrain.rollout.sglang.requests import (
     context_limits,
     filter_logits,
     finish_reason,
-    generate_kwargs,
     memory_tags,
-    parse_outputs,
-    request_seeds,
+    request_kwargs,
     sampling_params_dict,
-    weight_buckets,
+    stream_event,
 )
 from drivetrain.rollout.sglang.rollout import NO_CUDA, SGLangRollout, engine_arguments
 
@@ -68,104 +67,86 @@ def test_stops_and_seed():
     assert "sampling_seed" not in plain
 
 
-def test_request_seeds_are_distinct_deterministic_and_int32():
-    seeds = request_seeds(1234, 1000)
-    assert len(set(seeds)) == 1000 and seeds == request_seeds(1234, 1000)
-    assert all(0 <= s < 2**31 for s in seeds) and seeds != request_seeds(1235, 1000)
-
-
 # ---- requests -----------------------------------------------------------------------------
-def test_n_samples_are_expanded_prompt_major():
-    params = SamplingParams(n=3, temperature=1.0)
-    kwargs = generate_kwargs([[1, 2], [3]], [4, 5], params, seeds=list(range(6)))
-    assert kwargs["input_ids"] == [[1, 2]] * 3 + [[3]] * 3
-    assert [s["max_new_tokens"] for s in kwargs["sampling_params"]] == [4, 4, 4, 5, 5, 5]
-    assert [s["sampling_seed"] for s in kwargs["sampling_params"]] == list(range(6))
-    assert kwargs["return_logprob"] is True
+def test_a_request_streams_under_its_own_id_with_its_budget_and_seed():
+    request = Request("r-1", (1, 2), SamplingParams(temperature=1.0, max_new_tokens=4))
+    kwargs = request_kwargs(request, seed=11)
+    assert kwargs["input_ids"] == [1, 2] and kwargs["rid"] == "r-1"
+    assert kwargs["stream"] is True and kwargs["return_logprob"] is True
+    assert kwargs["sampling_params"]["max_new_tokens"] == 4
+    assert kwargs["sampling_params"]["sampling_seed"] == 11
     assert "custom_logit_processor" not in kwargs and "lora_path" not in kwargs
 
 
 def test_filtered_requests_carry_the_processor_and_lora_requests_the_adapter():
-    params = SamplingParams(n=2, top_k=3)
-    kwargs = generate_kwargs([[1]], [4], params, processor="P", lora_name="policy-v3")
-    assert kwargs["custom_logit_processor"] == ["P", "P"]
-    assert kwargs["lora_path"] == ["policy-v3", "policy-v3"]
+    request = Request("r", (1,), SamplingParams(top_k=3, max_new_tokens=4))
+    kwargs = request_kwargs(request, processor="P", lora_name="policy-v3")
+    assert kwargs["custom_logit_processor"] == "P" and kwargs["lora_path"] == "policy-v3"
     with pytest.raises(ValueError, match="logit processor"):
-        generate_kwargs([[1]], [4], params)
-    with pytest.raises(ValueError, match="seeds"):
-        generate_kwargs([[1]], [4], params, processor="P", seeds=[1])
+        request_kwargs(request)
 
 
-# ---- answers ------------------------------------------------------------------------------
-def _output(tokens, logprobs, reason, text="t"):
+# ---- streamed answers -----------------------------------------------------------------------
+def _output(tokens, logprobs, reason=None):
+    """What SGLang streams: the request's whole output so far."""
     entries = [(lp, tok, None) for lp, tok in zip(logprobs, tokens, strict=True)]
     return {
-        "text": text,
         "output_ids": list(tokens),
-        "meta_info": {"finish_reason": reason, "output_token_logprobs": entries},
+        "meta_info": {
+            "finish_reason": reason,
+            "output_token_logprobs": entries,
+            "completion_tokens": len(tokens),
+        },
     }
 
 
-def test_outputs_become_completions_in_order_with_their_log_probs():
-    outputs = [
-        _output([5, 6], [-0.5, -1.5], {"type": "stop", "matched": 6}),
-        _output([7], [-0.25], {"type": "length", "length": 1}),
-        _output([8, 9, 10], [-1.0, -2.0, -3.0], {"type": "stop", "matched": "\n"}),
-        _output([], [], {"type": "abort", "message": "aborted"}, text=""),
-    ]
-    completions = parse_outputs(outputs, [[1, 2], [3]], 2, weight_version=4)
-    assert [c.prompt_index for c in completions] == [0, 0, 1, 1]
-    assert [c.prompt_ids for c in completions] == [(1, 2), (1, 2), (3,), (3,)]
-    assert completions[0].token_ids == (5, 6) and completions[0].log_probs == (-0.5, -1.5)
-    assert [c.finish_reason for c in completions] == [
-        FinishReason.STOP,
-        FinishReason.LENGTH,
-        FinishReason.STOP,
-        FinishReason.ABORT,
-    ]
-    assert completions[3].token_ids == () and completions[3].log_probs == ()
-    assert all(c.weight_version == 4 for c in completions)
-    assert completions[0].text == "t"
-
-
-def test_a_single_unwrapped_output_is_accepted():
-    output = _output([5], [-0.5], {"type": "length", "length": 1})
-    (completion,) = parse_outputs(output, [[1]], 1, weight_version=0)
-    assert completion.token_ids == (5,)
+def test_each_streamed_output_yields_only_its_new_tokens_and_the_last_its_finish():
+    first = stream_event("r", _output([5, 6], [-0.5, -1.5]), reported=0)
+    assert (first.token_ids, first.log_probs, first.finish_reason) == ([5, 6], [-0.5, -1.5], None)
+    last = stream_event("r", _output([5, 6, 7], [-0.5, -1.5, -0.25], {"type": "length"}), 2)
+    assert (last.token_ids, last.log_probs) == ([7], [-0.25])
+    assert last.finish_reason is FinishReason.LENGTH and last.request_id == "r"
+    aborted = stream_event("r", _output([5], [-0.5], {"type": "abort", "message": "x"}), 1)
+    assert aborted.token_ids == [] and aborted.finish_reason is FinishReason.ABORT
 
 
 def test_missing_output_ids_fall_back_to_the_log_prob_tokens():
     output = _output([5, 6], [-0.5, -1.5], {"type": "length", "length": 2})
     del output["output_ids"]
-    (completion,) = parse_outputs([output], [[1]], 1, weight_version=0)
-    assert completion.token_ids == (5, 6) and completion.log_probs == (-0.5, -1.5)
+    event = stream_event("r", output, 0)
+    assert event.token_ids == [5, 6] and event.log_probs == [-0.5, -1.5]
+
+
+def test_incremental_streaming_is_refused_not_read_as_missing_tokens():
+    output = _output([7], [-0.25])
+    output["meta_info"]["completion_tokens"] = 3  # SGLang sent only the newest token
+    with pytest.raises(RuntimeError, match="incremental streaming"):
+        stream_event("r", output, 2)
 
 
 def test_length_mismatch_between_tokens_and_log_probs_is_an_error():
     output = _output([5, 6], [-0.5, -1.5], {"type": "stop", "matched": 6})
     output["output_ids"] = [5]  # e.g. a trimmed stop token
+    del output["meta_info"]["completion_tokens"]
     with pytest.raises(RuntimeError, match="1 generated tokens but 2 log-probs"):
-        parse_outputs([output], [[1]], 1, weight_version=0)
+        stream_event("r", output, 0)
 
 
 def test_log_probs_for_other_tokens_are_an_error():
     output = _output([5, 6], [-0.5, -1.5], {"type": "length", "length": 2})
     output["output_ids"] = [5, 7]
     with pytest.raises(RuntimeError, match="log-prob 1 is for token 6"):
-        parse_outputs([output], [[1]], 1, weight_version=0)
+        stream_event("r", output, 0)
 
 
-def test_missing_log_probs_and_wrong_counts_are_errors():
+def test_missing_log_probs_are_errors():
     output = _output([5], [-0.5], {"type": "length", "length": 1})
     del output["meta_info"]["output_token_logprobs"]
     with pytest.raises(RuntimeError, match="no log-probs"):
-        parse_outputs([output], [[1]], 1, weight_version=0)
-    good = _output([5], [-0.5], {"type": "length", "length": 1})
-    with pytest.raises(RuntimeError, match="1 outputs to 2 requests"):
-        parse_outputs([good], [[1]], 2, weight_version=0)
+        stream_event("r", output, 0)
     none_logprob = _output([5], [None], {"type": "length", "length": 1})
     with pytest.raises(RuntimeError, match="None"):
-        parse_outputs([none_logprob], [[1]], 1, weight_version=0)
+        stream_event("r", none_logprob, 0)
 
 
 def test_finish_reasons():
@@ -217,14 +198,6 @@ def test_broadcast_metadata_is_checked_before_anything_is_received():
         check_weight_metadata(["a"], ["float32"], [[3, 2]], expected)
     with pytest.raises(ValueError, match="pair up"):
         check_weight_metadata(["a"], [], [[2, 3]], expected)
-
-
-def test_weight_buckets_keep_order_and_bound_size():
-    tensors = [(f"w{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 5])]
-    buckets = weight_buckets(tensors, bucket_bytes=80)  # float32: 4 bytes each
-    assert [[name for name, _ in b] for b in buckets] == [["w0", "w1"], ["w2"], ["w3", "w4"]]
-    assert weight_buckets([], 80) == []
-    assert [len(b) for b in weight_buckets(tensors, bucket_bytes=1)] == [1] * 5
 
 
 # ---- the top-k/top-p logit processor ------------------------------------------------------
@@ -331,6 +304,7 @@ def test_engine_arguments_map_the_config(tmp_path):
     assert kwargs["mem_fraction_static"] == 0.3 and kwargs["attention_backend"] == "triton"
     assert kwargs["enable_memory_saver"] and kwargs["enable_weights_cpu_backup"]
     assert kwargs["enable_custom_logit_processor"] is True
+    assert kwargs["max_running_requests"] == 256  # the rollout's queue holds the rest
     assert "enable_deterministic_inference" not in kwargs
     assert kwargs["enable_lora"] and kwargs["max_lora_rank"] == 8
     assert kwargs["lora_target_modules"] == ["all"]

@@ -1,7 +1,12 @@
 import pytest
 import torch
 
-from drivetrain.rollout.weights import stage_weights, tensor_from_bytes, tensor_to_bytes
+from drivetrain.rollout.weights import (
+    device_buckets,
+    stage_weights,
+    tensor_from_bytes,
+    tensor_to_bytes,
+)
 
 SHAPES = {"a": (2, 3), "b": (4,)}
 
@@ -15,6 +20,32 @@ def test_staging_checks_every_name_and_shape_and_copies():
         stage_weights([("a", torch.ones(2, 3)), ("c", torch.ones(1))], SHAPES)
     with pytest.raises(ValueError, match=r"has shape \(3, 2\)"):
         stage_weights([("a", torch.ones(3, 2))], SHAPES)
+
+
+def test_device_buckets_copy_as_the_stream_arrives_keep_order_and_bound_size():
+    shapes = {f"w{i}": (n,) for i, n in enumerate([10, 10, 30, 5, 5])}
+    buffer = torch.zeros(30)  # a transport reuses its buffer for the next tensor
+
+    def stream():
+        for name, (n,) in shapes.items():
+            buffer[:n] = int(name[1:]) + 1
+            yield name, buffer[:n]
+
+    buckets = list(device_buckets(stream(), shapes, "cpu", bucket_bytes=80))  # fp32: 4 B each
+    assert [[name for name, _ in b] for b in buckets] == [["w0", "w1"], ["w2"], ["w3", "w4"]]
+    for bucket in buckets:
+        for name, tensor in bucket:
+            assert torch.equal(tensor, torch.full(shapes[name], int(name[1:]) + 1.0))
+    assert list(device_buckets([], shapes, "cpu", 80)) == []
+    assert [len(b) for b in device_buckets(stream(), shapes, "cpu", bucket_bytes=1)] == [1] * 5
+
+
+def test_device_buckets_check_each_tensor_before_copying_it():
+    arrived = device_buckets([("a", torch.ones(2, 3)), ("c", torch.ones(1))], SHAPES, "cpu", 8)
+    with pytest.raises(KeyError, match="unknown weight 'c'"):
+        list(arrived)
+    with pytest.raises(ValueError, match=r"has shape \(3, 2\)"):
+        list(device_buckets([("a", torch.ones(3, 2))], SHAPES, "cpu", 8))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])

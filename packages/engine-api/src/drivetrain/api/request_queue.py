@@ -127,9 +127,19 @@ class RequestQueue:
         with self.lock:
             self._paused = True
             aborted = self.abort(sorted(self._running)) if abort else 0
-            while self._running:
-                self._advance()
+            self.finish_running()
             return aborted
+
+    def finish_running(self) -> None:
+        """Step until no request runs, starting none meanwhile (their chunks wait for the next
+        poll): for a backend that changes weights or memory only when idle."""
+        with self.lock:
+            paused, self._paused = self._paused, True
+            try:
+                while self._running:
+                    self._advance()
+            finally:
+                self._paused = paused
 
     def resume(self) -> None:
         with self.lock:

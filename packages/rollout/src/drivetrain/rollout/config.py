@@ -92,7 +92,9 @@ class SGLangRolloutConfig(BackendConfig):
     while asleep, so ``sleep(level=1)`` frees them too and ``wake_up`` restores them (SGLang
     >= 0.5.3; without it level 1 frees the KV cache only). ``deterministic_inference`` makes
     SGLang honour per-request seeds (``SamplingParams.seed``); it costs throughput.
-    New weights go over in CUDA tensor buckets of at most ``weight_bucket_bytes``.
+    New weights go over in CUDA tensor buckets of at most ``weight_bucket_bytes``. At most
+    ``max_running_requests`` requests run at once (SGLang's server arg of that name); the rest
+    wait in the rollout's queue, where a pause holds them.
     """
 
     mem_fraction_static: float = 0.5
@@ -103,10 +105,13 @@ class SGLangRolloutConfig(BackendConfig):
     attention_backend: str = ""
     log_level: str = "error"
     weight_bucket_bytes: int = 512 * 1024 * 1024
+    max_running_requests: int = 256
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.max_running_requests < 1:
+            raise ConfigError("rollout.max_running_requests must be >= 1")
         if not 0 < self.mem_fraction_static <= 1:
             raise ConfigError("rollout.mem_fraction_static must be in (0, 1]")
         if self.weight_bucket_bytes < 1:

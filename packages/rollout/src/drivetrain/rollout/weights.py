@@ -79,6 +79,29 @@ def checked_clones(
         yield name, tensor.detach().clone()
 
 
+def device_buckets(
+    weights: Iterable[NamedTensor],
+    expected: Mapping[str, tuple[int, ...]],
+    device: torch.device | str,
+    bucket_bytes: int,
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The stream as it arrives, each tensor checked and copied onto ``device``, in
+    consecutive groups of at most ``bucket_bytes`` (a larger tensor goes alone): for a loader
+    that takes a group of tensors per call, with one group on the device at a time."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in weights:
+        _check(name, tensor, expected)
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor.detach().to(device, copy=True)))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
 def stage_weights(
     weights: Iterable[NamedTensor], expected: Mapping[str, tuple[int, ...]], *, copy: bool = True
 ) -> list[tuple[str, torch.Tensor]]:

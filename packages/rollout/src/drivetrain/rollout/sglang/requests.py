@@ -1,12 +1,15 @@
-"""Requests to SGLang's offline ``Engine`` and its answers turned into :class:`Completion` s.
+"""Requests to SGLang's offline ``Engine`` and its streamed answers turned into token events.
 
 Nothing here imports sglang, so all of it is tested without a GPU. Facts about SGLang relied on
-(checked against sgl-project/sglang ``main`` and the 0.5 series):
+(checked against sgl-project/sglang 0.5.23 and the 0.5 series):
 
-* ``Engine.generate(input_ids=[[...], ...], sampling_params=[{...}, ...], return_logprob=True)``
-  answers one dict per request, in request order: ``output_ids``, ``text`` and ``meta_info`` with
-  ``finish_reason`` (``{"type": "stop" | "length" | "abort", ...}``) and
+* ``await Engine.async_generate(input_ids=[...], sampling_params={...}, return_logprob=True,
+  rid=..., stream=True)`` is an async iterator of dicts, each the request's output so far:
+  ``output_ids`` and ``meta_info`` with ``completion_tokens``, ``finish_reason`` (``None``
+  until the last, then ``{"type": "stop" | "length" | "abort", ...}``) and
   ``output_token_logprobs``, one ``(logprob, token_id, text_or_None)`` per generated token.
+  Cancelling the consuming task aborts the request in the scheduler (the tokenizer manager's
+  cleanup sends ``AbortReq``).
 * ``temperature == 0`` is greedy: SGLang turns it into ``top_k = 1`` at temperature 1;
   ``top_k = -1`` disables top-k. ``no_stop_trim=True`` keeps a matched stop token or string in
   the output (without it a matched stop token is cut from ``output_ids`` but not from the
@@ -31,11 +34,13 @@ from typing import Any
 
 import torch
 
-from drivetrain.api.requests import sample_seed
-from drivetrain.api.rollout import Completion, FinishReason, SamplingParams
+from drivetrain.api.request_queue import TokenEvent
+from drivetrain.api.requests import Request
+from drivetrain.api.rollout import FinishReason, SamplingParams
 
 TOP_K_DISABLED = -1  # SGLang's "no top-k" (its SamplingParams maps it to the whole vocabulary)
 KV_CACHE = "kv_cache"  # SGLang's memory tags (sglang.srt.constants)
+WEIGHTS = "weights"
 
 FINISH_REASONS = {
     "stop": FinishReason.STOP,
@@ -55,9 +60,9 @@ def sampling_params_dict(
 ) -> dict[str, Any]:
     """SGLang's ``sampling_params`` for one request generating at most ``budget`` tokens.
 
-    ``n`` is always 1 (:func:`generate_kwargs` repeats the prompt, so the order of samples is
-    ours). Top-k/top-p travel in ``custom_params`` for :class:`TopKTopPFilter` and SGLang's own
-    filters stay off, so they are not applied twice. ``seed`` becomes ``sampling_seed``.
+    ``n`` is always 1 (``n`` samples are ``n`` requests). Top-k/top-p travel in
+    ``custom_params`` for :class:`TopKTopPFilter` and SGLang's own filters stay off, so they
+    are not applied twice. ``seed`` becomes ``sampling_seed``.
     """
     request: dict[str, Any] = {
         "max_new_tokens": budget,
@@ -81,93 +86,60 @@ def sampling_params_dict(
     return request
 
 
-def request_seeds(seed: int, count: int) -> list[int]:
-    """A distinct seed per request (:func:`drivetrain.api.requests.sample_seed`, as every
-    backend derives them): SGLang derives each step's randomness from the request's seed and
-    the position only, so ``n`` samples of a prompt sharing one seed would be equal."""
-    return [sample_seed(seed, index) for index in range(count)]
-
-
-def generate_kwargs(
-    prompt_ids: Sequence[Sequence[int]],
-    budgets: Sequence[int],
-    params: SamplingParams,
+def request_kwargs(
+    request: Request,
     *,
     processor: str | None = None,
-    seeds: Sequence[int] | None = None,
+    seed: int | None = None,
     lora_name: str | None = None,
 ) -> dict[str, Any]:
-    """Keyword arguments of ``Engine.generate`` for ``params.n`` samples of every prompt.
-
-    Each prompt is repeated ``n`` times, so the answer's ``result[i * n + j]`` is sample ``j``
-    of prompt ``i``. ``processor`` (:func:`processor_string`) is required when the request
-    filters; ``seeds`` holds one ``sampling_seed`` per request; ``lora_name`` names a loaded
-    adapter.
-    """
-    if len(prompt_ids) != len(budgets):
-        raise ValueError(f"{len(prompt_ids)} prompts but {len(budgets)} token budgets")
-    count = len(prompt_ids) * params.n
-    if seeds is not None and len(seeds) != count:
-        raise ValueError(f"{len(seeds)} seeds for {count} requests")
-    input_ids: list[list[int]] = []
-    sampling: list[dict[str, Any]] = []
-    for ids, budget in zip(prompt_ids, budgets, strict=True):
-        for _ in range(params.n):
-            seed = None if seeds is None else seeds[len(input_ids)]
-            input_ids.append(list(ids))
-            sampling.append(sampling_params_dict(params, budget, seed=seed))
+    """Keyword arguments of ``Engine.async_generate`` streaming one request under its own id
+    (SGLang's ``rid``, which aborting it names). ``processor`` (:func:`processor_string`) is
+    required when the request filters; ``seed`` becomes its ``sampling_seed``; ``lora_name``
+    names a loaded adapter."""
+    params = request.params
     kwargs: dict[str, Any] = {
-        "input_ids": input_ids,
-        "sampling_params": sampling,
+        "input_ids": list(request.prompt_ids),
+        "sampling_params": sampling_params_dict(params, params.max_new_tokens, seed=seed),
         "return_logprob": True,
+        "rid": request.request_id,
+        "stream": True,
     }
     if needs_filter(params):
         if processor is None:
             raise ValueError("top-k/top-p sampling needs the TopKTopPFilter logit processor")
-        kwargs["custom_logit_processor"] = [processor] * count
+        kwargs["custom_logit_processor"] = processor
     if lora_name is not None:
-        kwargs["lora_path"] = [lora_name] * count
+        kwargs["lora_path"] = lora_name
     return kwargs
 
 
 # ---- answers ------------------------------------------------------------------------------
-def parse_outputs(
-    outputs: Sequence[Mapping[str, Any]] | Mapping[str, Any],
-    prompt_ids: Sequence[Sequence[int]],
-    n: int,
-    weight_version: int,
-) -> list[Completion]:
-    """Completions from ``Engine.generate``'s answer to :func:`generate_kwargs`'s request.
-
-    Raises ``RuntimeError`` when the answer does not fit the request (count, or tokens and
-    log-probs that disagree): a silent misalignment would train on wrong log-probs.
-    """
-    if isinstance(outputs, Mapping):  # a batch of one may come back unwrapped
-        outputs = [outputs]
-    expected = len(prompt_ids) * n
-    if len(outputs) != expected:
-        raise RuntimeError(f"SGLang answered {len(outputs)} outputs to {expected} requests")
-    return [
-        _completion(output, k // n, prompt_ids[k // n], weight_version)
-        for k, output in enumerate(outputs)
-    ]
-
-
-def _completion(
-    output: Mapping[str, Any], index: int, prompt: Sequence[int], weight_version: int
-) -> Completion:
+def stream_event(request_id: str, output: Mapping[str, Any], reported: int) -> TokenEvent:
+    """The tokens of a streamed output beyond the first ``reported``, with their log-probs,
+    and the finish reason once the request ended. Each streamed output holds the request's
+    whole output so far (``output_ids``, and ``output_token_logprobs`` in ``meta_info``);
+    SGLang's incremental streaming, which sends only the new part, is refused: it would be
+    read as missing tokens."""
     meta = output.get("meta_info") or {}
-    token_ids, log_probs = sampled_log_probs(
-        output.get("output_ids"), meta.get("output_token_logprobs")
+    output_ids = output.get("output_ids")
+    entries = meta.get("output_token_logprobs")
+    generated = meta.get("completion_tokens")
+    if output_ids is not None and generated is not None and len(output_ids) != generated:
+        raise RuntimeError(
+            f"SGLang streamed {len(output_ids)} output ids of request {request_id!r}, which "
+            f"has {generated} generated tokens: turn SGLang's incremental streaming off"
+        )
+    tokens, log_probs = sampled_log_probs(
+        None if output_ids is None else output_ids[reported:],
+        None if entries is None else entries[reported:],
     )
-    return Completion(
-        prompt_index=index,
-        prompt_ids=tuple(prompt),
-        token_ids=token_ids,
-        log_probs=log_probs,
-        finish_reason=finish_reason(meta.get("finish_reason")),
-        weight_version=weight_version,
-        text=output.get("text"),
+    reason = meta.get("finish_reason")
+    return TokenEvent(
+        request_id,
+        list(tokens),
+        list(log_probs),
+        None if reason is None else finish_reason(reason),
     )
 
 
@@ -273,23 +245,6 @@ def check_weight_metadata(
             raise ValueError(
                 f"weight {name!r} has shape {tuple(shape)}, the model has {tuple(expected[name])}"
             )
-
-
-def weight_buckets(
-    tensors: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> list[list[tuple[str, torch.Tensor]]]:
-    """Consecutive groups of at most ``bucket_bytes`` (a larger tensor goes alone), so that
-    only one group at a time is copied to the GPU for SGLang."""
-    buckets: list[list[tuple[str, torch.Tensor]]] = []
-    size = 0
-    for name, tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if not buckets or size + nbytes > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append((name, tensor))
-        size += nbytes
-    return buckets
 
 
 # ---- the top-k/top-p logit processor ------------------------------------------------------

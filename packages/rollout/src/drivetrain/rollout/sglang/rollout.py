@@ -1,53 +1,72 @@
 """The ``sglang`` rollout: SGLang's offline ``sglang.Engine``, CUDA GPUs only.
 
 SGLang runs its scheduler (one process per tensor-parallel rank) and detokenizer as child
-processes; this object drives them through ``sglang.Engine``. Requests and answers are built
-and checked in :mod:`drivetrain.rollout.sglang.requests`.
+processes; this object drives them through ``sglang.Engine``. Requests stream through its
+native async API (``async_generate(stream=True)``, one task per request on the engine's event
+loop, run by whoever polls: :mod:`drivetrain.rollout.sglang.streams`); SGLang batches them
+continuously. Requests and answers are built and checked in
+:mod:`drivetrain.rollout.sglang.requests`.
 
-Weights: ``update_weights_from_tensor`` with CUDA tensors, in buckets (SGLang pickles them once
-per tensor-parallel rank through CUDA IPC; its maintainers ask for GPU tensors there), the KV
-cache flushed after the last bucket. LoRA adapters are written as a peft directory and swapped
-with ``load_lora_adapter``/``unload_lora_adapter``. Memory: ``release_memory_occupation`` /
-``resume_memory_occupation`` (torch_memory_saver; server arg ``enable_memory_saver``). A
-broadcast weight-sync transport drives :meth:`SGLangRollout.init_weights_update_group` and
+Weights: ``update_weights_from_tensor`` with CUDA tensors, in buckets sent as the stream
+arrives (SGLang pickles them once per tensor-parallel rank through CUDA IPC; its maintainers
+ask for GPU tensors there), the KV cache flushed with the last bucket. SGLang applies an
+update only when no request runs (its tokenizer manager holds the update until the running
+requests end), so an update first lets the running requests finish: their tokens carry the
+old version, and the requests after it the new one. LoRA adapters are written as a peft
+directory and swapped with ``load_lora_adapter``/``unload_lora_adapter``. Memory:
+``release_memory_occupation``/``resume_memory_occupation`` (torch_memory_saver; server arg
+``enable_memory_saver``); a sleep aborts the running requests. A broadcast weight-sync
+transport drives :meth:`SGLangRollout.init_weights_update_group` and
 :meth:`SGLangRollout.update_weights_from_distributed`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
+import itertools
 import os
 import random
 import shutil
 import tempfile
 import warnings
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import AsyncIterator, Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from drivetrain.api.engine import NamedTensor
-from drivetrain.api.rollout import Completion, Prompt, Rollout, SamplingParams
-from drivetrain.rollout.call_gate import CallGate
+from drivetrain.api.request_queue import QueuedRollout, RequestQueue, WeightUpdate
+from drivetrain.api.requests import SEED_MODULUS, Request
+from drivetrain.api.rollout import Completion, Prompt, SamplingParams
 from drivetrain.rollout.checkpoint_names import checkpoint_shapes
 from drivetrain.rollout.config import SGLangRolloutConfig
 from drivetrain.rollout.devices import model_dir
-from drivetrain.rollout.prompts import check_stop_token_ids, new_token_budgets, render_prompts
+from drivetrain.rollout.prompts import check_request, generate_prompts
 from drivetrain.rollout.sglang.requests import (
+    KV_CACHE,
+    WEIGHTS,
     check_result,
     check_weight_metadata,
     context_limits,
-    generate_kwargs,
     memory_tags,
-    parse_outputs,
     processor_string,
-    request_seeds,
-    weight_buckets,
+    request_kwargs,
+    stream_event,
 )
-from drivetrain.rollout.weight_dirs import adapter_config, adapter_update, write_adapter
-from drivetrain.rollout.weights import collect_weights, stage_weights
+from drivetrain.rollout.sglang.streams import LoopStreams
+from drivetrain.rollout.weight_dirs import (
+    adapter_config,
+    adapter_update,
+    is_adapter_weight,
+    write_adapter,
+)
+from drivetrain.rollout.weights import collect_weights, device_buckets
+
+#: how long SGLang may take to end aborted requests before weights or memory change
+IDLE_TIMEOUT_S = 60.0
 
 NO_CUDA = "SGLang needs a CUDA GPU; on CPU use the hf or vllm rollout"
 
@@ -92,6 +111,7 @@ def engine_arguments(
         log_level=config.log_level,
         # top-k/top-p run in requests.TopKTopPFilter, see there
         enable_custom_logit_processor=True,
+        max_running_requests=config.max_running_requests,
     )
     if config.attention_backend:
         kwargs["attention_backend"] = config.attention_backend
@@ -129,7 +149,7 @@ def _server_arg_names() -> set[str]:
     return set(inspect.signature(ServerArgs).parameters)
 
 
-class SGLangRollout(Rollout):
+class SGLangRollout(QueuedRollout):
     config: SGLangRolloutConfig
 
     def __init__(self, config: SGLangRolloutConfig) -> None:
@@ -157,88 +177,126 @@ class SGLangRollout(Rollout):
         self._weights_discarded = False
         self._rng = random.Random(config.seed)
         self._warned_seed = False
-        self._gate = CallGate()  # batch calls: a weight update waits for the running one
-        self.engine: Any = sglang.Engine(**kwargs)  # last: nothing to clean up if above fails
+        self.engine: Any = sglang.Engine(**kwargs)  # nothing to clean up if above fails
+        loop = getattr(self.engine, "loop", None)
+        if loop is None:
+            self.shutdown()
+            raise RuntimeError("this SGLang's Engine has no event loop (Engine.loop); upgrade it")
+        self._streams = LoopStreams(loop, self._open_stream, stream_event, self._holds)
+        self.requests = RequestQueue(
+            self._streams.step,
+            lambda: self._version,
+            capacity=config.max_running_requests,
+            reset=self._streams.reset,
+        )
 
     @property
     def weight_version(self) -> int:
         return self._version
 
-    # ---- generation ---------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
-        self._check_awake("generate")
+    # ---- requests: streams of SGLang's async API, on its loop, run by whoever polls ---------
+    def check_ready(self) -> None:
+        super().check_ready()
+        self._live_engine()
+        if self._asleep:
+            raise RuntimeError("the sglang rollout is asleep; call wake_up() first")
         if self._weights_discarded:
             raise RuntimeError("sleep(level=2) discarded the weights; send new weights first")
-        prompt_ids = render_prompts(prompts, self.tokenizer, self.vocab_size)
-        budgets = new_token_budgets(prompt_ids, params, self.max_model_len)
-        check_stop_token_ids(params, self.vocab_size)
-        kwargs = generate_kwargs(
-            prompt_ids,
-            budgets,
+
+    def validate_request(self, request: Request) -> None:
+        check_request(request, self.vocab_size, self.max_model_len)
+
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
+        self.check_ready()
+        return generate_prompts(
+            self,
+            self.tokenizer,
+            prompts,
             params,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+        )
+
+    def _holds(self, request_id: str) -> bool:
+        """Whether SGLang's tokenizer manager still tracks the request: it forgets one when
+        the scheduler reported its end (also after an abort)."""
+        states = getattr(self.engine.tokenizer_manager, "rid_to_state", None)
+        return states is not None and request_id in states
+
+    async def _open_stream(self, request: Request) -> AsyncIterator[Mapping[str, Any]]:
+        kwargs = request_kwargs(
+            request,
             processor=self._processor,
-            seeds=self._seeds(params, len(prompt_ids) * params.n),
+            seed=self._seed(request.params),
             lora_name=self._lora_name,
         )
-        with self._gate.call():
-            outputs = self.engine.generate(**kwargs)
-            return parse_outputs(outputs, prompt_ids, params.n, self._version)
+        return await self.engine.async_generate(**kwargs)
 
-    def pause_generation(self, *, abort: bool = False) -> int:
-        """Waits for the running ``generate`` call (SGLang's offline engine serves whole
-        calls here; nothing is aborted) and holds new ones."""
-        self._gate.pause()
-        return 0
-
-    def resume_generation(self) -> None:
-        self._gate.resume()
-
-    def _seeds(self, params: SamplingParams, count: int) -> list[int] | None:
-        """Per-request seeds where SGLang honours them (deterministic inference): the call's
-        seed, or else one drawn from the rollout's generator, so that calls differ."""
+    def _seed(self, params: SamplingParams) -> int | None:
+        """A request's ``sampling_seed`` where SGLang honours it (deterministic inference): its
+        own seed, or else one drawn from the rollout's generator, so that requests differ."""
         if not self.config.deterministic_inference:
             if params.seed is not None and not self._warned_seed:
                 warnings.warn(
                     "SamplingParams.seed is ignored by the sglang rollout unless "
                     "rollout.deterministic_inference=true",
-                    stacklevel=3,
+                    stacklevel=2,
                 )
                 self._warned_seed = True
             return None
-        base = params.seed if params.seed is not None else self._rng.randrange(2**31)
-        return request_seeds(base, count)
+        return params.seed if params.seed is not None else self._rng.randrange(SEED_MODULUS)
 
     # ---- weights ------------------------------------------------------------------------
     def update_weights(self, weights: Iterable[NamedTensor], *, version: int) -> None:
-        self._check_awake("update_weights")
-        items = collect_weights(weights)
-        adapter = adapter_update(items, self.config.lora.enabled)
-        if adapter is not None:
-            self._load_adapter(list(adapter), version)
-        else:
-            self._send(stage_weights(items, self._shapes, copy=False))
-            self._weights_discarded = False
-        self._version = version
+        self._check_weights_resident("update_weights")
+        stream = iter(weights)
+        first = next(stream, None)
+        adapter = first is not None and is_adapter_weight(first[0])
+        stream = itertools.chain([first] if first is not None else [], stream)
+        with self.updating_weights(version) as update:
+            self._idle()  # SGLang updates an idle engine (module docstring)
+            if adapter:  # small: SGLang takes an adapter from a directory
+                tensors = adapter_update(collect_weights(stream), self.config.lora.enabled)
+                self._load_adapter(list(tensors or ()), version)
+            elif first is not None:
+                with self._weight_update_session():
+                    self._send(stream, update)
+                self._weights_discarded = False
+            self._version = version
 
-    def _send(self, staged: list[tuple[str, torch.Tensor]]) -> None:
-        """Bucket by bucket as CUDA tensors; the cache is flushed after the last one."""
+    def _send(self, stream: Iterator[NamedTensor], update: WeightUpdate) -> None:
+        """Bucket by bucket as CUDA tensors, as the stream arrives; the last bucket flushes the
+        prefix cache (its KV came from the old weights) unless the KV cache is released, which
+        flushed it already."""
         device = torch.device("cuda", torch.cuda.current_device())
-        buckets = weight_buckets(staged, self.config.weight_bucket_bytes)
-        for index, bucket in enumerate(buckets):
-            on_device = [(name, tensor.to(device)) for name, tensor in bucket]
+        buckets = device_buckets(stream, self._shapes, device, self.config.weight_bucket_bytes)
+        bucket = next(buckets, None)
+        while bucket is not None:
+            following = next(buckets, None)  # one bucket ahead: is this one the last?
+            update.changed = True
             result = self.engine.update_weights_from_tensor(
-                named_tensors=on_device, flush_cache=index == len(buckets) - 1
+                named_tensors=bucket, flush_cache=following is None and not self._kv_released()
             )
-            try:
-                check_result(result, "update_weights_from_tensor")
-            except RuntimeError as error:
-                if index == 0:
-                    raise
-                raise RuntimeError(
-                    f"{error}; {index} of {len(buckets)} weight buckets were already loaded, "
-                    "so the engine now mixes old and new weights: send them all again"
-                ) from error
-            del on_device
+            check_result(result, "update_weights_from_tensor")
+            bucket = following
+
+    @contextlib.contextmanager
+    def _weight_update_session(self) -> Iterator[None]:
+        """SGLang >= 0.5.2x loads weights only inside a session (``begin_weight_update`` /
+        ``end_weight_update``, which re-packs what the load changed); older ones have none.
+        A failed update still closes its session, so the next one can open its own."""
+        begin = getattr(self.engine, "begin_weight_update", None)
+        if begin is None:
+            yield
+            return
+        check_result(begin(), "begin_weight_update")
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.engine.end_weight_update()
+            raise
+        check_result(self.engine.end_weight_update(), "end_weight_update")
 
     def _load_adapter(self, tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
         config = adapter_config(self.config.lora, self.config.model_path)
@@ -253,7 +311,8 @@ class SGLangRollout(Rollout):
         self._lora_name = name
         if previous is not None:
             self._unload_adapter(previous)
-        self.engine.flush_cache()  # cached prefixes may hold KV computed with the old adapter
+        if not self._kv_released():
+            self.engine.flush_cache()  # cached prefixes may hold KV computed with the old adapter
 
     def _unload_adapter(self, name: str) -> None:
         check_result(self.engine.unload_lora_adapter(lora_name=name), "unload_lora_adapter")
@@ -272,14 +331,15 @@ class SGLangRollout(Rollout):
     ) -> None:
         """Join the trainer's weight-broadcast group: SGLang's ranks take ranks
         ``rank_offset ..`` of ``world_size``; the trainer's sender is rank 0."""
-        result = self._live_engine().init_weights_update_group(
-            master_address=master_address,
-            master_port=master_port,
-            rank_offset=rank_offset,
-            world_size=world_size,
-            group_name=group_name,
-            backend=backend,
-        )
+        with self.requests.lock:  # SGLang's calls run its event loop: one thread at a time
+            result = self._live_engine().init_weights_update_group(
+                master_address=master_address,
+                master_port=master_port,
+                rank_offset=rank_offset,
+                world_size=world_size,
+                group_name=group_name,
+                backend=backend,
+            )
         check_result(result, "init_weights_update_group")
 
     def update_weights_from_distributed(
@@ -295,29 +355,35 @@ class SGLangRollout(Rollout):
     ) -> None:
         """Receive tensors the trainer broadcasts in ``group_name`` (``dtypes`` as torch dtype
         names, e.g. ``bfloat16``). Names and shapes are checked first. Pass ``version`` with the
-        last call of an update: generation then reports it."""
-        self._check_awake("update_weights_from_distributed")
+        last call of an update: generation then reports it. A call that fails after SGLang
+        started loading leaves the rollout refusing requests until a call succeeds."""
+        self._check_weights_resident("update_weights_from_distributed")
         check_weight_metadata(names, dtypes, shapes, self._shapes)
         kwargs: dict[str, Any] = dict(
             names=list(names),
             dtypes=list(dtypes),
             shapes=[list(shape) for shape in shapes],
             group_name=group_name,
-            flush_cache=flush_cache,
+            flush_cache=flush_cache and not self._kv_released(),
         )
         if load_format is not None:
             kwargs["load_format"] = load_format
-        result = self.engine.update_weights_from_distributed(**kwargs)
-        check_result(result, "update_weights_from_distributed")
-        if version is not None:
-            self._version = version
-            self._weights_discarded = False
+        with self.updating_weights(self._version if version is None else version) as update:
+            self._idle()
+            with self._weight_update_session():
+                update.changed = True
+                result = self.engine.update_weights_from_distributed(**kwargs)
+                check_result(result, "update_weights_from_distributed")
+            if version is not None:
+                self._version = version
+                self._weights_discarded = False
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
         destroy = getattr(self._live_engine(), "destroy_weights_update_group", None)
         if destroy is None:
             raise RuntimeError("this SGLang has no destroy_weights_update_group; upgrade it")
-        check_result(destroy(group_name=group_name), "destroy_weights_update_group")
+        with self.requests.lock:
+            check_result(destroy(group_name=group_name), "destroy_weights_update_group")
 
     # ---- memory -------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> bool:
@@ -327,9 +393,11 @@ class SGLangRollout(Rollout):
         if self._asleep:
             return True  # already released by an earlier sleep
         tags = memory_tags(level, self._weights_backup)
-        check_result(
-            self._live_engine().release_memory_occupation(tags=tags), "release_memory_occupation"
-        )
+        with self.requests.lock:  # SGLang releases memory only when idle
+            self.requests.pause(abort=True)
+            self._idle()
+            result = self._live_engine().release_memory_occupation(tags=tags)
+            check_result(result, "release_memory_occupation")
         self._released_tags = tags
         self._asleep = True
         self._weights_discarded = self._weights_discarded or level == 2
@@ -350,13 +418,16 @@ class SGLangRollout(Rollout):
             ]
             if not resume:
                 return
-        result = self._live_engine().resume_memory_occupation(tags=resume)
+        with self.requests.lock:
+            result = self._live_engine().resume_memory_occupation(tags=resume)
         check_result(result, "resume_memory_occupation")
-        if resume is None or tags is None:
-            self._asleep = False
-            return
-        self._released_tags = [t for t in remaining if t not in resume]
-        self._asleep = bool(self._released_tags)
+        if resume is not None and tags is not None:
+            self._released_tags = [t for t in remaining if t not in resume]
+            if self._released_tags:
+                return
+        self._asleep = False
+        self._released_tags = None
+        self.requests.resume()
 
     def shutdown(self) -> None:
         engine = getattr(self, "engine", None)
@@ -367,13 +438,30 @@ class SGLangRollout(Rollout):
         if root is not None:
             shutil.rmtree(root, ignore_errors=True)
 
-    # ---- state checks -------------------------------------------------------------------
+    # ---- state ----------------------------------------------------------------------------
+    def _idle(self) -> None:
+        """Under the step lock: no request runs or is still ending in SGLang, which loads
+        weights, flushes its cache and releases memory only then."""
+        self.requests.finish_running()
+        self._streams.settle(IDLE_TIMEOUT_S)
+
+    def _released(self, tag: str) -> bool:
+        return self._asleep and (self._released_tags is None or tag in self._released_tags)
+
+    def _kv_released(self) -> bool:
+        """Releasing the KV cache flushed it, so an update then needs no flush of its own."""
+        return self._released(KV_CACHE)
+
     def _live_engine(self) -> Any:
         if getattr(self, "engine", None) is None:
             raise RuntimeError("the sglang rollout was shut down")
         return self.engine
 
-    def _check_awake(self, action: str) -> None:
+    def _check_weights_resident(self, action: str) -> None:
+        """Weights may arrive while the rollout sleeps, once ``wake_up(("weights",))`` brought
+        its weights back (colocated training wakes the KV cache after the update)."""
         self._live_engine()
-        if self._asleep:
-            raise RuntimeError(f"the sglang rollout is asleep; call wake_up() before {action}")
+        if self._released(WEIGHTS):
+            raise RuntimeError(
+                f"the sglang rollout's weights are released; call wake_up() before {action}"
+            )

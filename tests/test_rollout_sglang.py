@@ -1,0 +1,133 @@
+"""The ``sglang`` rollout serving requests through SGLang's native async API: the rollout
+conformance kit, 64 streaming requests with half of them aborted, and the colocated order of a
+weight update (sleep, wake the weights, update, wake the KV cache). Needs a CUDA GPU and
+sglang; skipped elsewhere (``packages/rollout/tests/test_sglang_streams.py`` runs the same
+request machinery on CPU against an asyncio streaming server)."""
+
+import importlib.util
+import random
+
+import pytest
+import torch
+
+from drivetrain.api import FinishReason, SamplingParams
+from drivetrain.api.requests import Collector, Request
+from drivetrain.api.testing.rollout_kit import RolloutConformance, abort_after
+from drivetrain.rollout.config import SGLangRolloutConfig
+from rollout_support import KeptRollout, TransformersRolloutHarness, build_model
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or importlib.util.find_spec("sglang") is None,
+        reason="needs a CUDA GPU and sglang",
+    ),
+]
+
+#: fp32 on both sides; SGLang's kernels sum in another order than transformers on the CPU
+TOLERANCE = 2e-3
+
+
+def start_sglang(model_dir):
+    from drivetrain.rollout.sglang.rollout import SGLangRollout
+
+    config = SGLangRolloutConfig(
+        model_path=str(model_dir),
+        dtype="float32",
+        max_model_len=256,
+        mem_fraction_static=0.2,
+        attention_backend="torch_native",  # fp32 attention, as transformers computes it
+        disable_cuda_graph=True,
+    )
+    return SGLangRollout(config)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_model(tmp_path_factory.mktemp("sglang-rollout") / "model")
+
+
+@pytest.fixture(scope="module")
+def sglang(model_dir):
+    rollout = start_sglang(model_dir)
+    yield rollout
+    rollout.shutdown()
+
+
+class TestSGLangRolloutConformance(RolloutConformance):
+    """The rollout kit on one SGLang engine (its weights reset between checks)."""
+
+    @pytest.fixture(autouse=True)
+    def _rollout(self, sglang, model_dir):
+        self.model_dir, self.sglang = model_dir, sglang
+
+    def harness(self):
+        kept = KeptRollout(self.sglang, self.model_dir)
+        return TransformersRolloutHarness(self.model_dir, lambda: kept, tolerance=TOLERANCE)
+
+
+def test_64_streaming_requests_half_aborted(sglang, model_dir):
+    """Aborted requests return their partial tokens and log-probs with finish reason abort;
+    the others equal an undisturbed greedy run."""
+    harness = TransformersRolloutHarness(model_dir, lambda: sglang, tolerance=TOLERANCE)
+    rng = random.Random(0)
+    prompts = [tuple(rng.randrange(3, 90) for _ in range(rng.randint(3, 12))) for _ in range(64)]
+    greedy = SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True)
+
+    def run(prefix, abort_at):
+        collector = Collector()
+        requests = [Request(f"{prefix}{i}", p, greedy, i) for i, p in enumerate(prompts)]
+        for r in requests:
+            collector.track(r)
+        sglang.submit(requests[:32])  # the rest join a running batch
+        consume = abort_after(sglang, abort_at)
+        polls = 0
+        while not collector.done:
+            chunks = sglang.poll(0.05)
+            collector.add(chunks)
+            consume(chunks)
+            polls += 1
+            if polls == 3:
+                sglang.submit(requests[32:])
+        return collector.completions()
+
+    undisturbed = run("u", {})
+    abort_at = {f"a{i}": rng.randint(1, 30) for i in rng.sample(range(64), 32)}
+    disturbed = run("a", abort_at)
+    for i, (ours, theirs) in enumerate(zip(disturbed, undisturbed, strict=True)):
+        if f"a{i}" in abort_at:
+            assert ours.finish_reason is FinishReason.ABORT
+            n = len(ours.token_ids)
+            assert n >= abort_at[f"a{i}"] and ours.token_ids == theirs.token_ids[:n]
+            reference = harness.reference_log_probs(ours.prompt_ids, ours.token_ids, 0, False)
+            gap = max(abs(a - b) for a, b in zip(ours.log_probs, reference, strict=True))
+            assert gap < TOLERANCE
+        else:
+            assert ours.finish_reason is FinishReason.LENGTH
+            assert ours.token_ids == theirs.token_ids
+
+
+def test_colocated_order_sleep_wake_weights_update_wake_kv_cache(sglang, model_dir):
+    """What the sync manager does around a colocated update: the weights arrive while the KV
+    cache is still released, and the requests after it use them."""
+    harness = TransformersRolloutHarness(model_dir, lambda: sglang, tolerance=TOLERANCE)
+    kept = KeptRollout(sglang, model_dir)
+    prompt = harness.prompts()[0]
+    greedy = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+    try:
+        assert sglang.sleep(1) is True
+        sglang.wake_up(("weights",))
+        sglang.update_weights(harness.changed_weights(), version=3)
+        sglang.wake_up(("kv_cache",))
+        collector = Collector()
+        collector.track(request := Request("after", prompt, greedy))
+        sglang.submit([request])
+        while not collector.done:
+            collector.add(sglang.poll(0.05))
+        after = collector.completion("after")
+        assert set(after.token_versions) == {3}
+        reference = harness.reference_log_probs(prompt, after.token_ids, 0, True)
+        assert max(abs(a - b) for a, b in zip(after.log_probs, reference, strict=True)) < TOLERANCE
+    finally:
+        kept.shutdown()  # the initial weights back, as version 0
