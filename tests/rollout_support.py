@@ -5,6 +5,7 @@ references."""
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -13,12 +14,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from drivetrain.api import Completion, LoraConfig, ModelConfig, OptimConfig, OutputSpec, Prompt
+from drivetrain.api import (
+    Completion,
+    FinishReason,
+    LoraConfig,
+    ModelConfig,
+    OptimConfig,
+    OutputSpec,
+    Prompt,
+    SamplingParams,
+)
 from drivetrain.api.registry import engines
+from drivetrain.api.requests import Collector, Request
 from drivetrain.api.rollout import Rollout
 from drivetrain.api.rollout_batch import completions_to_batch
 from drivetrain.api.testing import token_mean_nll
-from drivetrain.api.testing.rollout_kit import RolloutHarness
+from drivetrain.api.testing.rollout_kit import RolloutHarness, abort_after
 from drivetrain.trainer.builtin.tiny_model import build_tiny_chat_model
 from drivetrain.trainer.hf_export import write_hf_model
 
@@ -227,3 +238,52 @@ class KeptRollout(Rollout):
 
     def close(self):
         self.inner.shutdown()
+
+
+def check_64_streams_half_aborted(
+    start: Callable[[], Rollout],
+    stop: Callable[[Rollout], None],
+    harness: TransformersRolloutHarness,
+) -> None:
+    """64 streaming greedy requests (32 of them join a running batch), run undisturbed and
+    again with half of them aborted at random points: the aborted ones return their partial
+    tokens with log-probs of the reference forward and finish reason abort; the others equal
+    the undisturbed run bitwise. ``start`` gives the rollout of each run, ``stop`` ends it."""
+    rng = random.Random(0)
+    prompts = [tuple(rng.randrange(3, 90) for _ in range(rng.randint(3, 12))) for _ in range(64)]
+    greedy = SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True)
+
+    def run(prefix: str, abort_at: dict[str, int]) -> list[Completion]:
+        rollout = start()
+        collector = Collector()
+        requests = [Request(f"{prefix}{i}", p, greedy, i) for i, p in enumerate(prompts)]
+        for r in requests:
+            collector.track(r)
+        rollout.submit(requests[:32])  # the rest join a running batch
+        consume = abort_after(rollout, abort_at)
+        polls = 0
+        while not collector.done:
+            chunks = rollout.poll(0.05)
+            collector.add(chunks)
+            consume(chunks)
+            polls += 1
+            if polls == 3:
+                rollout.submit(requests[32:])
+        stop(rollout)
+        return collector.completions()
+
+    undisturbed = run("u", {})
+    abort_at = {f"a{i}": rng.randint(1, 30) for i in rng.sample(range(64), 32)}
+    disturbed = run("a", abort_at)
+    for i, (ours, theirs) in enumerate(zip(disturbed, undisturbed, strict=True)):
+        if f"a{i}" in abort_at:
+            assert ours.finish_reason is FinishReason.ABORT
+            n = len(ours.token_ids)
+            assert n >= abort_at[f"a{i}"] and ours.token_ids == theirs.token_ids[:n]
+            assert len(ours.log_probs) == n
+            reference = harness.reference_log_probs(ours.prompt_ids, ours.token_ids, 0, False)
+            gap = max(abs(a - b) for a, b in zip(ours.log_probs, reference, strict=True))
+            assert gap < harness.log_prob_tolerance
+        else:
+            assert ours.finish_reason is FinishReason.LENGTH
+            assert ours.token_ids == theirs.token_ids  # bitwise, whatever ran beside it

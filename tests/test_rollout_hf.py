@@ -3,7 +3,6 @@ server process; new weights streamed from an engine; the rollout conformance kit
 with 4 rows, behind a server process) and 64 streaming requests, half of them aborted."""
 
 import os
-import random
 import signal
 
 import pytest
@@ -11,10 +10,8 @@ import torch
 
 from drivetrain.api import FinishReason, Prompt, SamplingParams
 from drivetrain.api.registry import rollouts
-from drivetrain.api.requests import Collector, Request
 from drivetrain.api.testing.rollout_kit import (
     RolloutConformance,
-    abort_after,
     run_rollout_conformance,
 )
 from drivetrain.rollout.config import HFRolloutConfig
@@ -23,6 +20,7 @@ from rollout_support import (
     CHAT_PROMPTS,
     TransformersRolloutHarness,
     build_model,
+    check_64_streams_half_aborted,
     fsdp_engine,
     log_prob_gap,
     save_engine_weights,
@@ -214,41 +212,4 @@ def test_64_streaming_requests_half_aborted(model_dir):
     """Aborted requests return their partial tokens and log-probs with finish reason abort;
     the others equal an undisturbed greedy run bitwise."""
     harness = TransformersRolloutHarness(model_dir, lambda: hf(model_dir))
-    rng = random.Random(0)
-    vocab = 90
-    prompts = [tuple(rng.randrange(3, vocab) for _ in range(rng.randint(3, 12))) for _ in range(64)]
-    greedy = SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True)
-
-    def run(prefix, abort_at):
-        rollout = hf(model_dir)
-        collector = Collector()
-        requests = [Request(f"{prefix}{i}", p, greedy, i) for i, p in enumerate(prompts)]
-        for r in requests:
-            collector.track(r)
-        rollout.submit(requests[:32])  # the rest join a running batch
-        consume = abort_after(rollout, abort_at)
-        polls = 0
-        while not collector.done:
-            chunks = rollout.poll(0.05)
-            collector.add(chunks)
-            consume(chunks)
-            polls += 1
-            if polls == 3:
-                rollout.submit(requests[32:])
-        rollout.shutdown()
-        return collector.completions()
-
-    undisturbed = run("u", {})
-    abort_at = {f"a{i}": rng.randint(1, 30) for i in rng.sample(range(64), 32)}
-    disturbed = run("a", abort_at)
-    for i, (ours, theirs) in enumerate(zip(disturbed, undisturbed, strict=True)):
-        if f"a{i}" in abort_at:
-            assert ours.finish_reason is FinishReason.ABORT
-            n = len(ours.token_ids)
-            assert n >= abort_at[f"a{i}"] and ours.token_ids == theirs.token_ids[:n]
-            assert len(ours.log_probs) == n
-            reference = harness.reference_log_probs(ours.prompt_ids, ours.token_ids, 0, False)
-            assert max(abs(a - b) for a, b in zip(ours.log_probs, reference, strict=True)) < 1e-4
-        else:
-            assert ours.finish_reason is FinishReason.LENGTH
-            assert ours.token_ids == theirs.token_ids  # bitwise, whatever ran beside it
+    check_64_streams_half_aborted(lambda: hf(model_dir), lambda r: r.shutdown(), harness)

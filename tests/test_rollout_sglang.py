@@ -5,16 +5,20 @@ sglang; skipped elsewhere (``packages/rollout/tests/test_sglang_streams.py`` run
 request machinery on CPU against an asyncio streaming server)."""
 
 import importlib.util
-import random
 
 import pytest
 import torch
 
-from drivetrain.api import FinishReason, SamplingParams
+from drivetrain.api import SamplingParams
 from drivetrain.api.requests import Collector, Request
-from drivetrain.api.testing.rollout_kit import RolloutConformance, abort_after
+from drivetrain.api.testing.rollout_kit import RolloutConformance
 from drivetrain.rollout.config import SGLangRolloutConfig
-from rollout_support import KeptRollout, TransformersRolloutHarness, build_model
+from rollout_support import (
+    KeptRollout,
+    TransformersRolloutHarness,
+    build_model,
+    check_64_streams_half_aborted,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -71,41 +75,7 @@ def test_64_streaming_requests_half_aborted(sglang, model_dir):
     """Aborted requests return their partial tokens and log-probs with finish reason abort;
     the others equal an undisturbed greedy run."""
     harness = TransformersRolloutHarness(model_dir, lambda: sglang, tolerance=TOLERANCE)
-    rng = random.Random(0)
-    prompts = [tuple(rng.randrange(3, 90) for _ in range(rng.randint(3, 12))) for _ in range(64)]
-    greedy = SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True)
-
-    def run(prefix, abort_at):
-        collector = Collector()
-        requests = [Request(f"{prefix}{i}", p, greedy, i) for i, p in enumerate(prompts)]
-        for r in requests:
-            collector.track(r)
-        sglang.submit(requests[:32])  # the rest join a running batch
-        consume = abort_after(sglang, abort_at)
-        polls = 0
-        while not collector.done:
-            chunks = sglang.poll(0.05)
-            collector.add(chunks)
-            consume(chunks)
-            polls += 1
-            if polls == 3:
-                sglang.submit(requests[32:])
-        return collector.completions()
-
-    undisturbed = run("u", {})
-    abort_at = {f"a{i}": rng.randint(1, 30) for i in rng.sample(range(64), 32)}
-    disturbed = run("a", abort_at)
-    for i, (ours, theirs) in enumerate(zip(disturbed, undisturbed, strict=True)):
-        if f"a{i}" in abort_at:
-            assert ours.finish_reason is FinishReason.ABORT
-            n = len(ours.token_ids)
-            assert n >= abort_at[f"a{i}"] and ours.token_ids == theirs.token_ids[:n]
-            reference = harness.reference_log_probs(ours.prompt_ids, ours.token_ids, 0, False)
-            gap = max(abs(a - b) for a, b in zip(ours.log_probs, reference, strict=True))
-            assert gap < TOLERANCE
-        else:
-            assert ours.finish_reason is FinishReason.LENGTH
-            assert ours.token_ids == theirs.token_ids
+    check_64_streams_half_aborted(lambda: sglang, lambda r: None, harness)
 
 
 def test_colocated_order_sleep_wake_weights_update_wake_kv_cache(sglang, model_dir):

@@ -3,27 +3,22 @@ continuous batching (:mod:`drivetrain.rollout.hf.batcher`), driven by whoever po
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from drivetrain.api.engine import NamedTensor
-from drivetrain.api.request_queue import QueuedRollout, RequestQueue
-from drivetrain.api.requests import Request
-from drivetrain.api.rollout import Completion, Prompt, SamplingParams
+from drivetrain.api.request_queue import RequestQueue
 from drivetrain.rollout.config import HFRolloutConfig
 from drivetrain.rollout.devices import model_dir, resolve_device
 from drivetrain.rollout.hf.batcher import ContinuousBatcher
-from drivetrain.rollout.prompts import (
-    check_request,
-    generate_prompts,
-)
+from drivetrain.rollout.tokenized import TokenizedRollout
 from drivetrain.rollout.weights import apply_weights, destination
 
 
-class HFRollout(QueuedRollout):
+class HFRollout(TokenizedRollout):
     config: HFRolloutConfig
 
     def __init__(self, config: HFRolloutConfig) -> None:
@@ -68,19 +63,6 @@ class HFRollout(QueuedRollout):
         return self._version
 
     # ---- requests (continuous batching, see hf/batcher.py) ---------------------------
-    def validate_request(self, request: Request) -> None:
-        check_request(request, self.vocab_size, self.max_model_len)
-
-    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
-        return generate_prompts(
-            self,
-            self.tokenizer,
-            prompts,
-            params,
-            vocab_size=self.vocab_size,
-            max_model_len=self.max_model_len,
-        )
-
     # ---- weights ------------------------------------------------------------------------
     def update_weights(self, weights: Iterable[NamedTensor], *, version: int) -> None:
         # applied as they arrive, between token steps (see QueuedRollout.updating_weights)

@@ -38,13 +38,12 @@ from typing import Any
 import torch
 
 from drivetrain.api.engine import NamedTensor
-from drivetrain.api.request_queue import QueuedRollout, RequestQueue, WeightUpdate
+from drivetrain.api.request_queue import RequestQueue, WeightUpdate
 from drivetrain.api.requests import SEED_MODULUS, Request
-from drivetrain.api.rollout import Completion, Prompt, SamplingParams
+from drivetrain.api.rollout import SamplingParams
 from drivetrain.rollout.checkpoint_names import checkpoint_shapes
 from drivetrain.rollout.config import SGLangRolloutConfig
 from drivetrain.rollout.devices import model_dir
-from drivetrain.rollout.prompts import check_request, generate_prompts
 from drivetrain.rollout.sglang.requests import (
     KV_CACHE,
     WEIGHTS,
@@ -57,6 +56,7 @@ from drivetrain.rollout.sglang.requests import (
     stream_event,
 )
 from drivetrain.rollout.sglang.streams import LoopStreams
+from drivetrain.rollout.tokenized import TokenizedRollout
 from drivetrain.rollout.weight_dirs import (
     adapter_config,
     adapter_update,
@@ -149,7 +149,7 @@ def _server_arg_names() -> set[str]:
     return set(inspect.signature(ServerArgs).parameters)
 
 
-class SGLangRollout(QueuedRollout):
+class SGLangRollout(TokenizedRollout):
     config: SGLangRolloutConfig
 
     def __init__(self, config: SGLangRolloutConfig) -> None:
@@ -202,20 +202,6 @@ class SGLangRollout(QueuedRollout):
             raise RuntimeError("the sglang rollout is asleep; call wake_up() first")
         if self._weights_discarded:
             raise RuntimeError("sleep(level=2) discarded the weights; send new weights first")
-
-    def validate_request(self, request: Request) -> None:
-        check_request(request, self.vocab_size, self.max_model_len)
-
-    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
-        self.check_ready()
-        return generate_prompts(
-            self,
-            self.tokenizer,
-            prompts,
-            params,
-            vocab_size=self.vocab_size,
-            max_model_len=self.max_model_len,
-        )
 
     def _holds(self, request_id: str) -> bool:
         """Whether SGLang's tokenizer manager still tracks the request: it forgets one when

@@ -27,22 +27,17 @@ from typing import Any
 import torch
 
 from drivetrain.api.engine import NamedTensor
-from drivetrain.api.request_queue import QueuedRollout, RequestQueue, TokenEvent
+from drivetrain.api.request_queue import RequestQueue, TokenEvent
 from drivetrain.api.requests import Request
 from drivetrain.api.rollout import (
     MEMORY_TAGS,
-    Completion,
     FinishReason,
-    Prompt,
     SamplingParams,
 )
 from drivetrain.rollout.checkpoint_names import checkpoint_shapes
 from drivetrain.rollout.config import VLLMRolloutConfig
 from drivetrain.rollout.devices import model_dir
-from drivetrain.rollout.prompts import (
-    check_request,
-    generate_prompts,
-)
+from drivetrain.rollout.tokenized import TokenizedRollout
 from drivetrain.rollout.weight_dirs import (
     adapter_config,
     adapter_update,
@@ -83,7 +78,7 @@ FINISH_REASONS = {
 }
 
 
-class VLLMRollout(QueuedRollout):
+class VLLMRollout(TokenizedRollout):
     config: VLLMRolloutConfig
 
     def __init__(self, config: VLLMRolloutConfig) -> None:
@@ -211,20 +206,6 @@ class VLLMRollout(QueuedRollout):
             raise RuntimeError("the vllm rollout is asleep; call wake_up() first")
         if self._weights_discarded:
             raise RuntimeError("sleep(level=2) discarded the weights; send new weights first")
-
-    def validate_request(self, request: Request) -> None:
-        check_request(request, self.vocab_size, self.max_model_len)
-
-    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
-        self.check_ready()
-        return generate_prompts(
-            self,
-            self.tokenizer,
-            prompts,
-            params,
-            vocab_size=self.vocab_size,
-            max_model_len=self.max_model_len,
-        )
 
     # ---- weights ------------------------------------------------------------------------
     def update_weights(self, weights: Iterable[NamedTensor], *, version: int) -> None:
