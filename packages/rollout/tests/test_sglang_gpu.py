@@ -65,8 +65,10 @@ def _engine(path):
     return SGLangRollout(config)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def engine_a(model_a):
+    """One engine per test: shutting an SGLang engine down kills every child process of this
+    process, so no two may live at once."""
     engine = _engine(model_a)
     yield engine
     engine.shutdown()
@@ -147,7 +149,7 @@ def test_sampled_log_probs_are_of_the_processed_distribution(engine_a, model_a):
             assert got == pytest.approx(want, abs=2e-3)
 
 
-def test_update_weights_gives_the_outputs_of_a_fresh_engine(model_a, model_b, engine_a):
+def test_update_weights_gives_the_outputs_of_a_fresh_engine(model_a, model_b):
     from safetensors.torch import load_file
 
     weights = {}

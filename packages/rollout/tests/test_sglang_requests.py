@@ -21,6 +21,7 @@ from drivetrain.rollout.sglang import requests
 from drivetrain.rollout.sglang.requests import (
     TopKTopPFilter,
     check_result,
+    check_stops,
     check_weight_metadata,
     context_limits,
     filter_logits,
@@ -30,7 +31,12 @@ from drivetrain.rollout.sglang.requests import (
     sampling_params_dict,
     stream_event,
 )
-from drivetrain.rollout.sglang.rollout import NO_CUDA, SGLangRollout, engine_arguments
+from drivetrain.rollout.sglang.rollout import (
+    NO_CUDA,
+    SGLangRollout,
+    engine_arguments,
+    require_sglang_version,
+)
 
 
 # ---- sampling params ----------------------------------------------------------------------
@@ -68,10 +74,10 @@ def test_stops_and_seed():
 
 
 # ---- requests -----------------------------------------------------------------------------
-def test_a_request_streams_under_its_own_id_with_its_budget_and_seed():
+def test_a_request_streams_under_the_given_id_with_its_budget_and_seed():
     request = Request("r-1", (1, 2), SamplingParams(temperature=1.0, max_new_tokens=4))
-    kwargs = request_kwargs(request, seed=11)
-    assert kwargs["input_ids"] == [1, 2] and kwargs["rid"] == "r-1"
+    kwargs = request_kwargs(request, "0f" * 16, seed=11)
+    assert kwargs["input_ids"] == [1, 2] and kwargs["rid"] == "0f" * 16
     assert kwargs["stream"] is True and kwargs["return_logprob"] is True
     assert kwargs["sampling_params"]["max_new_tokens"] == 4
     assert kwargs["sampling_params"]["sampling_seed"] == 11
@@ -80,10 +86,16 @@ def test_a_request_streams_under_its_own_id_with_its_budget_and_seed():
 
 def test_filtered_requests_carry_the_processor_and_lora_requests_the_adapter():
     request = Request("r", (1,), SamplingParams(top_k=3, max_new_tokens=4))
-    kwargs = request_kwargs(request, processor="P", lora_name="policy-v3")
+    kwargs = request_kwargs(request, "x", processor="P", lora_name="policy-v3")
     assert kwargs["custom_logit_processor"] == "P" and kwargs["lora_path"] == "policy-v3"
     with pytest.raises(ValueError, match="logit processor"):
-        request_kwargs(request)
+        request_kwargs(request, "x")
+
+
+def test_more_stop_strings_than_sglang_takes_are_refused_up_front():
+    check_stops(SamplingParams(stop=tuple(f"s{i}" for i in range(32))))
+    with pytest.raises(ValueError, match="at most 32 stop strings, got 33"):
+        check_stops(SamplingParams(stop=tuple(f"s{i}" for i in range(33))))
 
 
 # ---- streamed answers -----------------------------------------------------------------------
@@ -254,6 +266,16 @@ def test_processor_string_is_sglangs_wire_format_and_loads_back():
 def model_dir(tmp_path) -> Path:
     (tmp_path / "config.json").write_text("{}")
     return tmp_path
+
+
+def test_an_sglang_older_than_the_backend_needs_is_refused_with_the_env_command(monkeypatch):
+    import importlib.metadata
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.5.2")
+    with pytest.raises(RuntimeError, match=r"sglang >= 0.5.22, this environment has 0.5.2: "):
+        require_sglang_version()
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.5.23")
+    require_sglang_version()
 
 
 def test_engine_refuses_a_machine_without_cuda_before_importing_sglang(model_dir, monkeypatch):

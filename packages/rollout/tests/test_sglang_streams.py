@@ -1,8 +1,9 @@
 """The sglang rollout's request machinery without sglang: :class:`LoopStreams` behind a
 :class:`RequestQueue`, reading (with the backend's own :func:`stream_event`) an asyncio
 streaming server that answers as SGLang's ``async_generate(stream=True)`` does: every output is
-the request's whole output so far, and the server forgets a request a little after it ended,
-as SGLang's tokenizer manager does once its scheduler reported the end."""
+the request's whole output so far, it knows requests by the id it was given (the backend id,
+not the request's), and it forgets a request a little after it ended, as SGLang's tokenizer
+manager does once its scheduler reported the end."""
 
 import asyncio
 
@@ -23,15 +24,20 @@ class TokenServer:
     def __init__(self, loop: asyncio.AbstractEventLoop, forget_after_s: float = 0.02) -> None:
         self.loop = loop
         self.forget_after_s = forget_after_s
-        self.held: set[str] = set()
+        self.held: set[str] = set()  # backend ids
+        self.rids: dict[str, list[str]] = {}  # request id -> the backend ids it ran under
         self.failing: set[str] = set()
         self.cancelled: list[str] = []
+        self.closed: list[str] = []
 
-    async def open(self, request: Request):
-        self.held.add(request.request_id)
-        return self._stream(request)
+    async def open(self, request: Request, rid: str):
+        if rid in self.held:
+            raise ValueError(f"Duplicate request ID {rid}")  # as SGLang refuses one
+        self.held.add(rid)
+        self.rids.setdefault(request.request_id, []).append(rid)
+        return self._stream(request, rid)
 
-    async def _stream(self, request: Request):
+    async def _stream(self, request: Request, rid: str):
         tokens: list[int] = []
         budget = request.params.max_new_tokens
         try:
@@ -53,8 +59,9 @@ class TokenServer:
             self.cancelled.append(request.request_id)
             raise
         finally:
+            self.closed.append(request.request_id)
             if self.forget_after_s is not None:
-                self.loop.call_later(self.forget_after_s, self.held.discard, request.request_id)
+                self.loop.call_later(self.forget_after_s, self.held.discard, rid)
 
 
 @pytest.fixture
@@ -95,6 +102,28 @@ def test_requests_stream_their_tokens_and_log_probs_and_end_with_the_servers_rea
     assert a.token_ids == (11, 12, 13, 14, 15) and b.token_ids == (21, 22, 23)
     assert a.log_probs == pytest.approx([-0.11, -0.12, -0.13, -0.14, -0.15])
     assert a.finish_reason is FinishReason.LENGTH and set(a.token_versions) == {0}
+    assert sorted(server.closed) == ["a", "b"]  # finished streams are closed, not left open
+
+
+def test_backend_ids_are_fresh_and_never_a_prefix_of_each_other(loop):
+    """SGLang aborts every request whose id starts with the aborted one's and refuses an id
+    still in use: ``a1`` and ``a10`` must not reach it as such, nor an id reused at once."""
+    server = TokenServer(loop, forget_after_s=1.0)
+    queue, _ = queue_over(server, capacity=16)
+    requests = [request(f"a{i}", 10, 2) for i in range(12)]
+    collector = Collector()
+    for r in requests:
+        collector.track(r)
+    queue.submit(requests, lambda r: None)
+    run(queue, collector)
+    again = request("a1", 10, 2)  # the same id again while the server still holds the first
+    collector = Collector()
+    collector.track(again)
+    queue.submit([again], lambda r: None)
+    run(queue, collector)
+    rids = [rid for ids in server.rids.values() for rid in ids]
+    assert len(set(rids)) == 13 and len(server.rids["a1"]) == 2
+    assert not any(x != y and y.startswith(x) for x in rids for y in rids)
 
 
 def test_an_aborted_request_keeps_its_tokens_so_far_and_the_others_run_on(loop):
@@ -119,7 +148,7 @@ def test_an_aborted_request_keeps_its_tokens_so_far_and_the_others_run_on(loop):
     assert server.cancelled == ["long"]
     with queue.lock:
         streams.settle(5.0)  # the server forgets the aborted request a little later
-    assert "long" not in server.held
+    assert server.rids["long"][0] not in server.held
 
 
 def test_settle_gives_up_on_a_backend_that_keeps_an_aborted_request(loop):

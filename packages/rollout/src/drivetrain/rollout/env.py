@@ -46,7 +46,7 @@ RECIPES = {
         torch_index="https://download.pytorch.org/whl/cpu",
     ),
     "vllm": EnvRecipe(requirements=("vllm>=0.11",), check="vllm"),
-    "sglang": EnvRecipe(requirements=("sglang>=0.5",), check="sglang"),
+    "sglang": EnvRecipe(requirements=("sglang>=0.5.22",), check="sglang"),
 }
 
 

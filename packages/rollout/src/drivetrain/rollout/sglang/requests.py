@@ -10,10 +10,12 @@ Nothing here imports sglang, so all of it is tested without a GPU. Facts about S
   ``output_token_logprobs``, one ``(logprob, token_id, text_or_None)`` per generated token.
   Cancelling the consuming task aborts the request in the scheduler (the tokenizer manager's
   cleanup sends ``AbortReq``).
+* A request's ``rid`` is SGLang's: aborting one aborts every request whose ``rid`` starts
+  with it, and a ``rid`` still in use is refused.
 * ``temperature == 0`` is greedy: SGLang turns it into ``top_k = 1`` at temperature 1;
-  ``top_k = -1`` disables top-k. ``no_stop_trim=True`` keeps a matched stop token or string in
-  the output (without it a matched stop token is cut from ``output_ids`` but not from the
-  log-probs). ``sampling_seed`` is only honoured with ``enable_deterministic_inference``.
+  ``top_k = -1`` disables top-k. ``no_stop_trim=True`` keeps a matched stop string in the text
+  (``output_ids`` keep every generated token either way). ``sampling_seed`` is only honoured
+  with ``enable_deterministic_inference``.
 * Log-probs: since PR sgl-project/sglang#5961 (May 2025, so in every 0.5 release) the sampler
   reports ``log softmax(logits / temperature)`` of the sampled token over the *whole*
   vocabulary, not renormalised after top-k/top-p (``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` would
@@ -38,6 +40,8 @@ from drivetrain.api.request_queue import TokenEvent
 from drivetrain.api.requests import Request
 from drivetrain.api.rollout import FinishReason, SamplingParams
 
+#: SGLang's ``MAX_STOP_COUNT`` (sglang.srt.sampling.sampling_params)
+MAX_STOP_STRINGS = 32
 TOP_K_DISABLED = -1  # SGLang's "no top-k" (its SamplingParams maps it to the whole vocabulary)
 KV_CACHE = "kv_cache"  # SGLang's memory tags (sglang.srt.constants)
 WEIGHTS = "weights"
@@ -86,23 +90,33 @@ def sampling_params_dict(
     return request
 
 
+def check_stops(params: SamplingParams) -> None:
+    """``ValueError`` for more stop strings than SGLang takes (it would fail the request
+    inside the engine, after it joined the running batch)."""
+    if len(params.stop) > MAX_STOP_STRINGS:
+        raise ValueError(
+            f"SGLang takes at most {MAX_STOP_STRINGS} stop strings, got {len(params.stop)}"
+        )
+
+
 def request_kwargs(
     request: Request,
+    rid: str,
     *,
     processor: str | None = None,
     seed: int | None = None,
     lora_name: str | None = None,
 ) -> dict[str, Any]:
-    """Keyword arguments of ``Engine.async_generate`` streaming one request under its own id
-    (SGLang's ``rid``, which aborting it names). ``processor`` (:func:`processor_string`) is
-    required when the request filters; ``seed`` becomes its ``sampling_seed``; ``lora_name``
-    names a loaded adapter."""
+    """Keyword arguments of ``Engine.async_generate`` streaming one request under SGLang's id
+    ``rid`` (see :mod:`drivetrain.rollout.sglang.streams` on why it is not the request's own).
+    ``processor`` (:func:`processor_string`) is required when the request filters; ``seed``
+    becomes its ``sampling_seed``; ``lora_name`` names a loaded adapter."""
     params = request.params
     kwargs: dict[str, Any] = {
         "input_ids": list(request.prompt_ids),
         "sampling_params": sampling_params_dict(params, params.max_new_tokens, seed=seed),
         "return_logprob": True,
-        "rid": request.request_id,
+        "rid": rid,
         "stream": True,
     }
     if needs_filter(params):

@@ -48,6 +48,7 @@ from drivetrain.rollout.sglang.requests import (
     KV_CACHE,
     WEIGHTS,
     check_result,
+    check_stops,
     check_weight_metadata,
     context_limits,
     memory_tags,
@@ -65,10 +66,31 @@ from drivetrain.rollout.weight_dirs import (
 )
 from drivetrain.rollout.weights import collect_weights, device_buckets
 
+MIN_SGLANG = "0.5.22"
 #: how long SGLang may take to end aborted requests before weights or memory change
 IDLE_TIMEOUT_S = 60.0
 
 NO_CUDA = "SGLang needs a CUDA GPU; on CPU use the hf or vllm rollout"
+
+
+def require_sglang_version() -> None:
+    """Fail with the install command where the installed SGLang predates what this backend
+    relies on: the cleanup that aborts a cancelled stream's request in the scheduler and its
+    guard against aborting a newer request under the same id (0.5.22), ``Engine.loop``, the
+    weight-update session, and a flush that waits for the scheduler to go idle."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import Version
+
+    try:
+        installed = version("sglang")
+    except PackageNotFoundError:
+        return  # the import below names the install command
+    if Version(installed) < Version(MIN_SGLANG):
+        raise RuntimeError(
+            f"the sglang rollout needs sglang >= {MIN_SGLANG}, this environment has "
+            f"{installed}: python -m drivetrain.rollout.env sglang <dir> makes one"
+        )
 
 
 def require_cuda(device: str) -> None:
@@ -156,6 +178,7 @@ class SGLangRollout(TokenizedRollout):
         super().__init__(config)
         path = model_dir(config.model_path)
         require_cuda(config.device)
+        require_sglang_version()
         _configure_environment(config)
         import sglang
         from transformers import AutoConfig, AutoTokenizer
@@ -178,11 +201,7 @@ class SGLangRollout(TokenizedRollout):
         self._rng = random.Random(config.seed)
         self._warned_seed = False
         self.engine: Any = sglang.Engine(**kwargs)  # nothing to clean up if above fails
-        loop = getattr(self.engine, "loop", None)
-        if loop is None:
-            self.shutdown()
-            raise RuntimeError("this SGLang's Engine has no event loop (Engine.loop); upgrade it")
-        self._streams = LoopStreams(loop, self._open_stream, stream_event, self._holds)
+        self._streams = LoopStreams(self.engine.loop, self._open_stream, stream_event, self._holds)
         self.requests = RequestQueue(
             self._streams.step,
             lambda: self._version,
@@ -203,15 +222,19 @@ class SGLangRollout(TokenizedRollout):
         if self._weights_discarded:
             raise RuntimeError("sleep(level=2) discarded the weights; send new weights first")
 
-    def _holds(self, request_id: str) -> bool:
+    def validate_request(self, request: Request) -> None:
+        super().validate_request(request)
+        check_stops(request.params)
+
+    def _holds(self, rid: str) -> bool:
         """Whether SGLang's tokenizer manager still tracks the request: it forgets one when
         the scheduler reported its end (also after an abort)."""
-        states = getattr(self.engine.tokenizer_manager, "rid_to_state", None)
-        return states is not None and request_id in states
+        return rid in self.engine.tokenizer_manager.rid_to_state
 
-    async def _open_stream(self, request: Request) -> AsyncIterator[Mapping[str, Any]]:
+    async def _open_stream(self, request: Request, rid: str) -> AsyncIterator[Mapping[str, Any]]:
         kwargs = request_kwargs(
             request,
+            rid,
             processor=self._processor,
             seed=self._seed(request.params),
             lora_name=self._lora_name,
@@ -251,31 +274,21 @@ class SGLangRollout(TokenizedRollout):
             self._version = version
 
     def _send(self, stream: Iterator[NamedTensor], update: WeightUpdate) -> None:
-        """Bucket by bucket as CUDA tensors, as the stream arrives; the last bucket flushes the
-        prefix cache (its KV came from the old weights) unless the KV cache is released, which
-        flushed it already."""
+        """Bucket by bucket as CUDA tensors, as the stream arrives. The prefix cache was
+        flushed when the engine went idle (:meth:`_idle`) and nothing runs until the update
+        ends, so no bucket flushes it again."""
         device = torch.device("cuda", torch.cuda.current_device())
-        buckets = device_buckets(stream, self._shapes, device, self.config.weight_bucket_bytes)
-        bucket = next(buckets, None)
-        while bucket is not None:
-            following = next(buckets, None)  # one bucket ahead: is this one the last?
+        for bucket in device_buckets(stream, self._shapes, device, self.config.weight_bucket_bytes):
             update.changed = True
-            result = self.engine.update_weights_from_tensor(
-                named_tensors=bucket, flush_cache=following is None and not self._kv_released()
-            )
+            result = self.engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=False)
             check_result(result, "update_weights_from_tensor")
-            bucket = following
 
     @contextlib.contextmanager
     def _weight_update_session(self) -> Iterator[None]:
-        """SGLang >= 0.5.2x loads weights only inside a session (``begin_weight_update`` /
-        ``end_weight_update``, which re-packs what the load changed); older ones have none.
-        A failed update still closes its session, so the next one can open its own."""
-        begin = getattr(self.engine, "begin_weight_update", None)
-        if begin is None:
-            yield
-            return
-        check_result(begin(), "begin_weight_update")
+        """SGLang (>= 0.5.21) loads weights only inside a session (``begin_weight_update`` /
+        ``end_weight_update``, which re-packs what the load changed). A failed update still
+        closes its session, so the next one can open its own."""
+        check_result(self.engine.begin_weight_update(), "begin_weight_update")
         try:
             yield
         except BaseException:
@@ -297,8 +310,6 @@ class SGLangRollout(TokenizedRollout):
         self._lora_name = name
         if previous is not None:
             self._unload_adapter(previous)
-        if not self._kv_released():
-            self.engine.flush_cache()  # cached prefixes may hold KV computed with the old adapter
 
     def _unload_adapter(self, name: str) -> None:
         check_result(self.engine.unload_lora_adapter(lora_name=name), "unload_lora_adapter")
@@ -381,9 +392,13 @@ class SGLangRollout(TokenizedRollout):
         tags = memory_tags(level, self._weights_backup)
         with self.requests.lock:  # SGLang releases memory only when idle
             self.requests.pause(abort=True)
-            self._idle()
-            result = self._live_engine().release_memory_occupation(tags=tags)
-            check_result(result, "release_memory_occupation")
+            try:
+                self._idle()
+                result = self._live_engine().release_memory_occupation(tags=tags)
+                check_result(result, "release_memory_occupation")
+            except BaseException:
+                self.requests.resume()  # still awake: it serves on
+                raise
         self._released_tags = tags
         self._asleep = True
         self._weights_discarded = self._weights_discarded or level == 2
@@ -416,6 +431,9 @@ class SGLangRollout(TokenizedRollout):
         self.requests.resume()
 
     def shutdown(self) -> None:
+        """SGLang's own shutdown kills every child process of this process, not only its
+        own: where this process has other children, run the rollout as a server process of
+        its own (``rollout.python``), as its own Python environment wants anyway."""
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
@@ -426,10 +444,20 @@ class SGLangRollout(TokenizedRollout):
 
     # ---- state ----------------------------------------------------------------------------
     def _idle(self) -> None:
-        """Under the step lock: no request runs or is still ending in SGLang, which loads
-        weights, flushes its cache and releases memory only then."""
+        """Under the step lock: no request runs or is still ending in SGLang, whose
+        scheduler loads weights, flushes its cache and releases memory only when idle. Its
+        tokenizer manager forgets a request one scheduler iteration before the scheduler is
+        idle; a flush with a timeout waits for that (and the prefix cache goes, as an update
+        needs). With the KV cache released the scheduler went idle before it and nothing ran
+        since."""
         self.requests.finish_running()
         self._streams.settle(IDLE_TIMEOUT_S)
+        if not self._kv_released():
+            manager = self.engine.tokenizer_manager
+            flushed = self.engine.loop.run_until_complete(
+                manager.flush_cache(timeout_s=IDLE_TIMEOUT_S)
+            )
+            check_result(flushed, "flush_cache (waiting for the scheduler to go idle)")
 
     def _released(self, tag: str) -> bool:
         return self._asleep and (self._released_tags is None or tag in self._released_tags)
