@@ -22,7 +22,6 @@ from drivetrain.rollout.sglang.requests import (
     TopKTopPFilter,
     check_result,
     check_stops,
-    check_weight_metadata,
     context_limits,
     filter_logits,
     finish_reason,
@@ -199,17 +198,6 @@ def test_memory_tags_per_sleep_level():
     assert memory_tags(1, weights_backup=False) == ["kv_cache"]  # weights stay on the GPU
     assert memory_tags(2, weights_backup=False) is None
     assert memory_tags(2, weights_backup=True) is None
-
-
-def test_broadcast_metadata_is_checked_before_anything_is_received():
-    expected = {"a": (2, 3), "b": (4,)}
-    check_weight_metadata(["a", "b"], ["bfloat16", "float32"], [[2, 3], [4]], expected)
-    with pytest.raises(KeyError, match="unknown weight 'c'"):
-        check_weight_metadata(["c"], ["float32"], [[1]], expected)
-    with pytest.raises(ValueError, match=r"has shape \(3, 2\)"):
-        check_weight_metadata(["a"], ["float32"], [[3, 2]], expected)
-    with pytest.raises(ValueError, match="pair up"):
-        check_weight_metadata(["a"], [], [[2, 3]], expected)
 
 
 # ---- the top-k/top-p logit processor ------------------------------------------------------

@@ -87,7 +87,8 @@ def device_buckets(
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The stream as it arrives, each tensor checked and copied onto ``device``, in
     consecutive groups of at most ``bucket_bytes`` (a larger tensor goes alone): for a loader
-    that takes a group of tensors per call, with one group on the device at a time."""
+    that takes a group of tensors per call. At most two groups are on the device at once, the
+    one being filled and the one the caller still holds."""
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, tensor in weights:
@@ -103,15 +104,15 @@ def device_buckets(
 
 
 def stage_weights(
-    weights: Iterable[NamedTensor], expected: Mapping[str, tuple[int, ...]], *, copy: bool = True
+    weights: Iterable[NamedTensor], expected: Mapping[str, tuple[int, ...]]
 ) -> list[tuple[str, torch.Tensor]]:
     """Collect the stream, raising ``KeyError`` for a name not in ``expected`` and
-    ``ValueError`` for a wrong shape. The tensors are copied (the contract lets the sender reuse
-    its buffers once the stream advances) unless ``copy=False`` says they already were."""
+    ``ValueError`` for a wrong shape. The tensors are copied to the CPU (the contract lets the
+    sender reuse its buffers once the stream advances)."""
     staged = []
     for name, tensor in weights:
         _check(name, tensor, expected)
-        staged.append((name, tensor.detach().to("cpu", copy=copy)))
+        staged.append((name, tensor.detach().to("cpu", copy=True)))
     return staged
 
 

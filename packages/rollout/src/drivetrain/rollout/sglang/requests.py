@@ -239,28 +239,6 @@ def memory_tags(level: int, weights_backup: bool) -> list[str] | None:
     return None
 
 
-def check_weight_metadata(
-    names: Sequence[str],
-    dtypes: Sequence[str],
-    shapes: Sequence[Sequence[int]],
-    expected: Mapping[str, tuple[int, ...]],
-) -> None:
-    """The checks :func:`~drivetrain.rollout.weights.stage_weights` makes, for a broadcast
-    update known only by its metadata: ``KeyError`` for an unknown name, ``ValueError`` for a
-    wrong shape, before anything is received."""
-    if not len(names) == len(dtypes) == len(shapes):
-        raise ValueError(
-            f"{len(names)} names, {len(dtypes)} dtypes and {len(shapes)} shapes do not pair up"
-        )
-    for name, shape in zip(names, shapes, strict=True):
-        if name not in expected:
-            raise KeyError(f"unknown weight {name!r}; the model has e.g. {sorted(expected)[:8]}")
-        if tuple(shape) != tuple(expected[name]):
-            raise ValueError(
-                f"weight {name!r} has shape {tuple(shape)}, the model has {tuple(expected[name])}"
-            )
-
-
 # ---- the top-k/top-p logit processor ------------------------------------------------------
 def filter_logits(
     logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor

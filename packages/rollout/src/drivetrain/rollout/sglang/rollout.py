@@ -15,9 +15,7 @@ requests end), so an update first lets the running requests finish: their tokens
 old version, and the requests after it the new one. LoRA adapters are written as a peft
 directory and swapped with ``load_lora_adapter``/``unload_lora_adapter``. Memory:
 ``release_memory_occupation``/``resume_memory_occupation`` (torch_memory_saver; server arg
-``enable_memory_saver``); a sleep aborts the running requests. A broadcast weight-sync
-transport drives :meth:`SGLangRollout.init_weights_update_group` and
-:meth:`SGLangRollout.update_weights_from_distributed`.
+``enable_memory_saver``); a sleep aborts the running requests.
 """
 
 from __future__ import annotations
@@ -49,7 +47,6 @@ from drivetrain.rollout.sglang.requests import (
     WEIGHTS,
     check_result,
     check_stops,
-    check_weight_metadata,
     context_limits,
     memory_tags,
     processor_string,
@@ -315,72 +312,6 @@ class SGLangRollout(TokenizedRollout):
         check_result(self.engine.unload_lora_adapter(lora_name=name), "unload_lora_adapter")
         if self._lora_name == name:
             self._lora_name = None
-
-    # ---- broadcast weight sync (SGLang's own process group) ------------------------------
-    def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str,
-        backend: str = "nccl",
-    ) -> None:
-        """Join the trainer's weight-broadcast group: SGLang's ranks take ranks
-        ``rank_offset ..`` of ``world_size``; the trainer's sender is rank 0."""
-        with self.requests.lock:  # SGLang's calls run its event loop: one thread at a time
-            result = self._live_engine().init_weights_update_group(
-                master_address=master_address,
-                master_port=master_port,
-                rank_offset=rank_offset,
-                world_size=world_size,
-                group_name=group_name,
-                backend=backend,
-            )
-        check_result(result, "init_weights_update_group")
-
-    def update_weights_from_distributed(
-        self,
-        names: Sequence[str],
-        dtypes: Sequence[str],
-        shapes: Sequence[Sequence[int]],
-        group_name: str = "weight_update_group",
-        flush_cache: bool = True,
-        load_format: str | None = None,
-        *,
-        version: int | None = None,
-    ) -> None:
-        """Receive tensors the trainer broadcasts in ``group_name`` (``dtypes`` as torch dtype
-        names, e.g. ``bfloat16``). Names and shapes are checked first. Pass ``version`` with the
-        last call of an update: generation then reports it. A call that fails after SGLang
-        started loading leaves the rollout refusing requests until a call succeeds."""
-        self._check_weights_resident("update_weights_from_distributed")
-        check_weight_metadata(names, dtypes, shapes, self._shapes)
-        kwargs: dict[str, Any] = dict(
-            names=list(names),
-            dtypes=list(dtypes),
-            shapes=[list(shape) for shape in shapes],
-            group_name=group_name,
-            flush_cache=flush_cache and not self._kv_released(),
-        )
-        if load_format is not None:
-            kwargs["load_format"] = load_format
-        with self.updating_weights(self._version if version is None else version) as update:
-            self._idle()
-            with self._weight_update_session():
-                update.changed = True
-                result = self.engine.update_weights_from_distributed(**kwargs)
-                check_result(result, "update_weights_from_distributed")
-            if version is not None:
-                self._version = version
-                self._weights_discarded = False
-
-    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
-        destroy = getattr(self._live_engine(), "destroy_weights_update_group", None)
-        if destroy is None:
-            raise RuntimeError("this SGLang has no destroy_weights_update_group; upgrade it")
-        with self.requests.lock:
-            check_result(destroy(group_name=group_name), "destroy_weights_update_group")
 
     # ---- memory -------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> bool:
