@@ -28,16 +28,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SMOLLM2_135M = dict(
-    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
-    tie_word_embeddings=True,
-)  # fmt: skip
 
 
 def build_model(path: Path) -> None:
     """The workspace side: a random-weight model and a tokenizer vLLM can load."""
     import torch
+    from rollout import SMOLLM2_135M  # benchmarks/rollout.py: the same model shape
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from drivetrain.trainer.builtin.char_tokenizer import build_char_tokenizer
