@@ -1,7 +1,13 @@
 import pytest
 
 from drivetrain.api import Completion, FinishReason, Layout
-from drivetrain.api.columns import INPUT_IDS, LOSS_MASK, RESPONSE_MASK, ROLLOUT_LOG_PROBS
+from drivetrain.api.columns import (
+    INPUT_IDS,
+    LOSS_MASK,
+    RESPONSE_MASK,
+    ROLLOUT_LOG_PROBS,
+    TOKEN_WEIGHT_VERSION,
+)
 from drivetrain.api.rollout_batch import FINISH_REASON, PROMPT_INDEX, completions_to_batch
 
 
@@ -42,3 +48,16 @@ def test_mixed_versions_leave_meta_version_unset_and_bad_completions_fail():
         completions_to_batch([bad], pad_token_id=0)
     with pytest.raises(ValueError, match="no completions"):
         completions_to_batch([], pad_token_id=0)
+
+
+def test_token_weight_versions_come_from_the_completion_or_its_version():
+    """A partial rollout's tokens keep their own versions; a completion without them (from
+    an older peer) has its weight version on every generated token; prompts and pads are -1."""
+    spanning = Completion(1, (8,), (9, 10, 11), (-1.0,) * 3, FinishReason.STOP, 3, None, {},
+                          (3, 4, 4))  # fmt: skip
+    batch = completions_to_batch([COMPLETIONS[0], spanning], pad_token_id=0)
+    assert batch[TOKEN_WEIGHT_VERSION] == [[-1, -1, 3, -1], [-1, 3, 4, 4]]
+    assert TOKEN_WEIGHT_VERSION in batch.token_keys
+    short = Completion(1, (8,), (9, 10), (-1.0,) * 2, FinishReason.STOP, 3, None, {}, (3,))
+    with pytest.raises(ValueError, match="2 tokens but 1 token versions"):
+        completions_to_batch([short], pad_token_id=0)

@@ -165,3 +165,20 @@ def test_an_unknown_chunk_or_a_chunk_after_the_end_is_refused():
     collector.add([Chunk("a", (2,), (-0.5,), 0, FinishReason.STOP)])
     with pytest.raises(ValueError, match="after it finished"):
         collector.add([Chunk("a", (3,), (-0.5,), 0)])
+
+
+def test_pop_returns_a_resumed_sequence_whole_and_forgets_every_segment():
+    from drivetrain.api.requests import Chunk, Collector, Request
+    from drivetrain.api.rollout import FinishReason, SamplingParams
+
+    collector = Collector()
+    collector.track(Request("a", (1,), SamplingParams(max_new_tokens=4)))
+    collector.add([Chunk("a", (2,), (-0.5,), 0, FinishReason.ABORT)])
+    resumed = collector.resume("a", "a+1")
+    assert resumed.prompt_ids == (1, 2) and resumed.params.max_new_tokens == 3
+    assert collector.add([Chunk("a+1", (3,), (-0.25,), 1, FinishReason.STOP)]) == ["a"]
+    done = collector.pop("a+1")
+    assert done.token_ids == (2, 3) and done.token_versions == (0, 1)
+    assert collector.completions() == []
+    collector.track(Request("a", (5,), SamplingParams()))  # its ids are free again
+    collector.track(Request("a+1", (5,), SamplingParams()))

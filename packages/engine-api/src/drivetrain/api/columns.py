@@ -21,7 +21,10 @@ ROLLOUT_LOG_PROBS = "rollout_log_probs"  # sampled log-probs reported by the rol
 ADVANTAGES = "advantages"
 RETURNS = "returns"
 REWARDS = "rewards"  # per-token rewards (the sequence reward usually on the last token)
-WEIGHT_VERSION = "weight_version"  # per sample: which weights generated it
+WEIGHT_VERSION = "weight_version"  # per sample: which weights generated it (its first token)
+#: per token: the weight version a generated token was sampled under (-1 on prompt tokens); a
+#: sample generated across a weight update (a partial rollout) holds two or more
+TOKEN_WEIGHT_VERSION = "token_weight_version"
 #: Per sample, a hint: this many leading tokens (usually the prompt) may be shared with other
 #: samples of the batch that start with the *same* tokens. Engines may compute such a prefix
 #: once; outputs must not change (the conformance kit checks it). Engines may ignore it.
@@ -43,5 +46,6 @@ TOKEN_COLUMNS = frozenset(
         ADVANTAGES,
         RETURNS,
         REWARDS,
+        TOKEN_WEIGHT_VERSION,
     }
 )

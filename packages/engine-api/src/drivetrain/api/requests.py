@@ -184,6 +184,17 @@ class Collector:
             token_versions=versions,
         )
 
+    def pop(self, request_id: str) -> Completion:
+        """The finished sequence's completion, forgotten here (ids of all its segments become
+        free): for a caller that streams requests through one collector for a long time."""
+        completion = self.completion(request_id)
+        key = self._alias[request_id]
+        del self._progress[key]
+        self._order.remove(key)
+        for alias in [a for a, k in self._alias.items() if k == key]:
+            del self._alias[alias]
+        return completion
+
     def completions(self) -> list[Completion]:
         """Every tracked sequence's completion, in the order they were first tracked."""
         return [self.completion(request_id) for request_id in self._order]

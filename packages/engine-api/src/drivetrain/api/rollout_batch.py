@@ -2,7 +2,8 @@
 
 Columns (token columns aligned with ``input_ids``, prompt then response):
 ``input_ids``, ``response_mask`` and ``loss_mask`` (1 on generated tokens),
-``rollout_log_probs`` (the sampled log-prob on generated tokens, 0 on the prompt), and per
+``rollout_log_probs`` (the sampled log-prob on generated tokens, 0 on the prompt),
+``token_weight_version`` (each generated token's weight version, -1 on the prompt), and per
 sample ``prompt_index``, ``weight_version`` and ``finish_reason``. Values are plain lists; pass
 ``as_tensor`` (e.g. ``torch.tensor``) to get tensors. Standard library only, so the trainer can
 build the batch from completions that crossed a process boundary as plain data.
@@ -19,6 +20,7 @@ from drivetrain.api.columns import (
     LOSS_MASK,
     RESPONSE_MASK,
     ROLLOUT_LOG_PROBS,
+    TOKEN_WEIGHT_VERSION,
     WEIGHT_VERSION,
 )
 from drivetrain.api.rollout import Completion
@@ -48,6 +50,7 @@ def completions_to_batch(
         RESPONSE_MASK: [],
         LOSS_MASK: [],
         ROLLOUT_LOG_PROBS: [],
+        TOKEN_WEIGHT_VERSION: [],
     }
     for c in completions:
         if len(c.log_probs) != len(c.token_ids):
@@ -61,8 +64,21 @@ def completions_to_batch(
         rows[RESPONSE_MASK].append(generated)
         rows[LOSS_MASK].append(list(generated))
         rows[ROLLOUT_LOG_PROBS].append([0.0] * len(prompt) + [float(x) for x in c.log_probs])
+        versions = list(c.token_versions) or [c.weight_version] * len(response)
+        if len(versions) != len(response):
+            raise ValueError(
+                f"completion of prompt {c.prompt_index}: {len(response)} tokens but "
+                f"{len(versions)} token versions"
+            )
+        rows[TOKEN_WEIGHT_VERSION].append([-1] * len(prompt) + versions)
     seq_lens = [len(r) for r in rows[INPUT_IDS]]
-    pads = {INPUT_IDS: pad_token_id, RESPONSE_MASK: 0, LOSS_MASK: 0, ROLLOUT_LOG_PROBS: 0.0}
+    pads = {
+        INPUT_IDS: pad_token_id,
+        RESPONSE_MASK: 0,
+        LOSS_MASK: 0,
+        ROLLOUT_LOG_PROBS: 0.0,
+        TOKEN_WEIGHT_VERSION: -1,
+    }
     columns: dict[str, Any] = {}
     for name, values in rows.items():
         if packed:

@@ -3,6 +3,7 @@ roles' per-token outputs put back in order, and rewards placed on the last respo
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,9 +11,16 @@ import torch
 
 from drivetrain.api import Batch, Completion
 from drivetrain.api.batch import restore_order
-from drivetrain.api.columns import INPUT_IDS, LOSS_MASK, ROLLOUT_LOG_PROBS, SHARED_PREFIX_LEN
+from drivetrain.api.columns import (
+    INPUT_IDS,
+    LOSS_MASK,
+    ROLLOUT_LOG_PROBS,
+    SHARED_PREFIX_LEN,
+    TOKEN_WEIGHT_VERSION,
+)
 from drivetrain.api.partition import dp_shard_indices
 from drivetrain.api.rollout_batch import PROMPT_INDEX, PROMPT_LENGTH, completions_to_batch
+from drivetrain.trainer.rl.group_stream import Taken
 from drivetrain.trainer.workers.group import WorkerGroup
 
 #: What the engines get: token ids, the loss mask, the prompt length as a prefix-sharing hint
@@ -63,3 +71,44 @@ def group_ids(batch: Batch) -> list[int]:
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
     mask = mask.to(values.dtype)
     return float((values * mask).sum() / mask.sum().clamp(min=1))
+
+
+def taken_batch(taken: Taken, prompts: Sequence[Any]) -> tuple[list[Any], list[Completion]]:
+    """A step's groups as the sync loop has them: its prompts, and their completions grouped
+    by prompt with ``prompt_index`` the prompt's place in the step."""
+    chosen = [prompts[g.prompt] for g in taken.groups]
+    completions = [
+        dataclasses.replace(c, prompt_index=i)
+        for i, group in enumerate(taken.groups)
+        for c in group.completions
+    ]
+    return chosen, completions
+
+
+def stream_stats(taken: Taken) -> dict[str, float]:
+    return {
+        "async/dropped_groups": float(taken.dropped),
+        "async/ready_groups": float(taken.ready_left),
+        "async/in_flight_groups": float(taken.in_flight),
+    }
+
+
+def staleness_stats(batch: Batch, trainer_version: int) -> dict[str, float]:
+    """How many versions each response token lags the trainer's weights: mean, max, the
+    histogram (fraction of tokens per lag) and the fraction of samples spanning versions."""
+    mask = batch[LOSS_MASK].bool()
+    versions = batch[TOKEN_WEIGHT_VERSION]
+    lag = (trainer_version - versions)[mask]
+    if lag.numel() == 0:
+        return {}
+    out = {
+        "async/staleness_mean": float(lag.float().mean()),
+        "async/staleness_max": float(lag.max()),
+    }
+    values, counts = lag.unique(return_counts=True)
+    for value, count in zip(values.tolist(), counts.tolist(), strict=True):
+        out[f"async/staleness_frac/{value}"] = count / lag.numel()
+    big = torch.where(mask, versions, torch.iinfo(versions.dtype).min).amax(-1)
+    small = torch.where(mask, versions, torch.iinfo(versions.dtype).max).amin(-1)
+    out["async/partial_samples_frac"] = float(((big > small) & mask.any(-1)).float().mean())
+    return out

@@ -26,6 +26,7 @@ from drivetrain.trainer.rl.kl import KL_ESTIMATORS
 from drivetrain.trainer.sft_config import LoggingConfig, WorkersConfig
 
 REFERENCE_MODES = ("auto", "none", "engine", "adapter")
+MODES = ("sync", "one_step_off", "async")
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,26 @@ class AlgorithmConfig:
     # (detached) instead of a separate pass: the same numbers, one forward fewer (TRL, verl)
     on_policy_shortcut: bool = True
     plugins: tuple[str, ...] = ()  # modules imported first (they register estimators/losses)
+    # ---- generation ahead of training (trainer README, "Sync, one-step-off and async") ----
+    #: sync: generate, then train, then sync weights; one_step_off: step k+1's batch generates
+    #: under weights k while step k trains; async: rollouts generate continuously, the trainer
+    #: takes the first complete groups, weights pushed every ``sync_every`` steps
+    mode: str = "sync"
+    max_staleness: int = 1  # async: samples at most this many versions behind the trainer
+    stale_samples: str = "drop"  # async: older samples are dropped, or kept (and corrected)
+    sync_every: int = 1  # async: push weights every N steps (N - 1 <= max_staleness)
+    #: async: requests running at a weight update are aborted and resumed under the new
+    #: weights with their tokens kept (resume), or run to their end under the old (finish)
+    partial_rollouts: str = "resume"
+    #: 0: each rollout replica has a polling thread; N > 0: the trainer drives generation, N
+    #: token steps between training steps (a fixed interleaving: runs are bit-identical)
+    scripted_rounds: int = 0
+    #: off-policy correction of the rollout↔trainer gap (rl/off_policy.py): auto = tis when
+    #: samples may be stale (one_step_off, async with max_staleness > 0), else none
+    correction: str = "auto"
+    correction_cap: float = 2.0  # tis, seq_tis
+    correction_low: float = 0.5  # icepop, seq_mask
+    correction_high: float = 2.0  # icepop, seq_mask
 
     def __post_init__(self) -> None:
         if self.aggregation not in AGGREGATIONS:
@@ -92,6 +113,42 @@ class AlgorithmConfig:
             raise ConfigError(f"algorithm.dual_clip={self.dual_clip} must be > 1 (or 0: off)")
         if self.kl_coef < 0:
             raise ConfigError(f"algorithm.kl_coef={self.kl_coef} must be >= 0")
+        choices = {
+            "mode": MODES,
+            "stale_samples": ("drop", "keep"),
+            "partial_rollouts": ("resume", "finish"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(
+                    f"algorithm.{name}={getattr(self, name)!r} is not one of {allowed}"
+                )
+        if self.max_staleness < 0 or self.sync_every < 1 or self.scripted_rounds < 0:
+            raise ConfigError(
+                "algorithm.max_staleness and scripted_rounds must be >= 0, sync_every >= 1"
+            )
+        if self.mode == "async" and self.sync_every - 1 > self.max_staleness:
+            raise ConfigError(
+                f"algorithm.sync_every={self.sync_every} leaves the rollouts up to "
+                f"{self.sync_every - 1} versions behind, beyond max_staleness="
+                f"{self.max_staleness}: raise max_staleness or lower sync_every"
+            )
+        if not (self.correction_cap > 0 and 0 <= self.correction_low <= self.correction_high):
+            raise ConfigError(
+                "algorithm.correction_cap must be > 0 and 0 <= correction_low <= correction_high"
+            )
+
+    @property
+    def staleness(self) -> int:
+        """How many versions a sample may lag the trainer (0 in sync mode)."""
+        return {"sync": 0, "one_step_off": 1}.get(self.mode, self.max_staleness)
+
+    @property
+    def correction_name(self) -> str:
+        """The correction in use (``auto`` resolved)."""
+        if self.correction != "auto":
+            return self.correction
+        return "tis" if self.staleness > 0 else "none"
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from drivetrain.trainer.preflight import (
 )
 from drivetrain.trainer.rl.advantages import ADVANTAGES, NEEDS_CRITIC
 from drivetrain.trainer.rl.config import RLConfig, rl_config_type, updates_per_step
+from drivetrain.trainer.rl.off_policy import CORRECTIONS
 from drivetrain.trainer.rl.placement import (
     Placement,
     build_placement,
@@ -107,6 +108,13 @@ def load_rl_job(
     elif not config.actor.model.path:
         raise ConfigError("actor.model.path is required when data.train_path is set")
     mode = resolve_mode(config.placement, config.workers)
+    if config.algorithm.mode != "sync" and mode == "colocated":
+        raise ConfigError(
+            f"algorithm.mode={config.algorithm.mode} generates while the actor trains, but "
+            "colocated rollouts share the actor's devices and sleep while it trains; use "
+            "placement.mode=separate (Ray), or one rank in-process (rollout.python for a "
+            "rollout process of its own)"
+        )
     transport = resolve_transport(
         weight_sync, mode, rollout_process=bool(getattr(config.rollout, "python", ""))
     )
@@ -191,6 +199,7 @@ def prepare(job: RLJob) -> PreparedRL:
     import_plugins(c.algorithm.plugins)
     ADVANTAGES.get(c.algorithm.advantage)
     POLICY_LOSSES.get(c.algorithm.policy_loss)
+    CORRECTIONS.get(c.algorithm.correction_name)
     RewardScorer(c.reward.functions, c.reward.weights)
     for name in (job.engine, job.critic_engine):
         registry.engines.load(name)

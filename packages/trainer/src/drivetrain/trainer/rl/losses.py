@@ -28,6 +28,7 @@ from drivetrain.api.columns import (
 )
 from drivetrain.trainer.rl.aggregation import aggregate
 from drivetrain.trainer.rl.kl import kl_penalty
+from drivetrain.trainer.rl.off_policy import IS_WEIGHTS
 from drivetrain.trainer.rl.policy_losses import POLICY_LOSSES, ClipConfig, PolicyLossInputs
 
 OLD_VALUES = "old_values"  # the critic's values before this update (value clipping)
@@ -85,6 +86,8 @@ class ActorLoss:
             seq_lens=mb.seq_lens,
         )
         per_token, indicators = POLICY_LOSSES.get(self.policy_loss)(inputs, self.clip)
+        if IS_WEIGHTS in mb:  # the off-policy correction's per-token weights (no gradient)
+            per_token = per_token * mb[IS_WEIGHTS].to(per_token.dtype)
         policy = agg(per_token)
         loss = policy
         metrics: dict[str, Any] = {"actor/pg_loss": policy.detach()}

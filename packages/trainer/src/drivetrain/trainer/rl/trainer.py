@@ -25,6 +25,7 @@ from drivetrain.api.columns import (
     REF_LOG_PROBS,
     RETURNS,
     ROLLOUT_LOG_PROBS,
+    TOKEN_WEIGHT_VERSION,
     VALUES,
 )
 from drivetrain.trainer.checkpoints import CheckpointManager
@@ -41,10 +42,20 @@ from drivetrain.trainer.rl.batch_ops import (
     group_ids,
     last_token_rewards,
     masked_mean,
+    staleness_stats,
+    stream_stats,
+    taken_batch,
 )
 from drivetrain.trainer.rl.config import RLConfig, updates_per_step
+from drivetrain.trainer.rl.group_stream import GroupStream
 from drivetrain.trainer.rl.kl import kl_penalty
 from drivetrain.trainer.rl.losses import OLD_VALUES, ActorLoss, CriticLoss, state_values
+from drivetrain.trainer.rl.off_policy import (
+    IS_WEIGHTS,
+    CorrectionConfig,
+    CorrectionInputs,
+    correct,
+)
 from drivetrain.trainer.rl.placement import Placement
 from drivetrain.trainer.rl.policy_losses import ClipConfig
 from drivetrain.trainer.rl.prompts import PromptSampler, RLPrompt
@@ -101,7 +112,12 @@ class RLTrainer:
         self.scorer = RewardScorer(c.reward.functions, c.reward.weights)
         self.sampler = PromptSampler(len(setup.train), c.run.prompts_per_step, c.seed)
         alg = c.algorithm
-        needs_old = alg.kl_in_reward and setup.reference != "none"
+        self.correction = alg.correction_name
+        self.correction_config = CorrectionConfig(
+            alg.correction_cap, alg.correction_low, alg.correction_high
+        )
+        # the KL in the reward and the off-policy correction need the old log-probs here
+        needs_old = (alg.kl_in_reward and setup.reference != "none") or self.correction != "none"
         self.on_policy = alg.on_policy_shortcut and updates_per_step(c) == 1 and not needs_old
         self.actor_loss = ActorLoss(
             policy_loss=alg.policy_loss,
@@ -119,22 +135,37 @@ class RLTrainer:
         self.checkpoints = CheckpointManager(
             self.out / "checkpoints", keep_last=c.run.keep_last, writer=True
         )
+        self.stream: GroupStream | None = None  # generation ahead of training (not sync mode)
+        # a weight update aborts running requests, resumed under the new weights (partial
+        # rollouts), or lets them finish under the old ones
+        self.weights.abort_inflight = alg.mode == "async" and alg.partial_rollouts == "resume"
 
     # ---- the algorithm ------------------------------------------------------------------
     def step(self, step: int) -> dict[str, float]:
         """RL step ``step`` (0-based): its metrics."""
         c, timer = self.config, PhaseTimer()
-        prompts = [self.setup.train[i] for i in self.sampler.indices(step)]
-        with timer("generate"):
-            completions = self.pool.generate(
-                [Prompt(token_ids=p.token_ids) for p in prompts], self.sampling(step)
-            )
+        stream_metrics: dict[str, float] = {}
+        if self.stream is None:
+            prompts = [self.setup.train[i] for i in self.sampler.indices(step)]
+            with timer("generate"):
+                completions = self.pool.generate(
+                    [Prompt(token_ids=p.token_ids) for p in prompts], self.sampling(step)
+                )
+        else:
+            with timer("wait_for_rollouts"):
+                taken = self.stream.take(step)
+            prompts, completions = taken_batch(taken, self.setup.train)
+            stream_metrics = stream_stats(taken)
         with timer("reward"):
             scores, reward_metrics = self.score(completions, prompts)
             batch = completions_batch(completions, self.setup.pad_token_id)
-        # colocated rollouts sleep while the trainer uses their device; on leaving, the new
-        # weights go to every rollout (the weight path's one sequence, every placement)
-        with self.weights.updating(step + 1):
+        if self.stream is not None:
+            stream_metrics.update(staleness_stats(batch, step))
+        # sync: colocated rollouts sleep while the trainer uses their device; on leaving, the
+        # new weights go to every rollout (the weight path's one sequence, every placement);
+        # ahead of training, weights are pushed below, every sync_every steps
+        updating = self.weights.updating(step + 1) if self.stream is None else _no_update()
+        with updating:
             old: dict[str, torch.Tensor] = {}
             if not self.on_policy:  # else the update's own forward gives them
                 with timer("old_log_probs"):
@@ -160,16 +191,21 @@ class RLTrainer:
                     batch = batch.with_columns(old_values=values, token_keys=[OLD_VALUES])
             with timer("advantages"):
                 batch, kl_metrics = self.advantages(batch, scores)
+                if self.correction != "none":
+                    batch, correction_metrics = self.correct(batch)
+                    kl_metrics.update(correction_metrics)
             if self.setup.critic:
                 with timer("update_critic"):
                     critic = self.update(batch, CRITIC, self.critic_loss, step, RETURNS, OLD_VALUES)
             with timer("update_actor"):
                 actor = self.update(
                     batch, ACTOR, self.actor_loss, step, OLD_LOG_PROBS, ADVANTAGES, REF_LOG_PROBS,
-                    ROLLOUT_LOG_PROBS,
+                    ROLLOUT_LOG_PROBS, IS_WEIGHTS, TOKEN_WEIGHT_VERSION,
                 )  # fmt: skip
-        report = self.weights.reports[-1]
-        timer.seconds["weight_sync"] = report.seconds
+        synced = self.stream is None or self.push_weights(step)
+        report = self.weights.reports[-1] if synced else None
+        if report is not None:
+            timer.seconds["weight_sync"] = report.seconds
         mask = batch[LOSS_MASK]
         lengths = mask.sum(-1).float()
         generated = float(lengths.sum())
@@ -183,11 +219,13 @@ class RLTrainer:
             "response/length_mean": float(lengths.mean()),
             "response/length_max": float(lengths.max()),
             "response/clip_ratio": float((lengths >= c.sampling.max_new_tokens).float().mean()),
-            "perf/generate_tokens_per_s": generated / max(timer.seconds["generate"], 1e-9),
             "perf/tokens_per_s": float(batch.num_tokens) / sum(timer.seconds.values()),
             **{f"time/{k}_s": v for k, v in timer.seconds.items()},
-            **report.metrics(),
+            **(report.metrics() if report is not None else {}),
+            **stream_metrics,
         }
+        if "generate" in timer.seconds:  # ahead of training, generation overlaps the rest
+            metrics["perf/generate_tokens_per_s"] = generated / max(timer.seconds["generate"], 1e-9)
         if old:
             metrics["actor/entropy_old"] = masked_mean(old[ENTROPY], mask)
             diff = (batch[ROLLOUT_LOG_PROBS] - batch[OLD_LOG_PROBS]).abs()
@@ -195,6 +233,27 @@ class RLTrainer:
         if self.setup.critic:
             metrics.update({**critic.metrics, "critic/grad_norm": critic.grad_norm})
         return metrics
+
+    def push_weights(self, step: int) -> bool:
+        """Ahead of training, after step ``step``: the scripted schedule's generation during
+        the update, then the new weights every ``sync_every`` steps. Whether they were sent."""
+        assert self.stream is not None
+        alg = self.config.algorithm
+        if alg.scripted_rounds:
+            self.stream.advance(alg.scripted_rounds)
+        if alg.mode == "async" and (step + 1) % alg.sync_every:
+            return False
+        self.weights.sync(step + 1)
+        self.stream.weights_at(step + 1)
+        return True
+
+    def correct(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        """The off-policy correction's per-token weights as a column the actor loss uses."""
+        inputs = CorrectionInputs(
+            batch[OLD_LOG_PROBS], batch[ROLLOUT_LOG_PROBS], batch[LOSS_MASK].float()
+        )
+        weights, metrics = correct(self.correction, inputs, self.correction_config)
+        return batch.with_columns(token_keys=[IS_WEIGHTS], is_weights=weights), metrics
 
     @property
     def temp(self) -> float:
@@ -288,6 +347,31 @@ class RLTrainer:
         _, metrics = self.score(completions, self.setup.val)
         return {k.replace("reward/", "val/"): v for k, v in metrics.items() if k != "reward/std"}
 
+    def group_stream(self, start: int) -> GroupStream:
+        c, alg = self.config, self.config.algorithm
+        stream = GroupStream(
+            self.pool.rollouts,
+            prompts=self.sampler.indices,
+            prompt_ids=lambda i: self.setup.train[i].token_ids,
+            params=self.sampling,
+            per_step=c.run.prompts_per_step,
+            steps=c.run.steps,
+            max_staleness=alg.staleness,
+            ordered=alg.mode == "one_step_off",
+            drop_stale=alg.stale_samples == "drop",
+            start_step=start,
+            version=start,
+            scripted_rounds=alg.scripted_rounds,
+        )
+        return stream
+
+    def close_stream(self) -> None:
+        """Stop generating ahead (its running requests aborted): before the rollouts serve
+        anything else, and at the end of the run, failed or not."""
+        stream, self.stream = self.stream, None
+        if stream is not None:
+            stream.close()
+
     def save(self, step: int) -> None:
         path = self.checkpoints.engine_staging_path(step)
         self.group.run_all("save_checkpoint", path, step, self.trainable)
@@ -321,6 +405,9 @@ class RLTrainer:
         if result.val_before:
             self.console.print(f"validation before: {_fmt(result.val_before)}")
         logger = MetricsLogger(self.out, c.logging, run_config=self.setup.state, resume_step=start)
+        if c.algorithm.mode != "sync" and start < c.run.steps:
+            self.stream = self.group_stream(start)
+            self.stream.start()
         try:
             with TrainingProgress(
                 c.run.steps, start, enabled=c.logging.progress, console=self.console,
@@ -332,10 +419,11 @@ class RLTrainer:
                     if not math.isfinite(metrics["actor/loss"]):
                         raise FloatingPointError(f"actor loss is {metrics['actor/loss']} at {done}")
                     if c.run.eval_every and done % c.run.eval_every == 0 and done < c.run.steps:
-                        metrics.update(self.validate())
+                        with self.stream.suspended() if self.stream else _no_update():
+                            metrics.update(self.validate())
                     logger.log(done, metrics)
                     result.rewards[done], result.final_step = metrics["reward/mean"], done
-                    digest = self.weights.reports[-1].sent.digest
+                    digest = self.weights.reports[-1].sent.digest if self.weights.reports else None
                     if digest is not None:
                         result.weight_digests[done] = digest
                     progress.update(
@@ -343,6 +431,7 @@ class RLTrainer:
                     )
                     if c.run.save_every and done % c.run.save_every == 0 and done < c.run.steps:
                         self.save(done)
+            self.close_stream()
             if start < c.run.steps:
                 self.save(c.run.steps)
             result.val_after = self.validate()
@@ -353,11 +442,17 @@ class RLTrainer:
                 result.hf_dir = self.out / "hf"
                 self.group.run_all("export_hf", str(result.hf_dir))
         finally:
+            self.close_stream()
             logger.close()
         series = [("reward/mean", "train reward"), ("val/reward", "validation reward")]
         plot_curve(self.out / METRICS_FILE, self.out / "reward_curve.png", series, ylabel="reward")
         result.seconds = time.perf_counter() - began
         return result
+
+
+@contextlib.contextmanager
+def _no_update() -> Iterator[None]:
+    yield
 
 
 def _mean_stats(stats: Sequence[StepStats]) -> StepStats:

@@ -1,0 +1,330 @@
+"""Generation ahead of training (``algorithm.mode`` ``one_step_off`` and ``async``): the prompt
+stream's groups generated on the rollouts while the trainer trains.
+
+The stream is the sync loop's prompts in the sync loop's order: position ``q`` is prompt
+``q % P`` of step ``q // P`` (``P`` prompts per step, each a group of ``n`` requests), seeded
+exactly as the sync loop's ``generate`` call for that step seeds it and sent to the replica
+that call would have used, so a stream that never runs ahead generates what the sync loop
+generates.
+
+Admission bounds staleness: position ``q`` is submitted once the rollouts hold weights version
+``v`` with ``(q - dropped) // P <= v + max_staleness`` (it is meant for that training step, or
+a later one after drops), and never past the run's last step. The trainer :meth:`take` s a
+step's groups: ``ordered`` the next ``P`` positions (one-step-off), else the first ``P``
+complete ones (async: a long generation does not hold the batch back), in stream order either
+way. A group is complete when all ``n`` samples have finished; its staleness is the trainer's
+version minus its oldest token's version, whole groups are kept or dropped (never split, so
+GRPO's baseline always has ``n`` samples, even across versions).
+
+Partial rollouts: a request the rollout aborted (a weight update with ``abort_inflight``, or
+:meth:`suspended`) is resumed at once as a continuation (its prompt plus its tokens so far,
+:meth:`~drivetrain.api.requests.Collector.resume`), which waits in the rollout's queue until
+generation resumes under the new weights; each token keeps its own version.
+
+Who polls: one thread per replica (the replica's one poller), or, with ``scripted_rounds``,
+the trainer itself, which advances generation by a fixed number of polling rounds at fixed
+points (:meth:`advance`): the same interleaving every run, so two runs are bit-identical.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+
+from drivetrain.api import Completion, FinishReason, Rollout, SamplingParams
+from drivetrain.api.partition import chunk_sizes
+from drivetrain.api.requests import Chunk, Collector, Request, sample_seed
+
+#: how long a replica's thread waits in one poll when nothing is ready (seconds)
+POLL_S = 0.05
+
+
+class GenerationError(RuntimeError):
+    """Generation ahead of training failed (a rollout raised or its process died)."""
+
+
+@dataclass(frozen=True)
+class Group:
+    """The ``n`` finished samples of stream position ``position``."""
+
+    position: int
+    prompt: int  # index into the training prompts
+    completions: tuple[Completion, ...]
+
+    @property
+    def oldest_version(self) -> int:
+        return min(min(c.token_versions, default=c.weight_version) for c in self.completions)
+
+
+@dataclass(frozen=True)
+class Taken:
+    """One training step's groups, in stream order, and what happened on the way."""
+
+    groups: tuple[Group, ...]
+    dropped: int  # groups dropped as too stale since the previous take
+    ready_left: int  # complete groups left for later steps
+    in_flight: int  # groups still generating
+
+
+@dataclass
+class _Replica:
+    rollout: Rollout
+    collector: Collector = field(default_factory=Collector)
+    owner: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> (position, j)
+    outbox: list[Request] = field(default_factory=list)  # admitted, not yet submitted
+    live: set[str] = field(default_factory=set)  # sequences with a submitted, unfinished request
+    resumes: int = 0
+
+
+@dataclass
+class _Pending:
+    prompt: int
+    samples: list[Completion | None]
+
+
+class GroupStream:
+    """Groups of the prompt stream generated on ``rollouts`` ahead of training (see the module
+    docstring). ``prompts(step)`` are the training prompt indices of a step, ``prompt_ids(i)``
+    a prompt's tokens, ``params(step)`` the step's sampling (``n`` samples, call seed)."""
+
+    def __init__(
+        self,
+        rollouts: Sequence[Rollout],
+        *,
+        prompts: Callable[[int], Sequence[int]],
+        prompt_ids: Callable[[int], Sequence[int]],
+        params: Callable[[int], SamplingParams],
+        per_step: int,
+        steps: int,
+        max_staleness: int,
+        ordered: bool,
+        drop_stale: bool,
+        start_step: int = 0,
+        version: int = 0,
+        scripted_rounds: int = 0,
+    ) -> None:
+        self.replicas = [_Replica(r) for r in rollouts]
+        self.prompts, self.prompt_ids, self.params = prompts, prompt_ids, params
+        self.per_step, self.steps = per_step, steps
+        self.max_staleness, self.ordered, self.drop_stale = max_staleness, ordered, drop_stale
+        self.scripted_rounds = scripted_rounds
+        self.version = version
+        self._next = start_step * per_step  # the next position to admit
+        self._consumed = start_step * per_step  # positions consumed or dropped
+        self._dropped = 0  # since the run (re)started: shifts admission
+        self._dropped_since_take = 0
+        self._pending: dict[int, _Pending] = {}
+        self._ready: dict[int, Group] = {}
+        self._failure: BaseException | None = None
+        self._cond = threading.Condition()
+        self._hold = False  # suspended: threads stop polling
+        self._polling = 0
+        self._stopping = False
+        self._threads: list[threading.Thread] = []
+
+    # ---- driving ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start generating: one polling thread per replica (none when scripted)."""
+        if self.scripted_rounds:
+            return
+        for index, replica in enumerate(self.replicas):
+            thread = threading.Thread(
+                target=self._run, args=(replica,), name=f"generate-ahead-{index}", daemon=True
+            )
+            thread.start()
+            self._threads.append(thread)
+
+    def advance(self, rounds: int = 1) -> None:
+        """Scripted schedule: ``rounds`` polling rounds in this thread (each replica: submit
+        what admission allows, then one poll, which runs one token step where requests run)."""
+        for _ in range(rounds):
+            for replica in self.replicas:
+                self._round(replica, timeout_s=0.0)
+
+    def _run(self, replica: _Replica) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while self._hold and not self._stopping:
+                        self._cond.wait()
+                    if self._stopping:
+                        return
+                    self._polling += 1
+                try:
+                    self._round(replica, timeout_s=POLL_S)
+                finally:
+                    with self._cond:
+                        self._polling -= 1
+                        self._cond.notify_all()
+        except BaseException as exc:  # the trainer raises it at its next take or sync
+            with self._cond:
+                self._failure = self._failure or exc
+                self._cond.notify_all()
+
+    def _round(self, replica: _Replica, timeout_s: float) -> None:
+        with self._cond:
+            self._admit()
+            outbox, replica.outbox = replica.outbox, []
+            replica.live.update(r.request_id.split("+", 1)[0] for r in outbox)  # sequence ids
+        if outbox:
+            replica.rollout.submit(outbox)
+        chunks = replica.rollout.poll(timeout_s)
+        with self._cond:
+            self._record(replica, chunks)
+            self._cond.notify_all()
+
+    # ---- admission and bookkeeping (under the lock) ---------------------------------------
+    def _admit(self) -> None:
+        while not self._stopping:
+            step = (self._next - self._dropped) // self.per_step  # the step it is meant for
+            if step >= self.steps or step > self.version + self.max_staleness:
+                return
+            self._submit(self._next)
+            self._next += 1
+
+    def _submit(self, position: int) -> None:
+        step, within = divmod(position, self.per_step)
+        prompt = self.prompts(step)[within]
+        params = self.params(step)
+        # the replica and sample numbers the sync loop's generate call gives this prompt
+        sizes = chunk_sizes(self.per_step, min(len(self.replicas), self.per_step))
+        index, start = 0, 0
+        while within >= start + sizes[index]:
+            start += sizes[index]
+            index += 1
+        replica = self.replicas[index]
+        self._pending[position] = _Pending(prompt, [None] * params.n)
+        for sample in range(params.n):
+            number = (within - start) * params.n + sample
+            seed = None if params.seed is None else sample_seed(params.seed, number)
+            request = Request(
+                f"q{position}-{sample}",
+                tuple(self.prompt_ids(prompt)),
+                replace(params, n=1, seed=seed),
+                prompt_index=position,
+            )
+            replica.collector.track(request)
+            replica.owner[request.request_id] = (position, sample)
+            replica.outbox.append(request)
+
+    def _record(self, replica: _Replica, chunks: Sequence[Chunk]) -> None:
+        for key in replica.collector.add(chunks):
+            replica.live.discard(key)
+            position, sample = replica.owner[key]
+            completion = replica.collector.completion(key)
+            if completion.finish_reason is FinishReason.ABORT and not self._stopping:
+                with contextlib.suppress(ValueError):  # no budget left: it is finished
+                    replica.resumes += 1
+                    request = replica.collector.resume(key, f"{key}+{replica.resumes}")
+                    replica.outbox.append(request)
+                    continue
+            replica.collector.pop(key)
+            del replica.owner[key]
+            pending = self._pending[position]
+            pending.samples[sample] = completion
+            if all(s is not None for s in pending.samples):
+                del self._pending[position]
+                done = tuple(s for s in pending.samples if s is not None)
+                self._ready[position] = Group(position, pending.prompt, done)
+
+    # ---- the trainer's side ----------------------------------------------------------------
+    def take(self, trainer_version: int) -> Taken:
+        """The next step's ``P`` groups (waits for them); groups older than ``max_staleness``
+        versions are dropped first when ``drop_stale``."""
+        with self._cond:
+            while True:
+                self._raise_failure()
+                chosen = self._choose(trainer_version)
+                if chosen is not None:
+                    break
+                if self.scripted_rounds:
+                    self._cond.release()
+                    try:
+                        self.advance(1)
+                    finally:
+                        self._cond.acquire()
+                else:
+                    self._cond.wait(1.0)
+            for group in chosen:
+                del self._ready[group.position]
+            self._consumed += len(chosen)
+            dropped, self._dropped_since_take = self._dropped_since_take, 0
+            return Taken(tuple(chosen), dropped, len(self._ready), len(self._pending))
+
+    def _choose(self, trainer_version: int) -> list[Group] | None:
+        if self.ordered:
+            wanted = range(self._consumed, self._consumed + self.per_step)
+            if all(q in self._ready for q in wanted):
+                return [self._ready[q] for q in wanted]
+            return None
+        if self.drop_stale:
+            for q, group in sorted(self._ready.items()):
+                if trainer_version - group.oldest_version > self.max_staleness:
+                    del self._ready[q]
+                    self._dropped += 1
+                    self._dropped_since_take += 1
+                    self._consumed += 1
+                    self._admit()  # a dropped group's place goes to a new one
+        if len(self._ready) < self.per_step:
+            return None
+        return [self._ready[q] for q in sorted(self._ready)[: self.per_step]]
+
+    def weights_at(self, version: int) -> None:
+        """The rollouts now generate with ``version`` (after a sync): admission moves on."""
+        with self._cond:
+            self._raise_failure()
+            self.version = version
+            self._cond.notify_all()
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            exc = self._failure
+            raise GenerationError(
+                f"generation ahead of training failed: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Nothing of this stream runs on the rollouts inside (e.g. validation generates):
+        threads stop polling, running requests are aborted and their tokens kept; they resume
+        as continuations afterwards."""
+        with self._cond:
+            self._hold = True
+            while self._polling:
+                self._cond.wait()
+        try:
+            self._drain()
+            yield
+        finally:
+            with self._cond:
+                self._hold = False
+                self._cond.notify_all()
+
+    def _drain(self) -> None:
+        """Abort this stream's running requests on every replica and collect their last
+        chunks (threads are held: this thread is every replica's poller meanwhile)."""
+        for replica in self.replicas:
+            with self._cond:
+                live = sorted(replica.live)
+            if not live:
+                continue
+            replica.rollout.abort(live)
+            while True:
+                chunks = replica.rollout.poll(POLL_S)
+                with self._cond:
+                    self._record(replica, chunks)
+                    if not replica.live:
+                        break
+
+    def close(self) -> None:
+        """Stop generating: threads end, this stream's requests are aborted and collected."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join()
+        self._threads.clear()
+        if self._failure is None:
+            self._drain()
