@@ -11,6 +11,7 @@ Every call waits on the reply *and* on the process: a server that dies raises
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import secrets
@@ -62,6 +63,39 @@ def start_server_rollout(
     return RemoteRollout(config, ServerProcess(backend, config, launch))
 
 
+class FairRLock:
+    """A re-entrant lock granted in arrival order. A thread polling in a loop releases the
+    connection and takes it again at once; with a plain lock it wins almost every time, so a
+    weight update waiting for the connection waited ~0.1-0.2 s per call (measured)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._owner: int | None = None
+        self._depth = 0
+        self._queue: collections.deque[object] = collections.deque()
+
+    def __enter__(self) -> FairRLock:
+        me = threading.get_ident()
+        with self._cond:
+            if self._owner == me:
+                self._depth += 1
+                return self
+            ticket = object()
+            self._queue.append(ticket)
+            while self._owner is not None or self._queue[0] is not ticket:
+                self._cond.wait()
+            self._queue.popleft()
+            self._owner, self._depth = me, 1
+            return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._depth -= 1
+            if self._depth == 0:
+                self._owner = None
+                self._cond.notify_all()
+
+
 class ServerProcess:
     """The channel to a rollout backend in a server process (``call`` by name, see
     :class:`~drivetrain.api.remote_rollout.Channel`)."""
@@ -77,7 +111,7 @@ class ServerProcess:
         self.request_timeout_s = launch.request_timeout_s
         # one request and its reply at a time: a poller thread and a weight update share the
         # connection (re-entrant: a failing weight stream sends its abort from inside)
-        self._conversation = threading.RLock()
+        self._conversation = FairRLock()
         authkey = secrets.token_bytes(32)
         listener = AuthenticatedListener(authkey)
         fd, log_name = tempfile.mkstemp(prefix=f"drivetrain-{backend}-", suffix=".log")

@@ -1,0 +1,126 @@
+"""`drivetrain grpo` with generation ahead of training (algorithm.mode), on a tiny model as
+users run it: sync unchanged, async with no staleness equal to sync, the scripted schedule
+bit-identical across runs, a killed rollout process failing fast and resuming."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from rl_support import make_rl_job, metrics_rows, rl_command, run_rl
+from sft_support import sft_env
+
+pytestmark = pytest.mark.timeout(600)
+TESTS = Path(__file__).resolve().parent
+#: the per-step numbers compared bitwise (JSON floats round-trip exactly)
+KEYS = ("reward/mean", "actor/loss", "actor/grad_norm", "actor/entropy", "actor/pg_loss",
+        "response/length_mean")  # fmt: skip
+
+
+def grpo_steps(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
+    root = tmp_path / name
+    root.mkdir()
+    base = make_rl_job(root)
+    out = root / "run"
+    env = {**sft_env(root), "PYTHONPATH": str(TESTS)}
+    run_rl("grpo", *base, f"run.output_dir={out}", "run.steps=5",
+           "reward.functions=[rl_support:varied_reward]", *overrides, env=env)  # fmt: skip
+    return [r for r in metrics_rows(out) if "reward/mean" in r]
+
+
+def numbers(rows: list[dict]) -> list[dict]:
+    return [{k: r[k] for k in KEYS} for r in rows]
+
+
+def test_sync_mode_reproduces_the_loop_before_async(tmp_path):
+    """The sync loop is unchanged: the same 5 steps, bit for bit, as before generation ahead
+    of training existed (tests/data/grpo_sync_5_steps.json, recorded at 68df895)."""
+    golden = json.loads((TESTS / "data" / "grpo_sync_5_steps.json").read_text())["steps"]
+    assert numbers(grpo_steps(tmp_path, "sync", "algorithm.mode=sync")) == golden
+
+
+def test_async_without_staleness_equals_sync(tmp_path):
+    """max_staleness=0: a group is admitted only under the weights that train on it, so the
+    stream generates the sync loop's batch (a polling thread, not the trainer, drives it)."""
+    golden = json.loads((TESTS / "data" / "grpo_sync_5_steps.json").read_text())["steps"]
+    rows = grpo_steps(tmp_path, "async0", "algorithm.mode=async", "algorithm.max_staleness=0")
+    assert numbers(rows) == golden
+    assert all(r["async/staleness_max"] == 0 for r in rows)
+
+
+def test_the_scripted_schedule_is_bit_identical_across_runs(tmp_path):
+    """Async with staleness 1, partial rollouts and TIS, generation advanced 3 token steps
+    per training step by the trainer: two runs give the same numbers; samples span two
+    versions and the correction ran."""
+    overrides = ("algorithm.mode=async", "algorithm.max_staleness=1",
+                 "algorithm.scripted_rounds=3")  # fmt: skip
+    first = grpo_steps(tmp_path, "a", *overrides)
+    second = grpo_steps(tmp_path, "b", *overrides)
+    assert first == [dict(r, **_timing(s)) for r, s in zip(second, first, strict=True)]
+    assert max(r["async/partial_samples_frac"] for r in first) > 0
+    assert max(r["async/staleness_max"] for r in first) == 1
+    assert all("off_policy/is_weight_mean" in r for r in first)
+
+
+def _timing(row: dict) -> dict:
+    """The wall-clock entries of a row (they differ run to run)."""
+    return {k: v for k, v in row.items() if k.startswith(("time/", "perf/", "weight_sync/"))}
+
+
+def test_async_refuses_colocated_placement(tmp_path):
+    base = make_rl_job(tmp_path)
+    done = subprocess.run(
+        rl_command("grpo", *base, "algorithm.mode=async", "workers.num=2"),
+        env=sft_env(tmp_path), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "algorithm.mode=async generates while the actor trains" in done.stderr
+
+
+def _rollout_server_pids(parent: int) -> list[int]:
+    children = psutil.Process(parent).children(recursive=True)
+    return [p.pid for p in children if "drivetrain.rollout.process.server" in " ".join(p.cmdline())]
+
+
+def test_killed_rollout_process_fails_fast_and_resume_continues(tmp_path):
+    """Async GRPO with the rollout in its own process: killing that process ends the run
+    within 10 s with a message naming it; --resume auto finishes the run."""
+    base = make_rl_job(tmp_path)
+    out = tmp_path / "run"
+    args = [*base, f"run.output_dir={out}", "run.steps=30", "run.save_every=1",
+            "algorithm.mode=async", f"rollout.python={sys.executable}"]  # fmt: skip
+    proc = subprocess.Popen(
+        rl_command("grpo", *args), env=sft_env(tmp_path), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not list((out / "checkpoints").glob("step_00000002")):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no checkpoint of step 2"
+            time.sleep(0.05)
+        victims = _rollout_server_pids(proc.pid)
+        assert len(victims) == 1, victims
+        os.kill(victims[0], signal.SIGKILL)
+        killed = time.monotonic()
+        _, stderr = proc.communicate(timeout=120)
+        elapsed = time.monotonic() - killed
+        print(f"the run failed {elapsed:.1f} s after the rollout process was killed")
+        assert proc.returncode not in (0, None)
+        assert elapsed < 10, stderr[-3000:]
+        assert "rollout process" in stderr, stderr[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    summary, done = run_rl("grpo", *args, "--resume", "auto", env=sft_env(tmp_path))
+    assert "resumed from" in done.stderr and summary["steps"] == 30
+    steps = [r["step"] for r in metrics_rows(out) if "reward/mean" in r]
+    assert steps[-1] == 30 and sorted(set(steps)) == list(range(1, 31))
