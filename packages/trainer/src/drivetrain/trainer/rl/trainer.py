@@ -442,7 +442,8 @@ class RLTrainer:
                 result.hf_dir = self.out / "hf"
                 self.group.run_all("export_hf", str(result.hf_dir))
         finally:
-            self.close_stream()
+            with contextlib.suppress(Exception):  # a failed run's own error is the one to see
+                self.close_stream()
             logger.close()
         series = [("reward/mean", "train reward"), ("val/reward", "validation reward")]
         plot_curve(self.out / METRICS_FILE, self.out / "reward_curve.png", series, ylabel="reward")
