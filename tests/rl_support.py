@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,3 +66,29 @@ def run_rl(
 
 def metrics_rows(out: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def kill_mid_run(
+    args: list[str], out: Path, env: dict[str, str], victim: Callable[[int], int]
+) -> tuple[float, str]:
+    """Start ``drivetrain grpo args``; once step 2's checkpoint exists, SIGKILL the process
+    ``victim(run_pid)`` names and wait for the run to fail. Returns the seconds from the kill
+    to the run's exit, and its stderr."""
+    proc = subprocess.Popen(
+        rl_command("grpo", *args), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 600
+        while not list((out / "checkpoints").glob("step_00000002")):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no checkpoint of step 2"
+            time.sleep(0.05)
+        os.kill(victim(proc.pid), signal.SIGKILL)
+        killed = time.monotonic()
+        _, stderr = proc.communicate(timeout=180)
+        assert proc.returncode not in (0, None), "the run survived the kill"
+        return time.monotonic() - killed, stderr
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

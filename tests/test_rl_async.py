@@ -5,21 +5,18 @@ bit-identical across runs, a killed rollout process failing fast and resuming.""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from rl_support import make_rl_job, metrics_rows, rl_command, run_rl
+from rl_support import kill_mid_run, make_rl_job, metrics_rows, run_rl
 from sft_support import sft_env
 
 pytestmark = pytest.mark.timeout(600)
 TESTS = Path(__file__).resolve().parent
+SERVER = "drivetrain.rollout.process.server"  # the rollout server process's module
 #: the per-step numbers compared bitwise (JSON floats round-trip exactly)
 KEYS = ("reward/mean", "actor/loss", "actor/grad_norm", "actor/entropy", "actor/pg_loss",
         "response/length_mean")  # fmt: skip
@@ -75,21 +72,6 @@ def _timing(row: dict) -> dict:
     return {k: v for k, v in row.items() if k.startswith(("time/", "perf/", "weight_sync/"))}
 
 
-def test_async_refuses_colocated_placement(tmp_path):
-    base = make_rl_job(tmp_path)
-    done = subprocess.run(
-        rl_command("grpo", *base, "algorithm.mode=async", "workers.num=2"),
-        env=sft_env(tmp_path), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode != 0
-    assert "algorithm.mode=async generates while the actor trains" in done.stderr
-
-
-def _rollout_server_pids(parent: int) -> list[int]:
-    children = psutil.Process(parent).children(recursive=True)
-    return [p.pid for p in children if "drivetrain.rollout.process.server" in " ".join(p.cmdline())]
-
-
 def test_killed_rollout_process_fails_fast_and_resume_continues(tmp_path):
     """Async GRPO with the rollout in its own process: killing that process ends the run
     within 10 s with a message naming it; --resume auto finishes the run."""
@@ -97,29 +79,17 @@ def test_killed_rollout_process_fails_fast_and_resume_continues(tmp_path):
     out = tmp_path / "run"
     args = [*base, f"run.output_dir={out}", "run.steps=30", "run.save_every=1",
             "algorithm.mode=async", f"rollout.python={sys.executable}"]  # fmt: skip
-    proc = subprocess.Popen(
-        rl_command("grpo", *args), env=sft_env(tmp_path), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 300
-        while not list((out / "checkpoints").glob("step_00000002")):
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "no checkpoint of step 2"
-            time.sleep(0.05)
-        victims = _rollout_server_pids(proc.pid)
-        assert len(victims) == 1, victims
-        os.kill(victims[0], signal.SIGKILL)
-        killed = time.monotonic()
-        _, stderr = proc.communicate(timeout=120)
-        elapsed = time.monotonic() - killed
-        print(f"the run failed {elapsed:.1f} s after the rollout process was killed")
-        assert proc.returncode not in (0, None)
-        assert elapsed < 10, stderr[-3000:]
-        assert "rollout process" in stderr, stderr[-3000:]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+
+    def rollout_server(run: int) -> int:
+        children = psutil.Process(run).children(recursive=True)
+        found = [p.pid for p in children if SERVER in " ".join(p.cmdline())]
+        assert len(found) == 1, found
+        return found[0]
+
+    elapsed, stderr = kill_mid_run(args, out, sft_env(tmp_path), rollout_server)
+    print(f"the run failed {elapsed:.1f} s after the rollout process was killed")
+    assert elapsed < 10, stderr[-3000:]
+    assert "rollout process" in stderr, stderr[-3000:]
     summary, done = run_rl("grpo", *args, "--resume", "auto", env=sft_env(tmp_path))
     assert "resumed from" in done.stderr and summary["steps"] == 30
     steps = [r["step"] for r in metrics_rows(out) if "reward/mean" in r]

@@ -4,16 +4,13 @@ colocated and separate Ray placement giving the same first update, failure and r
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from rl_support import make_rl_job, metrics_rows, rl_command, run_rl
+from rl_support import kill_mid_run, make_rl_job, metrics_rows, rl_command, run_rl
 from sft_support import sft_env
 
 pytestmark = pytest.mark.timeout(900)
@@ -65,14 +62,23 @@ def test_ppo_with_critic_reference_and_reward_model(tmp_path):
     assert "reward/model_mean" in row  # a value-head engine scored every sample
 
 
-def test_bad_config_fails_before_any_worker(tmp_path):
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["algorithm.policy_loss=nope"],
+         "unknown policy loss 'nope'; registered: gspo, reinforce, vanilla"),
+        (["algorithm.mode=async", "workers.num=2"],  # colocated rollouts sleep while it trains
+         "algorithm.mode=async generates while the actor trains"),
+    ],
+)  # fmt: skip
+def test_bad_config_fails_before_any_worker(tmp_path, overrides, message):
     base = make_rl_job(tmp_path)
     done = subprocess.run(
-        rl_command("grpo", *base, "algorithm.policy_loss=nope", "--dry-run"),
+        rl_command("grpo", *base, *overrides, "--dry-run"),
         env=sft_env(tmp_path), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 2
-    assert "unknown policy loss 'nope'; registered: gspo, reinforce, vanilla" in done.stderr
+    assert message in done.stderr
 
 
 @pytest.mark.slow
@@ -108,29 +114,16 @@ def test_killed_worker_fails_fast_and_resume_continues(tmp_path):
     out = tmp_path / "run"
     # enough steps that the run is still going when the kill lands (a step takes < 1 s)
     args = [*base, f"run.output_dir={out}", "run.steps=20", "run.save_every=1", "workers.num=2"]
-    proc = subprocess.Popen(
-        rl_command("grpo", *args), env=sft_env(tmp_path), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 600
-        while not list((out / "checkpoints").glob("step_00000002")):
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "no checkpoint of step 2"
-            time.sleep(0.05)
+
+    def rank_1(run: int) -> int:
         victims = _rank_actor_pids()
         assert len(victims) == 2, victims
-        os.kill(victims[1], signal.SIGKILL)
-        killed = time.monotonic()
-        _, stderr = proc.communicate(timeout=180)
-        assert proc.returncode not in (0, None)
-        elapsed = time.monotonic() - killed
-        print(f"the run failed {elapsed:.1f} s after rank 1 was killed")
-        assert elapsed < 120
-        assert "a Ray worker died" in stderr, stderr[-3000:]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        return victims[1]
+
+    elapsed, stderr = kill_mid_run(args, out, sft_env(tmp_path), rank_1)
+    print(f"the run failed {elapsed:.1f} s after rank 1 was killed")
+    assert elapsed < 120
+    assert "a Ray worker died" in stderr, stderr[-3000:]
     summary, done = run_rl("grpo", *args, "--resume", "auto", env=sft_env(tmp_path))
     assert "resumed from" in done.stderr and summary["steps"] == 20
     steps = [r["step"] for r in metrics_rows(out) if "reward/mean" in r]
