@@ -89,14 +89,20 @@ def run(queue: RequestQueue, collector: Collector, polls: int = 2000) -> None:
     raise AssertionError("the requests did not finish")
 
 
-def test_requests_stream_their_tokens_and_log_probs_and_end_with_the_servers_reason(loop):
-    server = TokenServer(loop)
-    queue, _ = queue_over(server)
-    requests = [request("a", 10, 5), request("b", 20, 3)]
+def submit_tracked(queue, requests) -> Collector:
+    """Submit ``requests`` with a collector tracking them."""
     collector = Collector()
     for r in requests:
         collector.track(r)
     queue.submit(requests, lambda r: None)
+    return collector
+
+
+def test_requests_stream_their_tokens_and_log_probs_and_end_with_the_servers_reason(loop):
+    server = TokenServer(loop)
+    queue, _ = queue_over(server)
+    requests = [request("a", 10, 5), request("b", 20, 3)]
+    collector = submit_tracked(queue, requests)
     run(queue, collector)
     a, b = collector.completions()
     assert a.token_ids == (11, 12, 13, 14, 15) and b.token_ids == (21, 22, 23)
@@ -111,15 +117,10 @@ def test_backend_ids_are_fresh_and_never_a_prefix_of_each_other(loop):
     server = TokenServer(loop, forget_after_s=1.0)
     queue, _ = queue_over(server, capacity=16)
     requests = [request(f"a{i}", 10, 2) for i in range(12)]
-    collector = Collector()
-    for r in requests:
-        collector.track(r)
-    queue.submit(requests, lambda r: None)
+    collector = submit_tracked(queue, requests)
     run(queue, collector)
     again = request("a1", 10, 2)  # the same id again while the server still holds the first
-    collector = Collector()
-    collector.track(again)
-    queue.submit([again], lambda r: None)
+    collector = submit_tracked(queue, [again])
     run(queue, collector)
     rids = [rid for ids in server.rids.values() for rid in ids]
     assert len(set(rids)) == 13 and len(server.rids["a1"]) == 2
@@ -130,10 +131,7 @@ def test_an_aborted_request_keeps_its_tokens_so_far_and_the_others_run_on(loop):
     server = TokenServer(loop)
     queue, streams = queue_over(server)
     requests = [request("long", 10, 400), request("short", 50, 20)]
-    collector = Collector()
-    for r in requests:
-        collector.track(r)
-    queue.submit(requests, lambda r: None)
+    collector = submit_tracked(queue, requests)
     started = False
     while not started:
         chunks = queue.poll(0.05)
@@ -174,9 +172,7 @@ def test_a_failing_stream_ends_every_running_request_and_raises(loop):
     ended = {c.request_id: c.finish_reason for c in queue.poll(0.0) if c.finished}
     assert ended == {"bad": FinishReason.ABORT, "good": FinishReason.ABORT}
     assert streams.running == set() and "good" in server.cancelled
-    collector = Collector()  # and it serves the next requests
-    collector.track(again := request("again", 30, 4))
-    queue.submit([again], lambda r: None)
+    collector = submit_tracked(queue, [request("again", 30, 4)])  # it serves the next ones
     run(queue, collector)
     assert collector.completion("again").token_ids == (31, 32, 33, 34)
 
@@ -185,10 +181,7 @@ def test_capacity_holds_requests_in_the_queue_until_one_ends(loop):
     server = TokenServer(loop)
     queue, streams = queue_over(server, capacity=2)
     requests = [request(f"r{i}", 10 * i, 6) for i in range(1, 6)]
-    collector = Collector()
-    for r in requests:
-        collector.track(r)
-    queue.submit(requests, lambda r: None)
+    collector = submit_tracked(queue, requests)
     most = 0
     while not collector.done:
         collector.add(queue.poll(0.05))
@@ -202,10 +195,7 @@ def test_finish_running_lets_running_requests_end_under_the_old_version_and_star
     version = [0]
     queue, streams = queue_over(server, capacity=1, version=lambda: version[0])
     first, waiting = request("first", 10, 30), request("waiting", 20, 3)
-    collector = Collector()
-    for r in (first, waiting):
-        collector.track(r)
-    queue.submit([first, waiting], lambda r: None)
+    collector = submit_tracked(queue, [first, waiting])
     collector.add(queue.poll(0.05))
     with queue.lock:  # as a weight update does
         queue.finish_running()

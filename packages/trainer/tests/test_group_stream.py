@@ -154,3 +154,9 @@ def test_validation_generates_while_the_stream_is_suspended() -> None:
     finally:
         s.close()
     assert not r.requests._running and not r.requests._waiting  # nothing left behind
+
+
+def test_taking_from_a_stream_nobody_drives_fails_at_once() -> None:
+    s = stream([rollout()])  # no start(), not scripted: nothing would ever generate
+    with pytest.raises(GenerationError, match="no generation thread is running"):
+        s.take(0)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -39,6 +40,9 @@ from drivetrain.api.requests import Chunk, Collector, Request, sample_seed
 
 #: how long a replica's thread waits in one poll when nothing is ready (seconds)
 POLL_S = 0.05
+#: how long aborted requests may take to end, and a polling thread to stop (seconds): both
+#: happen at the rollout's next token step
+SETTLE_S = 120.0
 
 
 class GenerationError(RuntimeError):
@@ -245,8 +249,12 @@ class GroupStream:
                         self.advance(1)
                     finally:
                         self._cond.acquire()
-                else:
-                    self._cond.wait(1.0)
+                    continue
+                # how long generating takes is bounded by the rollout's own call timeouts
+                # (a thread whose call timed out fails); a thread gone without failing is a bug
+                if not any(t.is_alive() for t in self._threads):
+                    raise GenerationError("no generation thread is running (was start() called?)")
+                self._cond.wait(1.0)
             for group in chosen:
                 del self._ready[group.position]
             self._consumed += len(chosen)
@@ -292,8 +300,9 @@ class GroupStream:
         as continuations afterwards."""
         with self._cond:
             self._hold = True
-            while self._polling:
-                self._cond.wait()
+            if not self._cond.wait_for(lambda: not self._polling, SETTLE_S):
+                self._hold = False
+                raise GenerationError(f"a rollout poll did not return within {SETTLE_S:.0f} s")
         try:
             self._drain()
             yield
@@ -311,12 +320,17 @@ class GroupStream:
             if not live:
                 continue
             replica.rollout.abort(live)
+            deadline = time.monotonic() + SETTLE_S
             while True:
                 chunks = replica.rollout.poll(POLL_S)
                 with self._cond:
                     self._record(replica, chunks)
                     if not replica.live:
                         break
+                if time.monotonic() > deadline:
+                    raise GenerationError(
+                        f"{len(replica.live)} aborted requests did not end within {SETTLE_S:.0f} s"
+                    )
 
     def close(self) -> None:
         """Stop generating: threads end, this stream's requests are aborted and collected."""
@@ -324,7 +338,9 @@ class GroupStream:
             self._stopping = True
             self._cond.notify_all()
         for thread in self._threads:
-            thread.join()
+            thread.join(SETTLE_S)
+            if thread.is_alive():
+                raise GenerationError(f"{thread.name} did not stop within {SETTLE_S:.0f} s")
         self._threads.clear()
         if self._failure is None:
             self._drain()

@@ -349,7 +349,7 @@ class RLTrainer:
 
     def group_stream(self, start: int) -> GroupStream:
         c, alg = self.config, self.config.algorithm
-        stream = GroupStream(
+        return GroupStream(
             self.pool.rollouts,
             prompts=self.sampler.indices,
             prompt_ids=lambda i: self.setup.train[i].token_ids,
@@ -363,7 +363,6 @@ class RLTrainer:
             version=start,
             scripted_rounds=alg.scripted_rounds,
         )
-        return stream
 
     def close_stream(self) -> None:
         """Stop generating ahead (its running requests aborted): before the rollouts serve
