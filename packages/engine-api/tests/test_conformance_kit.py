@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from drivetrain.api import Batch, LossContext, OutputSpec
+from drivetrain.api import Batch, LossContext, OutputSpec, merge_metrics
 from drivetrain.api.columns import SHARED_PREFIX_LEN
 from drivetrain.api.testing import EngineConformance, FakeEngine, FakeHarness, run_conformance
 from drivetrain.api.testing import conformance as kit
@@ -56,6 +56,19 @@ class NoModeChecks(FakeEngine):
         pass
 
 
+class SumsEveryMetric(FakeEngine):
+    """Sums a loss's ``*_max`` metrics over micro-batches like every other metric."""
+
+    def forward_backward(self, batch, loss_fn, *, outputs=None):
+        def renamed(out, mb, ctx):
+            loss, metrics = loss_fn(out, mb, ctx)
+            return loss, {f"{k}.": v for k, v in metrics.items()}  # no name ends in _max now
+
+        result = super().forward_backward(batch, renamed, outputs=outputs)
+        metrics = {k[:-1]: v for k, v in result.metrics.items()}
+        return replace(result, metrics=metrics)
+
+
 class InferChangesWeights(FakeEngine):
     def infer(self, batch, outputs):
         self.params["bigram.bias"][0] += 1e-3
@@ -83,6 +96,7 @@ def test_fake_engine_passes_everything():
         (ForgetsOptimizerState, "check_checkpoint_round_trip", "after resume"),
         (NoModeChecks, "check_contract_shapes", "must raise EngineStateError"),
         (InferChangesWeights, "check_modes", "deterministic"),
+        (SumsEveryMetric, "check_micro_batch_invariance", "must be the largest"),
     ],
 )
 def test_kit_fails_contract_breakers(engine_class, check, message):
@@ -99,7 +113,14 @@ def test_kit_loss_is_backend_neutral():
     )
     outputs = {"log_probs": np.array([[0.0, -1.0, -2.0]])}
     loss, metrics = kit.token_mean_nll(outputs, {"loss_mask": np.array([[0.0, 1.0, 1.0]])}, ctx)
-    assert loss == pytest.approx(0.75) and metrics == {}
+    assert loss == pytest.approx(0.75)
+    assert metrics == {"loss_tokens": 2.0, "loss_tokens_max": 2.0}
+
+
+def test_merge_metrics_sums_and_keeps_the_largest_max():
+    totals = merge_metrics({}, {"a": 1, "a_max": 3.0})
+    merge_metrics(totals, {"a": 2.5, "a_max": 2.0, "b_max": -1.0})
+    assert totals == {"a": 3.5, "a_max": 3.0, "b_max": -1.0}
 
 
 def test_forward_backward_reports_global_counts():

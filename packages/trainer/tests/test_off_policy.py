@@ -1,5 +1,6 @@
 """Off-policy corrections (TIS, masked IS, sequence masking, sequence ratio) against values
-computed by hand, and the actor loss weighting its tokens with them."""
+computed by hand, padded and packed, and the actor loss weighting its tokens with them (from
+the old log-probs column, or its own forward's when it is the only update)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from drivetrain.api.errors import ConfigError
 from drivetrain.trainer.rl.losses import ActorLoss
 from drivetrain.trainer.rl.off_policy import (
     CORRECTIONS,
-    IS_WEIGHTS,
     CorrectionConfig,
     CorrectionInputs,
     correct,
@@ -25,7 +25,7 @@ MASK = torch.tensor([[0.0, 1, 1, 1], [0.0, 1, 1, 0]])
 ROLLOUT = torch.tensor([[0.0, LN(0.5), LN(0.2), LN(0.4)], [0.0, LN(0.5), LN(0.1), 0.0]])
 # trainer/rollout probability ratios: row 1: 0.8, 3.0, 0.25; row 2: 1.2, 1.5
 OLD = torch.tensor([[0.0, LN(0.4), LN(0.6), LN(0.1)], [0.0, LN(0.6), LN(0.15), 7.0]])
-INPUTS = CorrectionInputs(OLD, ROLLOUT, MASK)
+INPUTS = CorrectionInputs(OLD, ROLLOUT, MASK, seq_lens=[4, 3])
 CONFIG = CorrectionConfig(cap=2.0, low=0.5, high=2.0)
 
 
@@ -81,26 +81,77 @@ def test_none_and_unknown() -> None:
         CORRECTIONS.get("nope")
 
 
-def test_actor_loss_weights_each_token_with_the_correction() -> None:
-    """The policy loss of token t is multiplied by its weight: a weight of 0 removes the
-    token's gradient, 2 doubles it (token-mean over the 5 response tokens)."""
-    log_probs = torch.zeros(2, 4, requires_grad=True)
-    advantages = torch.tensor([[0.0, 1, 1, 1], [0.0, -1, -1, 0]])
-    w, _ = correct("icepop", INPUTS, CONFIG)
+@pytest.mark.parametrize("name", ["tis", "icepop", "seq_mask", "seq_tis"])
+def test_packed_layout_gives_the_padded_weights(name: str) -> None:
+    keep = MASK.new_tensor([1, 1, 1, 1, 1, 1, 1, 0]).bool()  # the padded rows, pad left out
+    packed = CorrectionInputs(
+        OLD.flatten()[keep], ROLLOUT.flatten()[keep], MASK.flatten()[keep], seq_lens=[4, 3]
+    )
+    config = CorrectionConfig(cap=1.0, low=0.9, high=2.0)
+    padded_w, padded_metrics = correct(name, INPUTS, config)
+    packed_w, packed_metrics = correct(name, packed, config)
+    assert packed_w.tolist() == pytest.approx(padded_w.flatten()[keep].tolist())
+    assert packed_metrics == pytest.approx(padded_metrics)
+
+
+def test_metrics_are_shares_of_the_global_counts() -> None:
+    """Per micro-batch, the loss reports its share: shares of two halves sum to the whole."""
+    _, whole = correct("seq_tis", INPUTS, CorrectionConfig(cap=1.0))
+    halves = [
+        correct("seq_tis", CorrectionInputs(OLD[i : i + 1], ROLLOUT[i : i + 1], MASK[i : i + 1],
+                                            [[4, 3][i]]),
+                CorrectionConfig(cap=1.0), global_tokens=5, global_sequences=2)[1]
+        for i in range(2)
+    ]  # fmt: skip
+    for key, value in whole.items():
+        if key.endswith("_max"):
+            assert max(h[key] for h in halves) == pytest.approx(value)
+        else:
+            assert sum(h[key] for h in halves) == pytest.approx(value), key
+
+
+def _batch(old: torch.Tensor, advantages: torch.Tensor) -> Batch:
     columns = {
         "input_ids": torch.zeros(2, 4, dtype=torch.long),
         "loss_mask": MASK.long(),
-        "old_log_probs": torch.zeros(2, 4),
+        "old_log_probs": old,
+        "rollout_log_probs": ROLLOUT,
         "advantages": advantages,
-        IS_WEIGHTS: w,
     }
-    batch = Batch.from_columns(columns, seq_lens=[4, 3], token_keys=list(columns))
-    ctx = LossContext(global_tokens=5, global_sequences=2, dp_size=1, micro_batch_index=0,
-                      num_micro_batches=1)  # fmt: skip
-    loss_fn = ActorLoss(policy_loss="reinforce")
-    loss, _ = loss_fn({"log_probs": log_probs, "entropy": torch.zeros(2, 4)}, batch, ctx)
+    return Batch.from_columns(columns, seq_lens=[4, 3], token_keys=list(columns))
+
+
+CTX = LossContext(global_tokens=5, global_sequences=2, dp_size=1, micro_batch_index=0,
+                  num_micro_batches=1)  # fmt: skip
+ADVANTAGES = torch.tensor([[0.0, 1, 1, 1], [0.0, -1, -1, 0]])
+
+
+def test_actor_loss_weights_each_token_with_the_correction() -> None:
+    """The policy loss of token t is multiplied by its weight: a weight of 0 removes the
+    token's gradient, 2 doubles it (token-mean over the 5 response tokens)."""
+    log_probs = OLD.clone().requires_grad_(True)  # the update's first pass: ratio 1
+    w, want_metrics = correct("icepop", INPUTS, CONFIG)
+    loss_fn = ActorLoss(policy_loss="reinforce", correction="icepop", correction_config=CONFIG)
+    outputs = {"log_probs": log_probs, "entropy": torch.zeros(2, 4)}
+    loss, metrics = loss_fn(outputs, _batch(OLD, ADVANTAGES), CTX)
     loss.backward()
     # reinforce at ratio 1: d(-A w ratio)/d log_prob = -A w, over 5 tokens
-    want = (-advantages * w * MASK) / 5
+    want = (-ADVANTAGES * w * MASK) / 5
     assert torch.allclose(log_probs.grad, want)
-    assert float(loss) == pytest.approx(float(want.sum()))
+    assert float(loss.detach()) == pytest.approx(float(want.sum()))
+    assert _off_policy(metrics) == want_metrics
+
+
+def test_on_policy_actor_loss_corrects_against_its_own_forward() -> None:
+    """With one update per batch the loss's own log-probs are the proximal policy: the
+    weights are the same as from an old_log_probs column holding them."""
+    outputs = {"log_probs": OLD.clone().requires_grad_(True), "entropy": torch.zeros(2, 4)}
+    on_policy = ActorLoss(correction="tis", on_policy=True)
+    _, got = on_policy(outputs, _batch(torch.full((2, 4), 9.0), ADVANTAGES), CTX)  # unused
+    _, want = ActorLoss(correction="tis")(outputs, _batch(OLD, ADVANTAGES), CTX)
+    assert got["off_policy/is_weight_mean"] == pytest.approx((0.8 + 2 + 0.25 + 1.2 + 1.5) / 5)
+    assert _off_policy(got) == pytest.approx(_off_policy(want))
+
+
+def _off_policy(metrics: dict) -> dict[str, float]:
+    return {k: v for k, v in metrics.items() if k.startswith("off_policy/")}

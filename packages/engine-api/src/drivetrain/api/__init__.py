@@ -24,7 +24,7 @@ from drivetrain.api.errors import (
     EngineStateError,
     PluginError,
 )
-from drivetrain.api.loss import LossContext, LossFn, OutputSpec
+from drivetrain.api.loss import LossContext, LossFn, OutputSpec, merge_metrics
 from drivetrain.api.plugin import KNOWN_CAPABILITIES, PluginSpec
 from drivetrain.api.rollout import Completion, FinishReason, Prompt, Rollout, SamplingParams
 from drivetrain.api.version import API_VERSION
@@ -79,5 +79,6 @@ __all__ = [
     "WeightSyncConfig",
     "WeightSyncError",
     "WeightTransport",
+    "merge_metrics",
     "register_column_ops",
 ]

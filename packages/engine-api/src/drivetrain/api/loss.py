@@ -65,9 +65,29 @@ class LossFn(Protocol):
     scalar of the engine's tensor type, this micro-batch's share of the mini-batch loss: the
     mini-batch loss is the *sum* of the returned losses over micro-batches and ranks. A token-mean
     loss is therefore ``(per_token * mask).sum() / ctx.global_tokens``. ``metrics`` are floats
-    (or scalars) that the engine sums over micro-batches and ranks in the same way.
+    (or scalars) that the engine sums over micro-batches and ranks in the same way, except a
+    name ending in ``_max``, whose largest value is kept (:func:`merge_metrics`).
     """
 
     def __call__(
         self, outputs: Mapping[str, Any], micro_batch: Batch, ctx: LossContext
     ) -> tuple[Any, Mapping[str, Any]]: ...
+
+
+#: metric names with this ending are reduced by max, every other one by sum
+MAX_SUFFIX = "_max"
+
+
+def merge_metrics(totals: dict[str, float], metrics: Mapping[str, Any]) -> dict[str, float]:
+    """Fold one micro-batch's (or rank's) loss ``metrics`` into ``totals``, in place: sums,
+    and the largest value of a ``*_max`` metric (a maximum summed over micro-batches would
+    depend on how the engine cut the batch). Returns ``totals``."""
+    for name, value in metrics.items():
+        value = float(value)
+        if name not in totals:
+            totals[name] = value
+        elif name.endswith(MAX_SUFFIX):
+            totals[name] = max(totals[name], value)
+        else:
+            totals[name] += value
+    return totals

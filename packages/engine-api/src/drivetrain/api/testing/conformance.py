@@ -39,10 +39,15 @@ def token_mean_nll(
     outputs: Mapping[str, Any], micro_batch: Batch, ctx: LossContext
 ) -> tuple[Any, dict]:
     """The kit's loss: mean negative log-likelihood over the loss tokens of the mini-batch.
+    Its metrics are the micro-batch's loss tokens, summed (``loss_tokens``) and the largest
+    (``loss_tokens_max``: a ``*_max`` metric is reduced by max).
 
     Written with ``*``, unary ``-``, ``.sum()`` and ``/`` only, which torch tensors, numpy
     arrays and the fake engine's arrays all support."""
-    return -(outputs[LOG_PROBS] * micro_batch[LOSS_MASK]).sum() / ctx.global_tokens, {}
+    ones = outputs[LOG_PROBS] * 0.0 + 1.0  # the mask may be a plain list: count through this
+    tokens = float((ones * micro_batch[LOSS_MASK]).sum())
+    metrics = {"loss_tokens": tokens, "loss_tokens_max": tokens}
+    return -(outputs[LOG_PROBS] * micro_batch[LOSS_MASK]).sum() / ctx.global_tokens, metrics
 
 
 def sample_data(vocab_size: int, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
@@ -224,6 +229,16 @@ def check_micro_batch_invariance(h: EngineHarness) -> None:
     )
 
     assert runs[3][1].result.num_micro_batches > 1, "the kit's token budget must split the batch"
+    masks = sample_data(h.vocab_size)[1]
+    for split, run in runs:
+        got = run.result.metrics
+        assert got.get("loss_tokens") == sum(map(sum, masks)), (
+            f"loss metrics must be summed over micro-batches and ranks ({split}): {got}"
+        )
+    one_each = runs[1][1].result.metrics.get("loss_tokens_max")
+    assert one_each == max(map(sum, masks)), (
+        f"a *_max loss metric must be the largest over micro-batches and ranks, not {one_each}"
+    )
 
     engine = h.make_engine(splits[0])
     shard = engine.shard_data(batch)

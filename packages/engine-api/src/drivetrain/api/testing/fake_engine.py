@@ -28,7 +28,7 @@ from drivetrain.api.columns import ENTROPY, INPUT_IDS, LOG_PROBS, LOSS_MASK
 from drivetrain.api.config import EngineConfig
 from drivetrain.api.engine import CheckpointInfo, NamedTensor, ParallelInfo, StepResult
 from drivetrain.api.errors import EngineStateError
-from drivetrain.api.loss import LossContext, LossFn, OutputSpec
+from drivetrain.api.loss import LossContext, LossFn, OutputSpec, merge_metrics
 from drivetrain.api.modes import ModalEngine
 from drivetrain.api.partition import fixed_size_partition, inverse_permutation
 from drivetrain.api.schedule import lr_multiplier
@@ -155,8 +155,7 @@ class FakeEngine(ModalEngine):
             loss.backward()
             self._accumulate(leaves)
             total += loss.value
-            for name, value in mb_metrics.items():
-                metrics[name] = metrics.get(name, 0.0) + float(value)
+            merge_metrics(metrics, mb_metrics)
         return StepResult(total, metrics, len(parts), global_tokens)
 
     def _accumulate(self, leaves: dict[str, Any]) -> None:

@@ -32,6 +32,7 @@ from drivetrain.api import (
     OutputSpec,
     ParallelInfo,
     StepResult,
+    merge_metrics,
 )
 from drivetrain.api.batch import restore_order
 from drivetrain.api.columns import ENTROPY, INPUT_IDS, LOG_PROBS, LOSS_MASK, VALUES
@@ -303,8 +304,7 @@ class FSDPEngine(ModalEngine):
             loss, mb_metrics = loss_fn(self._outputs(micro, spec), micro, ctx)
             (loss * scale).backward()
             loss_sum += float(loss.detach())
-            for name, value in mb_metrics.items():
-                metrics[name] = metrics.get(name, 0.0) + float(value)
+            merge_metrics(metrics, mb_metrics)
         loss_total, metric_totals = self._sum_over_dp(loss_sum, metrics)
         return StepResult(loss_total, metric_totals, len(parts), global_tokens)
 
@@ -316,8 +316,7 @@ class FSDPEngine(ModalEngine):
         primary = [r for r in reports if r[0] == 0]  # sequence-parallel peers report the same
         totals: dict[str, float] = {}
         for _, _, values in primary:
-            for name, value in values.items():
-                totals[name] = totals.get(name, 0.0) + value
+            merge_metrics(totals, values)
         return sum(r[1] for r in primary), totals
 
     def infer(self, batch: Batch, outputs: OutputSpec) -> Batch | None:

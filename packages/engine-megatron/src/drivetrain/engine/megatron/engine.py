@@ -32,6 +32,7 @@ from drivetrain.api import (
     OutputSpec,
     ParallelInfo,
     StepResult,
+    merge_metrics,
 )
 from drivetrain.api.batch import restore_order
 from drivetrain.api.columns import ENTROPY, LOG_PROBS, LOSS_MASK, VALUES
@@ -396,15 +397,13 @@ class MegatronEngine(ModalEngine):
         totals: dict[str, float] = {}
         if self.parallel.is_output_rank:
             for report in reports:
-                for name, value in report.items():
-                    totals[name] = totals.get(name, 0.0) + float(value)
+                merge_metrics(totals, report)
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (self.parallel.is_output_rank, totals))
         summed: dict[str, float] = {}
         for is_output, values in gathered:
             if is_output:
-                for name, value in values.items():
-                    summed[name] = summed.get(name, 0.0) + value
+                merge_metrics(summed, values)
         loss = summed.pop("loss", 0.0)
         return loss, summed
 

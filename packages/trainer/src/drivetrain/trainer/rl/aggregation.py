@@ -32,6 +32,16 @@ def sequence_sums(values: torch.Tensor, seq_lens: Sequence[int]) -> torch.Tensor
     )
 
 
+def expand_sequences(
+    per_seq: torch.Tensor, like: torch.Tensor, seq_lens: Sequence[int]
+) -> torch.Tensor:
+    """One value per sequence put on each of its tokens, laid out like ``like``."""
+    if like.dim() == 2:
+        return per_seq[:, None].expand_as(like)
+    lengths = torch.as_tensor(list(seq_lens), device=like.device)
+    return torch.repeat_interleave(per_seq, lengths)
+
+
 def aggregate(
     per_token: torch.Tensor,
     mask: torch.Tensor,

@@ -28,7 +28,7 @@ from drivetrain.api.columns import (
 )
 from drivetrain.trainer.rl.aggregation import aggregate
 from drivetrain.trainer.rl.kl import kl_penalty
-from drivetrain.trainer.rl.off_policy import IS_WEIGHTS
+from drivetrain.trainer.rl.off_policy import CorrectionConfig, CorrectionInputs, correct
 from drivetrain.trainer.rl.policy_losses import POLICY_LOSSES, ClipConfig, PolicyLossInputs
 
 OLD_VALUES = "old_values"  # the critic's values before this update (value clipping)
@@ -53,9 +53,12 @@ class ActorLoss:
     kl_loss_coef: float = 0.0  # KL as a loss term (GRPO's); needs ref_log_probs
     kl_estimator: str = "k3"
     temperature: float = 1.0
-    #: one update per batch from the policy that sampled it: the old log-probs are this
-    #: pass's own (detached), so no separate forward computes them (the ratio is 1)
+    #: one update per batch: the old log-probs are this pass's own (detached), so no separate
+    #: forward computes them (the ratio is 1)
     on_policy: bool = False
+    #: the off-policy correction of the rollout↔trainer gap (rl/off_policy.py), per token
+    correction: str = "none"
+    correction_config: CorrectionConfig = field(default_factory=CorrectionConfig)
 
     @property
     def outputs(self) -> OutputSpec:
@@ -86,11 +89,18 @@ class ActorLoss:
             seq_lens=mb.seq_lens,
         )
         per_token, indicators = POLICY_LOSSES.get(self.policy_loss)(inputs, self.clip)
-        if IS_WEIGHTS in mb:  # the off-policy correction's per-token weights (no gradient)
-            per_token = per_token * mb[IS_WEIGHTS].to(per_token.dtype)
+        metrics: dict[str, Any] = {}
+        if self.correction != "none":  # per-token weights, no gradient through them
+            gap = CorrectionInputs(old, mb[ROLLOUT_LOG_PROBS].to(old.dtype), mask, mb.seq_lens)
+            weights, corrected = correct(
+                self.correction, gap, self.correction_config,
+                global_tokens=ctx.global_tokens, global_sequences=ctx.global_sequences,
+            )  # fmt: skip
+            per_token = per_token * weights.to(per_token.dtype)
+            metrics.update(corrected)
         policy = agg(per_token)
         loss = policy
-        metrics: dict[str, Any] = {"actor/pg_loss": policy.detach()}
+        metrics["actor/pg_loss"] = policy.detach()
         for name, value in indicators.items():
             metrics[f"actor/{name}"] = agg(value.detach(), "token-mean")
         approx_kl = (inputs.old_log_probs - log_probs.detach()) * mask

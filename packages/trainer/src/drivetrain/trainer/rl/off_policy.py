@@ -5,8 +5,9 @@ weight version in async modes, and a different numeric stack everywhere); the tr
 takes the PPO ratio against the *proximal* policy ``π_old``, its own log-probs of the batch
 before this update. A correction turns the per-token gap ``r_t = π_old(y_t) / μ(y_t)`` into a
 per-token weight that multiplies the policy loss (detached: it rescales the gradient, it
-carries none), computed once on the controller from the ``old_log_probs`` and
-``rollout_log_probs`` columns:
+carries none). The actor loss computes it on each micro-batch (:func:`correct`), from the
+``old_log_probs`` column or, with one update per batch, from its own forward's log-probs
+(they are the proximal policy then, so no separate forward computes them):
 
 - ``tis``: truncated importance sampling, ``min(r_t, cap)`` (Yao et al., 2025; verl's TIS);
 - ``icepop``: masked IS, ``r_t`` where ``low <= r_t <= high`` and 0 elsewhere (a token the two
@@ -16,21 +17,21 @@ carries none), computed once on the controller from the ``old_log_probs`` and
 - ``seq_tis``: the sequence's geometric-mean ratio, truncated at ``cap``, on each of its tokens;
 - ``none``: no correction (weights 1).
 
-Each returns ``(weights [B, T], metrics)``; :func:`correction_metrics` adds what every one
-reports (weight mean and max over response tokens, fraction masked, the log-prob gap).
+Each returns a :class:`Corrected`: the weights and 0/1 flags per token or per sequence (what
+was truncated or masked); :func:`correct` turns them into metrics every correction reports
+(weight mean and max over response tokens, fraction masked, the log-prob gap), as shares of
+the mini-batch's global counts like every loss metric.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
+from drivetrain.trainer.rl.aggregation import expand_sequences, sequence_sums
 from drivetrain.trainer.rl.registry import NamedRegistry
-
-#: the per-token weight column the actor loss multiplies its policy loss with
-IS_WEIGHTS = "is_weights"
 
 
 @dataclass(frozen=True)
@@ -42,11 +43,13 @@ class CorrectionConfig:
 
 @dataclass(frozen=True)
 class CorrectionInputs:
-    """Padded ``[B, T]`` tensors of the controller's batch."""
+    """Token tensors laid out like the loss's micro-batch: padded ``[b, T]`` or packed
+    ``[tokens]`` (``seq_lens`` says where each sequence ends)."""
 
     old_log_probs: torch.Tensor  # the trainer's (proximal policy), before this update
     rollout_log_probs: torch.Tensor  # the rollout's (behaviour policy), as sampled
     mask: torch.Tensor  # 1 on response tokens
+    seq_lens: Sequence[int]
 
     @property
     def log_ratio(self) -> torch.Tensor:
@@ -55,74 +58,90 @@ class CorrectionInputs:
         return ((self.old_log_probs - self.rollout_log_probs) * self.mask).clamp(-20.0, 20.0)
 
     def sequence_log_ratio(self) -> torch.Tensor:
-        """``mean_t log r_t`` over each sequence's response tokens, ``[B, 1]``."""
-        count = self.mask.sum(-1, keepdim=True).clamp(min=1)
-        return self.log_ratio.sum(-1, keepdim=True) / count
+        """``mean_t log r_t`` over each sequence's response tokens, one per sequence."""
+        count = sequence_sums(self.mask, self.seq_lens).clamp(min=1)
+        return sequence_sums(self.log_ratio, self.seq_lens) / count
+
+    def per_token(self, per_sequence: torch.Tensor) -> torch.Tensor:
+        return expand_sequences(per_sequence, self.mask, self.seq_lens).contiguous()
 
 
-CorrectionResult = tuple[torch.Tensor, Mapping[str, float]]
-Correction = Callable[[CorrectionInputs, CorrectionConfig], CorrectionResult]
+@dataclass(frozen=True)
+class Corrected:
+    """A correction's per-token weights, and named 0/1 flags of what it truncated or masked:
+    per token (reported as a fraction of response tokens) or per sequence (of sequences)."""
+
+    weights: torch.Tensor
+    token_flags: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    sequence_flags: Mapping[str, torch.Tensor] = field(default_factory=dict)
+
+
+Correction = Callable[[CorrectionInputs, CorrectionConfig], Corrected]
 CORRECTIONS: NamedRegistry[Correction] = NamedRegistry("off-policy correction")
 
 
 @CORRECTIONS.register("none")
-def no_correction(inputs: CorrectionInputs, config: CorrectionConfig) -> CorrectionResult:
-    return torch.ones_like(inputs.mask, dtype=torch.float32), {}
+def no_correction(inputs: CorrectionInputs, config: CorrectionConfig) -> Corrected:
+    return Corrected(torch.ones_like(inputs.mask, dtype=torch.float32))
 
 
 @CORRECTIONS.register("tis")
-def truncated_is(inputs: CorrectionInputs, config: CorrectionConfig) -> CorrectionResult:
+def truncated_is(inputs: CorrectionInputs, config: CorrectionConfig) -> Corrected:
     ratio = inputs.log_ratio.exp()
-    return ratio.clamp(max=config.cap), {"truncated_frac": _frac(ratio > config.cap, inputs.mask)}
+    return Corrected(ratio.clamp(max=config.cap), {"truncated_frac": ratio > config.cap})
 
 
 @CORRECTIONS.register("icepop")
-def masked_is(inputs: CorrectionInputs, config: CorrectionConfig) -> CorrectionResult:
+def masked_is(inputs: CorrectionInputs, config: CorrectionConfig) -> Corrected:
     ratio = inputs.log_ratio.exp()
     keep = (ratio >= config.low) & (ratio <= config.high)
-    return torch.where(keep, ratio, torch.zeros_like(ratio)), {}
+    return Corrected(torch.where(keep, ratio, torch.zeros_like(ratio)))
 
 
 @CORRECTIONS.register("seq_mask")
-def sequence_mask(inputs: CorrectionInputs, config: CorrectionConfig) -> CorrectionResult:
+def sequence_mask(inputs: CorrectionInputs, config: CorrectionConfig) -> Corrected:
     geometric = inputs.sequence_log_ratio().exp()
     keep = (geometric >= config.low) & (geometric <= config.high)
-    weights = keep.to(torch.float32).expand_as(inputs.mask).contiguous()
-    return weights, {"masked_sequences_frac": float((~keep).float().mean())}
+    weights = inputs.per_token(keep.to(torch.float32))
+    return Corrected(weights, sequence_flags={"masked_sequences_frac": ~keep})
 
 
 @CORRECTIONS.register("seq_tis")
-def sequence_truncated_is(inputs: CorrectionInputs, config: CorrectionConfig) -> CorrectionResult:
+def sequence_truncated_is(inputs: CorrectionInputs, config: CorrectionConfig) -> Corrected:
     geometric = inputs.sequence_log_ratio().exp()
-    weights = geometric.clamp(max=config.cap).expand_as(inputs.mask).contiguous()
-    return weights, {"truncated_sequences_frac": float((geometric > config.cap).float().mean())}
+    weights = inputs.per_token(geometric.clamp(max=config.cap))
+    return Corrected(weights, sequence_flags={"truncated_sequences_frac": geometric > config.cap})
 
 
 def correct(
-    name: str, inputs: CorrectionInputs, config: CorrectionConfig
+    name: str,
+    inputs: CorrectionInputs,
+    config: CorrectionConfig,
+    *,
+    global_tokens: int | None = None,
+    global_sequences: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The weights of correction ``name`` (0 off the response) and its metrics, prefixed
-    ``off_policy/``."""
-    weights, own = CORRECTIONS.get(name)(inputs, config)
-    weights = weights.to(torch.float32) * inputs.mask
-    metrics = {**correction_metrics(weights, inputs), **own}
+    """The weights of correction ``name`` (0 off the response, detached) and its metrics,
+    prefixed ``off_policy/``: shares of ``global_tokens`` response tokens and
+    ``global_sequences`` sequences (default: this batch's own, which makes them means)."""
+    mask = inputs.mask.detach().to(torch.float32)
+    detached = CorrectionInputs(
+        inputs.old_log_probs.detach(), inputs.rollout_log_probs.detach(), mask, inputs.seq_lens
+    )
+    found = CORRECTIONS.get(name)(detached, config)
+    weights = found.weights.to(torch.float32) * mask
+    tokens = max(global_tokens if global_tokens is not None else int(mask.sum()), 1)
+    sequences = max(global_sequences if global_sequences is not None else len(inputs.seq_lens), 1)
+    on = mask.bool()
+    metrics: dict[str, float] = {}
+    if on.any():
+        gap = (detached.old_log_probs - detached.rollout_log_probs).abs()
+        metrics["is_weight_mean"] = float(weights[on].sum()) / tokens
+        metrics["is_weight_max"] = float(weights[on].max())  # *_max: reduced by max
+        metrics["masked_frac"] = float((weights[on] == 0).sum()) / tokens
+        metrics["log_prob_gap"] = float(gap[on].sum()) / tokens
+    for key, flags in found.token_flags.items():
+        metrics[key] = float(flags[on].sum()) / tokens
+    for key, flags in found.sequence_flags.items():
+        metrics[key] = float(flags.sum()) / sequences
     return weights, {f"off_policy/{k}": v for k, v in metrics.items()}
-
-
-def correction_metrics(weights: torch.Tensor, inputs: CorrectionInputs) -> dict[str, float]:
-    mask = inputs.mask.bool()
-    on = weights[mask]
-    gap = (inputs.old_log_probs - inputs.rollout_log_probs).abs()[mask]
-    if on.numel() == 0:
-        return {}
-    return {
-        "is_weight_mean": float(on.mean()),
-        "is_weight_max": float(on.max()),
-        "masked_frac": float((on == 0).float().mean()),
-        "log_prob_gap": float(gap.mean()),
-    }
-
-
-def _frac(flags: torch.Tensor, mask: torch.Tensor) -> float:
-    mask = mask.bool()
-    return float(flags[mask].float().mean()) if mask.any() else 0.0

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from drivetrain.trainer.rl.aggregation import sequence_sums
+from drivetrain.trainer.rl.aggregation import expand_sequences, sequence_sums
 from drivetrain.trainer.rl.registry import NamedRegistry
 
 
@@ -76,16 +76,9 @@ def gspo_loss(inputs: PolicyLossInputs, clip: ClipConfig) -> PolicyLossResult:
     delta = (inputs.log_probs - inputs.old_log_probs) * mask
     lengths = sequence_sums(mask, inputs.seq_lens).clamp(min=1)
     seq_log_ratio = sequence_sums(delta, inputs.seq_lens) / lengths
-    per_seq = _expand(seq_log_ratio.detach(), inputs.log_probs, inputs.seq_lens)
+    per_seq = expand_sequences(seq_log_ratio.detach(), inputs.log_probs, inputs.seq_lens)
     token_log_ratio = per_seq + inputs.log_probs - inputs.log_probs.detach()
     ratio = token_log_ratio.clamp(max=10.0).exp()
     return _clipped_surrogate(
         ratio, inputs.advantages, ClipConfig(clip.clip_low, clip.clip_high, 0)
     )
-
-
-def _expand(per_seq: torch.Tensor, like: torch.Tensor, seq_lens: Sequence[int]) -> torch.Tensor:
-    if like.dim() == 2:
-        return per_seq[:, None].expand_as(like)
-    lengths = torch.as_tensor(list(seq_lens), device=like.device)
-    return torch.repeat_interleave(per_seq, lengths)

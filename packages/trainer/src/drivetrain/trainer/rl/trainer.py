@@ -28,6 +28,7 @@ from drivetrain.api.columns import (
     TOKEN_WEIGHT_VERSION,
     VALUES,
 )
+from drivetrain.api.loss import MAX_SUFFIX
 from drivetrain.trainer.checkpoints import CheckpointManager
 from drivetrain.trainer.console import plain_console
 from drivetrain.trainer.errors import CheckpointError
@@ -50,12 +51,7 @@ from drivetrain.trainer.rl.config import RLConfig, updates_per_step
 from drivetrain.trainer.rl.group_stream import GroupStream
 from drivetrain.trainer.rl.kl import kl_penalty
 from drivetrain.trainer.rl.losses import OLD_VALUES, ActorLoss, CriticLoss, state_values
-from drivetrain.trainer.rl.off_policy import (
-    IS_WEIGHTS,
-    CorrectionConfig,
-    CorrectionInputs,
-    correct,
-)
+from drivetrain.trainer.rl.off_policy import CorrectionConfig
 from drivetrain.trainer.rl.placement import Placement
 from drivetrain.trainer.rl.policy_losses import ClipConfig
 from drivetrain.trainer.rl.prompts import PromptSampler, RLPrompt
@@ -112,12 +108,9 @@ class RLTrainer:
         self.scorer = RewardScorer(c.reward.functions, c.reward.weights)
         self.sampler = PromptSampler(len(setup.train), c.run.prompts_per_step, c.seed)
         alg = c.algorithm
-        self.correction = alg.correction_name
-        self.correction_config = CorrectionConfig(
-            alg.correction_cap, alg.correction_low, alg.correction_high
-        )
-        # the KL in the reward and the off-policy correction need the old log-probs here
-        needs_old = (alg.kl_in_reward and setup.reference != "none") or self.correction != "none"
+        # the KL in the reward needs the old log-probs here; the off-policy correction takes
+        # them from the update's own forward when it is the only one (the actor loss's)
+        needs_old = alg.kl_in_reward and setup.reference != "none"
         self.on_policy = alg.on_policy_shortcut and updates_per_step(c) == 1 and not needs_old
         self.actor_loss = ActorLoss(
             policy_loss=alg.policy_loss,
@@ -128,6 +121,10 @@ class RLTrainer:
             kl_estimator=alg.kl_estimator,
             temperature=c.sampling.temperature,
             on_policy=self.on_policy,
+            correction=alg.correction_name,
+            correction_config=CorrectionConfig(
+                alg.correction_cap, alg.correction_low, alg.correction_high
+            ),
         )
         self.critic_loss = CriticLoss(alg.value_clip, alg.aggregation)
         self.trainable = (ACTOR, CRITIC) if setup.critic else (ACTOR,)
@@ -191,16 +188,13 @@ class RLTrainer:
                     batch = batch.with_columns(old_values=values, token_keys=[OLD_VALUES])
             with timer("advantages"):
                 batch, kl_metrics = self.advantages(batch, scores)
-                if self.correction != "none":
-                    batch, correction_metrics = self.correct(batch)
-                    kl_metrics.update(correction_metrics)
             if self.setup.critic:
                 with timer("update_critic"):
                     critic = self.update(batch, CRITIC, self.critic_loss, step, RETURNS, OLD_VALUES)
             with timer("update_actor"):
                 actor = self.update(
                     batch, ACTOR, self.actor_loss, step, OLD_LOG_PROBS, ADVANTAGES, REF_LOG_PROBS,
-                    ROLLOUT_LOG_PROBS, IS_WEIGHTS, TOKEN_WEIGHT_VERSION,
+                    ROLLOUT_LOG_PROBS, TOKEN_WEIGHT_VERSION,
                 )  # fmt: skip
         synced = self.stream is None or self.push_weights(step)
         report = self.weights.reports[-1] if synced else None
@@ -246,14 +240,6 @@ class RLTrainer:
         self.weights.sync(step + 1)
         self.stream.weights_at(step + 1)
         return True
-
-    def correct(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
-        """The off-policy correction's per-token weights as a column the actor loss uses."""
-        inputs = CorrectionInputs(
-            batch[OLD_LOG_PROBS], batch[ROLLOUT_LOG_PROBS], batch[LOSS_MASK].float()
-        )
-        weights, metrics = correct(self.correction, inputs, self.correction_config)
-        return batch.with_columns(token_keys=[IS_WEIGHTS], is_weights=weights), metrics
 
     @property
     def temp(self) -> float:
@@ -463,8 +449,12 @@ def _mean_stats(stats: Sequence[StepStats]) -> StepStats:
         grad_norm=sum(s.grad_norm for s in stats) / n,
         lr=stats[-1].lr,
         num_tokens=sum(s.num_tokens for s in stats),
-        metrics={k: sum(float(s.metrics.get(k, 0.0)) for s in stats) / n for k in keys},
+        metrics={k: _mean_or_max(k, [float(s.metrics.get(k, 0.0)) for s in stats]) for k in keys},
     )
+
+
+def _mean_or_max(name: str, values: list[float]) -> float:
+    return max(values) if name.endswith(MAX_SUFFIX) else sum(values) / len(values)
 
 
 def _fmt(metrics: dict[str, float]) -> str:
