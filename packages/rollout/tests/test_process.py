@@ -4,6 +4,7 @@ protocol is the same for every backend and environment)."""
 import os
 import shutil
 import signal
+import socket
 import sys
 import time
 
@@ -36,6 +37,16 @@ def test_remote_generation_equals_in_process(remote):
     assert remote.weight_version == 0
     assert remote.sleep(1) is False  # nothing freed: the fake holds no accelerator memory
     remote.wake_up()
+
+
+def test_the_channel_sends_without_waiting_for_acks(remote):
+    """Nagle's algorithm off: a message written in two parts (a weight tensor's header and
+    body) would otherwise wait ~40 ms for the server's delayed ACK."""
+    sock = socket.fromfd(remote.channel.conn.fileno(), socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+    finally:
+        sock.close()
 
 
 def test_remote_errors_keep_their_type_and_the_server_keeps_serving(remote):

@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 
+from drivetrain.rollout.process.protocol import send_at_once
+
 log = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
@@ -71,6 +73,7 @@ class AuthenticatedListener:
                 except TimeoutError:
                     continue
                 sock.setblocking(True)
+                send_at_once(sock.fileno())
                 # The handshake owns a duplicate descriptor; ``sock`` stays ours, to shut the
                 # connection down if it is still silent at the end.
                 conn = Connection(os.dup(sock.fileno()))

@@ -11,11 +11,25 @@ after the close. A message that is not wire data gets a ``ProtocolError`` reply.
 
 from __future__ import annotations
 
+import socket
+
 from drivetrain.api.errors import ConfigError, PluginError
 from drivetrain.rollout.errors import BackendNotInstalledError, ProtocolError, RolloutProcessError
 
 ADDRESS_ENV = "DRIVETRAIN_ROLLOUT_ADDRESS"
 AUTHKEY_ENV = "DRIVETRAIN_ROLLOUT_AUTHKEY"
+
+
+def send_at_once(fd: int) -> None:
+    """Turn off Nagle's algorithm on the TCP socket ``fd``: a message written in two parts
+    (header, then a large body) otherwise waits for the peer's delayed ACK, ~40 ms a time on
+    Linux loopback, measured on weight updates and calls racing a poll."""
+    sock = socket.fromfd(fd, socket.AF_INET, socket.SOCK_STREAM)  # a duplicate descriptor
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    finally:
+        sock.close()
+
 
 #: Exceptions re-raised as themselves on the client; anything else is a RolloutProcessError.
 REMOTE_ERRORS: dict[str, type[Exception]] = {

@@ -18,7 +18,7 @@ from drivetrain.api.rollout import Rollout
 from drivetrain.rollout.errors import ProtocolError
 from drivetrain.rollout.frontends import IMPLEMENTATIONS, load_backend_class
 from drivetrain.rollout.process import wire
-from drivetrain.rollout.process.protocol import ADDRESS_ENV, AUTHKEY_ENV
+from drivetrain.rollout.process.protocol import ADDRESS_ENV, AUTHKEY_ENV, send_at_once
 from drivetrain.rollout.weights import tensor_from_bytes
 
 
@@ -96,6 +96,7 @@ def serve(conn: Connection) -> None:
 def main() -> None:
     host, _, port = os.environ[ADDRESS_ENV].rpartition(":")
     conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ[AUTHKEY_ENV]))
+    send_at_once(conn.fileno())
     try:
         serve(conn)
     finally:
