@@ -5,6 +5,8 @@ generate in between; closing leaves nothing running."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from drivetrain.api import FinishReason, Prompt, SamplingParams
@@ -160,3 +162,34 @@ def test_taking_from_a_stream_nobody_drives_fails_at_once() -> None:
     s = stream([rollout()])  # no start(), not scripted: nothing would ever generate
     with pytest.raises(GenerationError, match="no generation thread is running"):
         s.take(0)
+
+
+class CountingRollout(FakeRollout):
+    """Records every poll's timeout."""
+
+    def __init__(self, config: FakeRolloutConfig) -> None:
+        super().__init__(config)
+        self.polls: list[float] = []
+
+    def poll(self, timeout_s: float = 0.0):
+        self.polls.append(timeout_s)
+        return super().poll(timeout_s)
+
+
+def test_threads_never_wait_inside_a_poll_and_an_idle_replica_is_not_polled() -> None:
+    """A remote rollout's poll that waits holds its channel, which a weight update needs; a
+    replica whose admitted groups are all done waits on the stream, without polling."""
+    r = CountingRollout(FakeRolloutConfig(max_model_len=64, seed=3))
+    s = stream([r])  # max_staleness 0: step 0's groups only, until new weights arrive
+    s.start()
+    try:
+        s.take(0)
+        polled = len(r.polls)
+        time.sleep(0.3)  # long enough for several polls if an idle replica were polled
+        assert len(r.polls) <= polled + 1
+        new_weights(r, 1)
+        s.weights_at(1)
+        s.take(1)
+    finally:
+        s.close()
+    assert r.polls and set(r.polls) == {0.0}  # close() drains nothing: all had finished

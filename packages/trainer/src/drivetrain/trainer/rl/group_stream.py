@@ -38,8 +38,11 @@ from drivetrain.api import Completion, FinishReason, Rollout, SamplingParams
 from drivetrain.api.partition import chunk_sizes
 from drivetrain.api.requests import Chunk, Collector, Request, sample_seed
 
-#: how long a replica's thread waits in one poll when nothing is ready (seconds)
+#: how long a replica's thread waits, at most, before polling again after a poll that found
+#: nothing; and how long the drain waits in one poll (seconds)
 POLL_S = 0.05
+#: the first of those waits (it doubles up to POLL_S while polls find nothing)
+IDLE_POLL_S = 0.001
 #: how long aborted requests may take to end, and a polling thread to stop (seconds): both
 #: happen at the rollout's next token step
 SETTLE_S = 120.0
@@ -148,26 +151,36 @@ class GroupStream:
                 self._round(replica, timeout_s=0.0)
 
     def _run(self, replica: _Replica) -> None:
+        # Waits happen here, never inside a poll: a remote rollout's poll that waits holds
+        # its channel, which the weight sync needs meanwhile. A replica with nothing to
+        # generate waits for the stream to change; one whose poll found nothing (paused for a
+        # weight update, or generating on its own) polls again after a backoff that any
+        # change of the stream (new weights, a take, a stop) cuts short.
+        backoff = 0.0
         try:
             while True:
                 with self._cond:
-                    while self._hold and not self._stopping:
-                        self._cond.wait()
+                    if backoff:
+                        self._cond.wait(backoff)
+                    while not self._stopping and (self._hold or self._idle(replica)):
+                        self._cond.wait(1.0)
                     if self._stopping:
                         return
                     self._polling += 1
                 try:
-                    self._round(replica, timeout_s=POLL_S)
+                    got = self._round(replica, timeout_s=0.0)
                 finally:
                     with self._cond:
                         self._polling -= 1
                         self._cond.notify_all()
+                backoff = 0.0 if got else min(max(2 * backoff, IDLE_POLL_S), POLL_S)
         except BaseException as exc:  # the trainer raises it at its next take or sync
             with self._cond:
                 self._failure = self._failure or exc
                 self._cond.notify_all()
 
-    def _round(self, replica: _Replica, timeout_s: float) -> None:
+    def _round(self, replica: _Replica, timeout_s: float) -> int:
+        """Submit what admission allows, poll once; how many chunks came back."""
         with self._cond:
             self._admit()
             outbox, replica.outbox = replica.outbox, []
@@ -178,8 +191,14 @@ class GroupStream:
         with self._cond:
             self._record(replica, chunks)
             self._cond.notify_all()
+        return len(chunks)
 
     # ---- admission and bookkeeping (under the lock) ---------------------------------------
+    def _idle(self, replica: _Replica) -> bool:
+        """Nothing to submit or collect on ``replica`` after admitting what may go now."""
+        self._admit()
+        return not replica.live and not replica.outbox
+
     def _admit(self) -> None:
         while not self._stopping:
             step = (self._next - self._dropped) // self.per_step  # the step it is meant for
@@ -258,6 +277,7 @@ class GroupStream:
             for group in chosen:
                 del self._ready[group.position]
             self._consumed += len(chosen)
+            self._cond.notify_all()  # drops may have admitted new groups
             dropped, self._dropped_since_take = self._dropped_since_take, 0
             return Taken(tuple(chosen), dropped, len(self._ready), len(self._pending))
 
