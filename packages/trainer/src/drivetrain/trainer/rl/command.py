@@ -75,6 +75,7 @@ def _run(
         "output_dir": str(result.output_dir),
         "steps": result.final_step,
         "seconds": round(result.seconds, 1),
+        "loop_seconds": round(result.loop_seconds, 2),
         "reward_first_step": rewards[0] if rewards else None,
         "reward_last_step": rewards[-1] if rewards else None,
         "reward_first_steps_mean": sum(rewards[:window]) / window if window else None,

@@ -85,6 +85,9 @@ class RLResult:
     val_after: dict[str, float] = field(default_factory=dict)
     hf_dir: Path | None = None
     seconds: float = 0.0
+    #: the training steps alone (generation ahead included; validation before and after, and
+    #: the final checkpoint, not): what the modes change
+    loop_seconds: float = 0.0
     weight_digests: dict[int, str] = field(default_factory=dict)  # with weight_sync.verify
 
 
@@ -390,6 +393,7 @@ class RLTrainer:
         if result.val_before:
             self.console.print(f"validation before: {_fmt(result.val_before)}")
         logger = MetricsLogger(self.out, c.logging, run_config=self.setup.state, resume_step=start)
+        loop_began = time.perf_counter()
         if c.algorithm.mode != "sync" and start < c.run.steps:
             self.stream = self.group_stream(start)
             self.stream.start()
@@ -416,6 +420,7 @@ class RLTrainer:
                     )
                     if c.run.save_every and done % c.run.save_every == 0 and done < c.run.steps:
                         self.save(done)
+            result.loop_seconds = time.perf_counter() - loop_began
             self.close_stream()
             if start < c.run.steps:
                 self.save(c.run.steps)
