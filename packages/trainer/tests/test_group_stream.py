@@ -176,20 +176,29 @@ class CountingRollout(FakeRollout):
         return super().poll(timeout_s)
 
 
-def test_threads_never_wait_inside_a_poll_and_an_idle_replica_is_not_polled() -> None:
+def test_threads_never_wait_inside_a_poll_nor_poll_idle_or_paused_replicas_in_a_loop() -> None:
     """A remote rollout's poll that waits holds its channel, which a weight update needs; a
-    replica whose admitted groups are all done waits on the stream, without polling."""
-    r = CountingRollout(FakeRolloutConfig(max_model_len=64, seed=3))
-    s = stream([r])  # max_staleness 0: step 0's groups only, until new weights arrive
+    replica whose admitted groups are all done waits on the stream, without polling; replicas
+    paused for a weight update are polled with a backoff, not in a loop (one replica's empty
+    poll must not wake the other's wait)."""
+    rs = [CountingRollout(FakeRolloutConfig(max_model_len=64, seed=3)) for _ in range(2)]
+    s = stream(rs)  # max_staleness 0: step 0's groups only, until new weights arrive
     s.start()
     try:
         s.take(0)
-        polled = len(r.polls)
+        polled = sum(len(r.polls) for r in rs)
         time.sleep(0.3)  # long enough for several polls if an idle replica were polled
-        assert len(r.polls) <= polled + 1
-        new_weights(r, 1)
-        s.weights_at(1)
+        assert sum(len(r.polls) for r in rs) <= polled + 2
+        for r in rs:
+            r.pause_generation()
+            new_weights(r, 1)
+        s.weights_at(1)  # admits step 1 into paused rollouts: their polls find nothing
+        polled = sum(len(r.polls) for r in rs)
+        time.sleep(0.3)
+        assert sum(len(r.polls) for r in rs) - polled <= 40  # backoff up to 50 ms each: ~14
+        for r in rs:
+            r.resume_generation()
         s.take(1)
     finally:
         s.close()
-    assert r.polls and set(r.polls) == {0.0}  # close() drains nothing: all had finished
+    assert all(r.polls and set(r.polls) == {0.0} for r in rs)  # close() had nothing to drain

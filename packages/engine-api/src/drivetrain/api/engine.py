@@ -69,7 +69,7 @@ class StepResult:
 
     ``loss`` is the mini-batch loss: the sum of every micro-batch's returned loss over all
     data-parallel ranks (for a token-mean loss: the global token mean). ``metrics`` are summed
-    the same way.
+    the same way, except ``*_max`` ones, reduced by max (:func:`drivetrain.api.merge_metrics`).
     """
 
     loss: float

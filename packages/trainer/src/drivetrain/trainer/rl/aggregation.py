@@ -32,6 +32,14 @@ def sequence_sums(values: torch.Tensor, seq_lens: Sequence[int]) -> torch.Tensor
     )
 
 
+def sequence_means(
+    values: torch.Tensor, mask: torch.Tensor, seq_lens: Sequence[int]
+) -> torch.Tensor:
+    """Per-sequence means of ``values`` over the tokens where ``mask`` is 1."""
+    counts = sequence_sums(mask, seq_lens).clamp(min=1)
+    return sequence_sums(values * mask, seq_lens) / counts
+
+
 def expand_sequences(
     per_seq: torch.Tensor, like: torch.Tensor, seq_lens: Sequence[int]
 ) -> torch.Tensor:

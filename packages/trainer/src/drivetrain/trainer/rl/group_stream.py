@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 from drivetrain.api import Completion, FinishReason, Rollout, SamplingParams
 from drivetrain.api.partition import chunk_sizes
@@ -129,6 +130,9 @@ class GroupStream:
         self._hold = False  # suspended: threads stop polling
         self._polling = 0
         self._stopping = False
+        #: bumped by whatever may give an idle or backing-off thread work (new weights,
+        #: admissions, a take, the end of a suspension, a stop): they wait for it to move
+        self._changes = 0
         self._threads: list[threading.Thread] = []
 
     # ---- driving ---------------------------------------------------------------------------
@@ -148,27 +152,28 @@ class GroupStream:
         what admission allows, then one poll, which runs one token step where requests run)."""
         for _ in range(rounds):
             for replica in self.replicas:
-                self._round(replica, timeout_s=0.0)
+                self._round(replica)
 
     def _run(self, replica: _Replica) -> None:
         # Waits happen here, never inside a poll: a remote rollout's poll that waits holds
         # its channel, which the weight sync needs meanwhile. A replica with nothing to
         # generate waits for the stream to change; one whose poll found nothing (paused for a
-        # weight update, or generating on its own) polls again after a backoff that any
-        # change of the stream (new weights, a take, a stop) cuts short.
-        backoff = 0.0
+        # weight update, or generating on its own) polls again after a backoff that a change
+        # of the stream since that poll began cuts short (other replicas' chunks do not).
+        backoff, seen = 0.0, 0
         try:
             while True:
                 with self._cond:
                     if backoff:
-                        self._cond.wait(backoff)
+                        self._cond.wait_for(partial(self._changed_since, seen), backoff)
                     while not self._stopping and (self._hold or self._idle(replica)):
                         self._cond.wait(1.0)
                     if self._stopping:
                         return
                     self._polling += 1
+                    seen = self._changes
                 try:
-                    got = self._round(replica, timeout_s=0.0)
+                    got = self._round(replica)
                 finally:
                     with self._cond:
                         self._polling -= 1
@@ -179,15 +184,16 @@ class GroupStream:
                 self._failure = self._failure or exc
                 self._cond.notify_all()
 
-    def _round(self, replica: _Replica, timeout_s: float) -> int:
-        """Submit what admission allows, poll once; how many chunks came back."""
+    def _round(self, replica: _Replica) -> int:
+        """Submit what admission allows, poll once without waiting; how many chunks came
+        back."""
         with self._cond:
             self._admit()
             outbox, replica.outbox = replica.outbox, []
             replica.live.update(r.request_id.split("+", 1)[0] for r in outbox)  # sequence ids
         if outbox:
             replica.rollout.submit(outbox)
-        chunks = replica.rollout.poll(timeout_s)
+        chunks = replica.rollout.poll(0.0)
         with self._cond:
             self._record(replica, chunks)
             self._cond.notify_all()
@@ -200,12 +206,23 @@ class GroupStream:
         return not replica.live and not replica.outbox
 
     def _admit(self) -> None:
+        admitted = False
         while not self._stopping:
             step = (self._next - self._dropped) // self.per_step  # the step it is meant for
             if step >= self.steps or step > self.version + self.max_staleness:
-                return
+                break
             self._submit(self._next)
             self._next += 1
+            admitted = True
+        if admitted:  # possibly into another replica's outbox, whose thread may be idle
+            self._changed()
+
+    def _changed_since(self, seen: int) -> bool:
+        return self._changes != seen
+
+    def _changed(self) -> None:
+        self._changes += 1
+        self._cond.notify_all()
 
     def _submit(self, position: int) -> None:
         step, within = divmod(position, self.per_step)
@@ -277,7 +294,7 @@ class GroupStream:
             for group in chosen:
                 del self._ready[group.position]
             self._consumed += len(chosen)
-            self._cond.notify_all()  # drops may have admitted new groups
+            self._changed()
             dropped, self._dropped_since_take = self._dropped_since_take, 0
             return Taken(tuple(chosen), dropped, len(self._ready), len(self._pending))
 
@@ -304,7 +321,7 @@ class GroupStream:
         with self._cond:
             self._raise_failure()
             self.version = version
-            self._cond.notify_all()
+            self._changed()
 
     def _raise_failure(self) -> None:
         if self._failure is not None:
@@ -329,7 +346,7 @@ class GroupStream:
         finally:
             with self._cond:
                 self._hold = False
-                self._cond.notify_all()
+                self._changed()
 
     def _drain(self) -> None:
         """Abort this stream's running requests on every replica and collect their last
@@ -356,7 +373,7 @@ class GroupStream:
         """Stop generating: threads end, this stream's requests are aborted and collected."""
         with self._cond:
             self._stopping = True
-            self._cond.notify_all()
+            self._changed()
         for thread in self._threads:
             thread.join(SETTLE_S)
             if thread.is_alive():

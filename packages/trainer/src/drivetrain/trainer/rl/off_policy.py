@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drivetrain.trainer.rl.aggregation import expand_sequences, sequence_sums
+from drivetrain.trainer.rl.aggregation import expand_sequences, sequence_means
 from drivetrain.trainer.rl.registry import NamedRegistry
 
 
@@ -59,8 +59,7 @@ class CorrectionInputs:
 
     def sequence_log_ratio(self) -> torch.Tensor:
         """``mean_t log r_t`` over each sequence's response tokens, one per sequence."""
-        count = sequence_sums(self.mask, self.seq_lens).clamp(min=1)
-        return sequence_sums(self.log_ratio, self.seq_lens) / count
+        return sequence_means(self.log_ratio, self.mask, self.seq_lens)
 
     def per_token(self, per_sequence: torch.Tensor) -> torch.Tensor:
         return expand_sequences(per_sequence, self.mask, self.seq_lens).contiguous()
@@ -120,10 +119,12 @@ def correct(
     *,
     global_tokens: int | None = None,
     global_sequences: int | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The weights of correction ``name`` (0 off the response, detached) and its metrics,
-    prefixed ``off_policy/``: shares of ``global_tokens`` response tokens and
-    ``global_sequences`` sequences (default: this batch's own, which makes them means)."""
+    prefixed ``off_policy/``: 0-d tensors, shares of ``global_tokens`` response tokens and
+    ``global_sequences`` sequences (default: this batch's own, which makes them means).
+    Masked reductions only: no value is read back to the host here (the engine reads the
+    metrics once)."""
     mask = inputs.mask.detach().to(torch.float32)
     detached = CorrectionInputs(
         inputs.old_log_probs.detach(), inputs.rollout_log_probs.detach(), mask, inputs.seq_lens
@@ -132,16 +133,15 @@ def correct(
     weights = found.weights.to(torch.float32) * mask
     tokens = max(global_tokens if global_tokens is not None else int(mask.sum()), 1)
     sequences = max(global_sequences if global_sequences is not None else len(inputs.seq_lens), 1)
-    on = mask.bool()
-    metrics: dict[str, float] = {}
-    if on.any():
-        gap = (detached.old_log_probs - detached.rollout_log_probs).abs()
-        metrics["is_weight_mean"] = float(weights[on].sum()) / tokens
-        metrics["is_weight_max"] = float(weights[on].max())  # *_max: reduced by max
-        metrics["masked_frac"] = float((weights[on] == 0).sum()) / tokens
-        metrics["log_prob_gap"] = float(gap[on].sum()) / tokens
+    gap = (detached.old_log_probs - detached.rollout_log_probs).abs() * mask
+    metrics = {
+        "is_weight_mean": weights.sum() / tokens,
+        "is_weight_max": weights.max(),  # weights >= 0 and 0 off the response; *_max: by max
+        "masked_frac": ((weights == 0).to(torch.float32) * mask).sum() / tokens,
+        "log_prob_gap": gap.sum() / tokens,
+    }
     for key, flags in found.token_flags.items():
-        metrics[key] = float(flags[on].sum()) / tokens
+        metrics[key] = (flags.to(torch.float32) * mask).sum() / tokens
     for key, flags in found.sequence_flags.items():
-        metrics[key] = float(flags.sum()) / sequences
+        metrics[key] = flags.to(torch.float32).sum() / sequences
     return weights, {f"off_policy/{k}": v for k, v in metrics.items()}

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from drivetrain.trainer.rl.aggregation import expand_sequences, sequence_sums
+from drivetrain.trainer.rl.aggregation import expand_sequences, sequence_means
 from drivetrain.trainer.rl.registry import NamedRegistry
 
 
@@ -72,10 +72,8 @@ def gspo_loss(inputs: PolicyLossInputs, clip: ClipConfig) -> PolicyLossResult:
     """GSPO: one importance ratio per sequence, ``exp(mean_t log π/π_old)``, clipped like
     PPO's; each token carries the sequence ratio with its own gradient path
     (``s_i · π_t / sg(π_t)``). Use small clip ranges (the paper: 3e-4 / 4e-4)."""
-    mask = inputs.mask
-    delta = (inputs.log_probs - inputs.old_log_probs) * mask
-    lengths = sequence_sums(mask, inputs.seq_lens).clamp(min=1)
-    seq_log_ratio = sequence_sums(delta, inputs.seq_lens) / lengths
+    delta = inputs.log_probs - inputs.old_log_probs
+    seq_log_ratio = sequence_means(delta, inputs.mask, inputs.seq_lens)
     per_seq = expand_sequences(seq_log_ratio.detach(), inputs.log_probs, inputs.seq_lens)
     token_log_ratio = per_seq + inputs.log_probs - inputs.log_probs.detach()
     ratio = token_log_ratio.clamp(max=10.0).exp()

@@ -85,8 +85,9 @@ class RLResult:
     val_after: dict[str, float] = field(default_factory=dict)
     hf_dir: Path | None = None
     seconds: float = 0.0
-    #: the training steps alone (generation ahead included; validation before and after, and
-    #: the final checkpoint, not): what the modes change
+    #: the training loop's seconds (generation ahead, mid-run validation and checkpoints
+    #: included; validation before and after and the final checkpoint not): what the modes
+    #: change
     loop_seconds: float = 0.0
     weight_digests: dict[int, str] = field(default_factory=dict)  # with weight_sync.verify
 
@@ -454,7 +455,9 @@ def _mean_stats(stats: Sequence[StepStats]) -> StepStats:
         grad_norm=sum(s.grad_norm for s in stats) / n,
         lr=stats[-1].lr,
         num_tokens=sum(s.num_tokens for s in stats),
-        metrics={k: _mean_or_max(k, [float(s.metrics.get(k, 0.0)) for s in stats]) for k in keys},
+        metrics={
+            k: _mean_or_max(k, [float(s.metrics[k]) for s in stats if k in s.metrics]) for k in keys
+        },
     )
 
 
