@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from drivetrain.api import SamplingParams
-from drivetrain.api.requests import Collector, Request
+from drivetrain.api.requests import Request, generate_with_requests
 from drivetrain.api.testing.rollout_kit import RolloutConformance
 from drivetrain.rollout.config import SGLangRolloutConfig
 from rollout_support import (
@@ -90,12 +90,7 @@ def test_colocated_order_sleep_wake_weights_update_wake_kv_cache(sglang, model_d
         sglang.wake_up(("weights",))
         sglang.update_weights(harness.changed_weights(), version=3)
         sglang.wake_up(("kv_cache",))
-        collector = Collector()
-        collector.track(request := Request("after", prompt, greedy))
-        sglang.submit([request])
-        while not collector.done:
-            collector.add(sglang.poll(0.05))
-        after = collector.completion("after")
+        (after,) = generate_with_requests(sglang, [Request("after", prompt, greedy)])
         assert set(after.token_versions) == {3}
         reference = harness.reference_log_probs(prompt, after.token_ids, 0, True)
         assert max(abs(a - b) for a, b in zip(after.log_probs, reference, strict=True)) < TOLERANCE

@@ -1,9 +1,10 @@
 """The request bookkeeping of a rollout whose generation advances when its caller polls.
 
-A backend that runs token steps itself (a transformers model, vLLM's ``LLMEngine``, the fake
-rollout) supplies one function, ``step(joining, aborted) -> events``: start the ``joining``
-requests, drop the ``aborted`` ones, run one token step over the running batch, and report
-each request's new tokens. :class:`RequestQueue` does the rest of the request contract once:
+A backend whose generation advances when asked (a transformers model, vLLM's ``LLMEngine``,
+SGLang's request streams on an event loop, the fake rollout) supplies one function,
+``step(joining, aborted) -> events``: start the ``joining`` requests, drop the ``aborted``
+ones, advance the running batch (one token step, or SGLang's loop until output arrives), and
+report each request's new tokens. :class:`RequestQueue` does the rest of the request contract once:
 id checks, the waiting line and its capacity, pause (wait or abort) and resume, abort of waiting
 and running requests, chunks merged per request between polls and tagged with the weight
 version of their step, and a lock that weight updates take so weights change only between

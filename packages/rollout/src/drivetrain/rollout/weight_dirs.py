@@ -5,19 +5,31 @@ into place."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from drivetrain.api.config import LoraConfig
+from drivetrain.api.engine import NamedTensor
 
 LORA_MARKERS = (".lora_A.", ".lora_B.")
+
+
+def peek_adapter(weights: Iterable[NamedTensor]) -> tuple[bool, bool, Iterator[NamedTensor]]:
+    """Whether a weight stream carries a LoRA adapter (its first name says), whether it is
+    empty, and the stream with that first tensor still in it."""
+    stream = iter(weights)
+    first = next(stream, None)
+    if first is None:
+        return False, True, stream
+    return is_adapter_weight(first[0]), False, itertools.chain([first], stream)
 
 
 def is_adapter_weight(name: str) -> bool:

@@ -62,7 +62,6 @@ class HFRollout(TokenizedRollout):
     def weight_version(self) -> int:
         return self._version
 
-    # ---- requests (continuous batching, see hf/batcher.py) ---------------------------
     # ---- weights ------------------------------------------------------------------------
     def update_weights(self, weights: Iterable[NamedTensor], *, version: int) -> None:
         # applied as they arrive, between token steps (see QueuedRollout.updating_weights)

@@ -84,8 +84,13 @@ class FairRLock:
                 return self
             ticket = object()
             self._queue.append(ticket)
-            while self._owner is not None or self._queue[0] is not ticket:
-                self._cond.wait()
+            try:
+                while self._owner is not None or self._queue[0] is not ticket:
+                    self._cond.wait()
+            except BaseException:  # interrupted: a ticket left behind would block every waiter
+                self._queue.remove(ticket)
+                self._cond.notify_all()
+                raise
             self._queue.popleft()
             self._owner, self._depth = me, 1
             return self

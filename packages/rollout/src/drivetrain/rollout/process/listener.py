@@ -21,8 +21,6 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 
-from drivetrain.rollout.process.protocol import send_at_once
-
 log = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
@@ -73,7 +71,7 @@ class AuthenticatedListener:
                 except TimeoutError:
                     continue
                 sock.setblocking(True)
-                send_at_once(sock.fileno())
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # see send_at_once
                 # The handshake owns a duplicate descriptor; ``sock`` stays ours, to shut the
                 # connection down if it is still silent at the end.
                 conn = Connection(os.dup(sock.fileno()))

@@ -9,7 +9,8 @@ continuously. Requests and answers are built and checked in
 
 Weights: ``update_weights_from_tensor`` with CUDA tensors, in buckets sent as the stream
 arrives (SGLang pickles them once per tensor-parallel rank through CUDA IPC; its maintainers
-ask for GPU tensors there), the KV cache flushed with the last bucket. SGLang applies an
+ask for GPU tensors there), the prefix cache flushed by going idle before the first bucket.
+SGLang applies an
 update only when no request runs (its tokenizer manager holds the update until the running
 requests end), so an update first lets the running requests finish: their tokens carry the
 old version, and the requests after it the new one. LoRA adapters are written as a peft
@@ -23,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import itertools
 import os
 import random
 import shutil
@@ -58,7 +58,7 @@ from drivetrain.rollout.tokenized import TokenizedRollout
 from drivetrain.rollout.weight_dirs import (
     adapter_config,
     adapter_update,
-    is_adapter_weight,
+    peek_adapter,
     write_adapter,
 )
 from drivetrain.rollout.weights import collect_weights, device_buckets
@@ -255,16 +255,13 @@ class SGLangRollout(TokenizedRollout):
     # ---- weights ------------------------------------------------------------------------
     def update_weights(self, weights: Iterable[NamedTensor], *, version: int) -> None:
         self._check_weights_resident("update_weights")
-        stream = iter(weights)
-        first = next(stream, None)
-        adapter = first is not None and is_adapter_weight(first[0])
-        stream = itertools.chain([first] if first is not None else [], stream)
+        adapter, empty, stream = peek_adapter(weights)
         with self.updating_weights(version) as update:
             self._idle()  # SGLang updates an idle engine (module docstring)
             if adapter:  # small: SGLang takes an adapter from a directory
                 tensors = adapter_update(collect_weights(stream), self.config.lora.enabled)
                 self._load_adapter(list(tensors or ()), version)
-            elif first is not None:
+            elif not empty:
                 with self._weight_update_session():
                     self._send(stream, update)
                 self._weights_discarded = False

@@ -155,9 +155,9 @@ class LoopStreams:
                 if event.finish_reason is not None:
                     return
             raise RuntimeError(f"the stream of request {request_id!r} ended unfinished")
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # reported by the step that runs the loop
+        # reported by the step that runs the loop (a cancelled task's CancelledError is no
+        # Exception: it ends the task)
+        except Exception as exc:
             if self._failure is None:
                 self._failure = exc
             self._ending[backend_id] = request_id  # closing it aborts it in the backend

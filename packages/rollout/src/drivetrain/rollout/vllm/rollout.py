@@ -16,7 +16,6 @@ a ckpt-engine transport into vLLM's weight-transfer engine is the fast path on G
 
 from __future__ import annotations
 
-import itertools
 import os
 import shutil
 import tempfile
@@ -41,7 +40,7 @@ from drivetrain.rollout.tokenized import TokenizedRollout
 from drivetrain.rollout.weight_dirs import (
     adapter_config,
     adapter_update,
-    is_adapter_weight,
+    peek_adapter,
     write_adapter,
     write_weights_dir,
 )
@@ -209,10 +208,7 @@ class VLLMRollout(TokenizedRollout):
 
     # ---- weights ------------------------------------------------------------------------
     def update_weights(self, weights: Iterable[NamedTensor], *, version: int) -> None:
-        stream = iter(weights)
-        first = next(stream, None)
-        adapter = first is not None and is_adapter_weight(first[0])
-        stream = itertools.chain([first] if first is not None else [], stream)
+        adapter, empty, stream = peek_adapter(weights)
         with self.updating_weights(version) as update:  # between engine steps, never inside one
             if adapter:  # small: vLLM takes an adapter from a directory
                 tensors = adapter_update(collect_weights(stream), self.config.lora.enabled)
@@ -221,7 +217,7 @@ class VLLMRollout(TokenizedRollout):
                 staged = stage_weights(stream, self._shapes)
                 update.changed = True
                 self._reload_from_directory(staged, version)
-            elif first is not None:
+            elif not empty:
                 # in this process vLLM loads the stream as it arrives; its layer-wise reload
                 # sets the layers aside before the first tensor, so a failure leaves them torn
                 update.changed = True

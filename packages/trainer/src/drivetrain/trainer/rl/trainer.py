@@ -29,6 +29,7 @@ from drivetrain.api.columns import (
     VALUES,
 )
 from drivetrain.api.loss import MAX_SUFFIX
+from drivetrain.api.sync_manager import SyncReport
 from drivetrain.trainer.checkpoints import CheckpointManager
 from drivetrain.trainer.console import plain_console
 from drivetrain.trainer.errors import CheckpointError
@@ -165,7 +166,9 @@ class RLTrainer:
         # sync: colocated rollouts sleep while the trainer uses their device; on leaving, the
         # new weights go to every rollout (the weight path's one sequence, every placement);
         # ahead of training, weights are pushed below, every sync_every steps
-        updating = self.weights.updating(step + 1) if self.stream is None else _no_update()
+        updating = (
+            self.weights.updating(step + 1) if self.stream is None else contextlib.nullcontext()
+        )
         with updating:
             old: dict[str, torch.Tensor] = {}
             if not self.on_policy:  # else the update's own forward gives them
@@ -200,8 +203,7 @@ class RLTrainer:
                     batch, ACTOR, self.actor_loss, step, OLD_LOG_PROBS, ADVANTAGES, REF_LOG_PROBS,
                     ROLLOUT_LOG_PROBS, TOKEN_WEIGHT_VERSION,
                 )  # fmt: skip
-        synced = self.stream is None or self.push_weights(step)
-        report = self.weights.reports[-1] if synced else None
+        report = self.weights.reports[-1] if self.stream is None else self.push_weights(step)
         if report is not None:
             timer.seconds["weight_sync"] = report.seconds
         mask = batch[LOSS_MASK]
@@ -232,18 +234,19 @@ class RLTrainer:
             metrics.update({**critic.metrics, "critic/grad_norm": critic.grad_norm})
         return metrics
 
-    def push_weights(self, step: int) -> bool:
+    def push_weights(self, step: int) -> SyncReport | None:
         """Ahead of training, after step ``step``: the scripted schedule's generation during
-        the update, then the new weights every ``sync_every`` steps. Whether they were sent."""
+        the update, then the new weights every ``sync_every`` steps (their report; ``None``
+        when none were sent)."""
         assert self.stream is not None
         alg = self.config.algorithm
         if alg.scripted_rounds:
             self.stream.advance(alg.scripted_rounds)
         if alg.mode == "async" and (step + 1) % alg.sync_every:
-            return False
-        self.weights.sync(step + 1)
+            return None
+        report = self.weights.sync(step + 1)
         self.stream.weights_at(step + 1)
-        return True
+        return report
 
     @property
     def temp(self) -> float:
@@ -409,7 +412,7 @@ class RLTrainer:
                     if not math.isfinite(metrics["actor/loss"]):
                         raise FloatingPointError(f"actor loss is {metrics['actor/loss']} at {done}")
                     if c.run.eval_every and done % c.run.eval_every == 0 and done < c.run.steps:
-                        with self.stream.suspended() if self.stream else _no_update():
+                        with self.stream.suspended() if self.stream else contextlib.nullcontext():
                             metrics.update(self.validate())
                     logger.log(done, metrics)
                     result.rewards[done], result.final_step = metrics["reward/mean"], done
@@ -440,11 +443,6 @@ class RLTrainer:
         plot_curve(self.out / METRICS_FILE, self.out / "reward_curve.png", series, ylabel="reward")
         result.seconds = time.perf_counter() - began
         return result
-
-
-@contextlib.contextmanager
-def _no_update() -> Iterator[None]:
-    yield
 
 
 def _mean_stats(stats: Sequence[StepStats]) -> StepStats:
