@@ -42,6 +42,9 @@ def _assert_same_values_and_grads(got, want, inputs, gen):
         [random.Random(0).randint(1, 40) for _ in range(200)],
         [200, 3, 700],
         [4, 0, 6],  # an empty document
+        [16] * 8,  # equal documents back to back: one view, nothing gathered or reordered
+        [8, 8, 8, 40, 40],  # two such groups, already in row order
+        [40, 8, 8, 40],  # equal lengths apart in the row: gathered, then reordered
     ],
 )
 def test_matches_per_document_attention(lengths):

@@ -44,7 +44,9 @@ def token_mean_nll(
 
     Written with ``*``, unary ``-``, ``.sum()`` and ``/`` only, which torch tensors, numpy
     arrays and the fake engine's arrays all support."""
-    ones = outputs[LOG_PROBS] * 0.0 + 1.0  # the mask may be a plain list: count through this
+    log_probs = outputs[LOG_PROBS]
+    detached = log_probs.detach() if hasattr(log_probs, "detach") else log_probs  # a count
+    ones = detached * 0.0 + 1.0  # the mask may be a plain list: count through this
     tokens = float((ones * micro_batch[LOSS_MASK]).sum())
     metrics = {"loss_tokens": tokens, "loss_tokens_max": tokens}
     return -(outputs[LOG_PROBS] * micro_batch[LOSS_MASK]).sum() / ctx.global_tokens, metrics

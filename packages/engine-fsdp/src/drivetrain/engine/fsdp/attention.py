@@ -153,17 +153,20 @@ def attend_spans(
     """Attention of a packed ``[1, h, T, d]`` row whose spans cover every position once."""
     spans = [s for s in spans if s.length > 0]
     device = query.device
-    pieces, positions = [], []
+    pieces: list[torch.Tensor] = []  # [h, queries, d] each
+    positions: list[range | torch.Tensor] = []  # the row positions of each piece's queries
     for group in length_groups([s.keys for s in spans]):
         members = [spans[i] for i in group]
-        if len(members) == 1 and not members[0].prefix_len:
-            a, n = members[0].start, members[0].length
+        a, n = members[0].start, members[0].length
+        if _back_to_back(members):  # a plain view: no gather, no mask, nothing to reorder
+            g = len(members)
+            q, k, v = (t[0, :, a : a + g * n].unflatten(1, (g, n)).transpose(0, 1)
+                       for t in (query, key, value))  # fmt: skip
             out = F.scaled_dot_product_attention(
-                query[:, :, a : a + n], key[:, :, a : a + n], value[:, :, a : a + n],
-                dropout_p=dropout, is_causal=True, scale=scale,
-            )  # fmt: skip
-            pieces.append(out[0])
-            positions.append(torch.arange(a, a + n, device=device))
+                q, k, v, dropout_p=dropout, is_causal=True, scale=scale
+            )  # [g, h, n, d]
+            pieces.append(out.transpose(0, 1).flatten(1, 2))
+            positions.append(range(a, a + g * n))
             continue
         fields = torch.tensor(
             [(s.start, s.length, s.prefix_start, s.prefix_len) for s in members], device=device
@@ -186,8 +189,30 @@ def attend_spans(
         )
         pieces.append(out.transpose(0, 1)[:, q_valid])  # [h, valid queries, d]
         positions.append(q_index[q_valid])
-    order = torch.argsort(torch.cat(positions))
-    return torch.cat(pieces, dim=1)[:, order].unsqueeze(0)
+    out = torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
+    if _in_order(positions):  # equal documents packed back to back: the usual SFT row
+        return out.unsqueeze(0)
+    index = [torch.arange(p.start, p.stop, device=device) if isinstance(p, range) else p
+             for p in positions]  # fmt: skip
+    return out[:, torch.argsort(torch.cat(index))].unsqueeze(0)
+
+
+def _back_to_back(members: Sequence[Span]) -> bool:
+    """Whether the spans have one length, no prefix, and follow each other in the row."""
+    a, n = members[0].start, members[0].length
+    return all(
+        s.length == n and not s.prefix_len and s.start == a + j * n for j, s in enumerate(members)
+    )
+
+
+def _in_order(positions: Sequence[range | torch.Tensor]) -> bool:
+    """Whether the pieces' positions, concatenated, are 0, 1, 2, ... (a host-side check)."""
+    at = 0
+    for p in positions:
+        if not isinstance(p, range) or p.start != at:
+            return False
+        at = p.stop
+    return True
 
 
 AttentionInterface.register(NAME, varlen_attention)
