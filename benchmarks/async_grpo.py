@@ -3,13 +3,13 @@ rollout each in its own process (``rollout.python``: the hf rollout in a server 
 torch thread each, the same prompts, samples and steps in every mode.
 
 Modes: ``sync`` (generate, train, sync weights), ``one_step_off`` and ``async``
-(``max_staleness=1``, partial rollouts resumed, TIS). Runs are interleaved (the mode order
-rotates every repeat) and repeated; each repeat gives one ratio per mode (sync seconds / mode
-seconds, the training loop's wall-clock: the summary's ``loop_seconds``; validation before
-and after and the final checkpoint cost the same in every mode and are left out) and one
-reward delta (mode minus sync, mean sampled reward of the last 10 steps). Reported: medians
-with min-max. The built-in SFT model is trained first when it is not cached (`drivetrain
-sft`, ~3 min).
+(``max_staleness=1``, partial rollouts resumed, TIS). Runs are interleaved (``timing.py``: the
+mode order rotates every round, at least 5 rounds; every run is a fresh process, so there is
+no warm-up round); each round gives one ratio per mode (sync seconds / mode seconds, the
+training loop's wall-clock: the summary's ``loop_seconds``; validation before and after and
+the final checkpoint cost the same in every mode and are left out) and one reward delta (mode
+minus sync, mean sampled reward of the last 10 steps). Reported: medians with min-max. The
+built-in SFT model is trained first when it is not cached (`drivetrain sft`, ~3 min).
 
 ``overlap_bound`` is what hiding generation entirely behind training could give: a sync
 run's loop seconds over the same minus its generation seconds (``time/generate_s``). No mode
@@ -18,8 +18,9 @@ can beat it on this workload; where generation is a small part of the step, it i
 The last line is JSON: ``seconds`` (median loop seconds per mode), ``run_seconds`` (median
 whole-run seconds), ``async_speedup_vs_sync`` (goal >= 1.6), ``async_speedup_spread``,
 ``one_step_off_speedup_vs_sync``, ``overlap_bound``, ``reward_delta_vs_sync`` (async; goal
->= -0.02), ``one_step_off_reward_delta_vs_sync``, ``repeats``, ``steps``.
-Usage: uv run python benchmarks/async_grpo.py [--repeats N] [--steps N] [--quick]
+>= -0.02), ``one_step_off_reward_delta_vs_sync`` (each with its ``_spread``), ``rounds``,
+``steps``.
+Usage: uv run python benchmarks/async_grpo.py [--pairs N] [--steps N] [--quick]
 """
 
 from __future__ import annotations
@@ -32,6 +33,17 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from timing import (
+    Measured,
+    Ratio,
+    add_arguments,
+    interleaved,
+    print_result,
+    ratio_fields,
+    rounds_of,
+    speedup,
+)
 
 MODES = {
     "sync": [],
@@ -62,52 +74,46 @@ def run(mode: str, steps: int, out: Path) -> dict[str, float]:
     }
 
 
-def spread(values: list[float]) -> list[float]:
-    return [round(min(values), 3), round(max(values), 3)]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    add_arguments(parser)
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--quick", action="store_true", help="1 repeat of 20 steps")
     args = parser.parse_args()
-    repeats, steps = (1, 20) if args.quick else (args.repeats, args.steps)
-    names = list(MODES)
-    results: dict[str, list[dict[str, float]]] = {m: [] for m in names}
+    rounds = rounds_of(args)
+    steps = 8 if args.quick else args.steps
+    results: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
+
+    def side(mode: str, tmp: Path) -> Measured:
+        result = run(mode, steps, tmp / f"{mode}-{len(results[mode])}")
+        results[mode].append(result)
+        print(f"{mode}: loop {result['seconds']:.2f} s (run {result['run_seconds']:.1f} s), "
+              f"reward of the last 10 steps {result['reward_last10']:.3f}", flush=True)  # fmt: skip
+        return Measured(result["seconds"])
+
     with tempfile.TemporaryDirectory(prefix="async-grpo-") as tmp:
-        for repeat in range(repeats):
-            order = names[repeat % len(names) :] + names[: repeat % len(names)]
-            for mode in order:
-                result = run(mode, steps, Path(tmp) / f"{mode}-{repeat}")
-                results[mode].append(result)
-                print(f"repeat {repeat} {mode}: loop {result['seconds']:.2f} s (run "
-                      f"{result['run_seconds']:.1f} s), reward of the last 10 steps "
-                      f"{result['reward_last10']:.3f}", flush=True)  # fmt: skip
+        sides = {mode: lambda m=mode: side(m, Path(tmp)) for mode in MODES}
+        times = interleaved(sides, rounds, warmup=0)  # fresh processes: nothing to warm
     sync = results["sync"]
     bounds = [r["seconds"] / max(r["seconds"] - r["generate_seconds"], 1e-9) for r in sync]
-    out: dict[str, object] = {
-        "seconds": {
-            m: round(statistics.median(r["seconds"] for r in results[m]), 2) for m in names
-        },
-        "run_seconds": {
-            m: round(statistics.median(r["run_seconds"] for r in results[m]), 2) for m in names
-        },
-        "overlap_bound": round(statistics.median(bounds), 3),
-        "overlap_bound_spread": spread(bounds),
-        "repeats": repeats,
-        "steps": steps,
-    }
+    ratios = {"overlap_bound": Ratio(tuple(bounds))}
+    deltas = {}
     for mode, prefix in (("async", "async"), ("one_step_off", "one_step_off")):
-        ratios = [s["seconds"] / r["seconds"] for s, r in zip(sync, results[mode], strict=True)]
-        deltas = [r["reward_last10"] - s["reward_last10"] for s, r in zip(sync, results[mode],
-                                                                         strict=True)]  # fmt: skip
-        out[f"{prefix}_speedup_vs_sync"] = round(statistics.median(ratios), 3)
-        out[f"{prefix}_speedup_spread"] = spread(ratios)
+        ratios[f"{prefix}_speedup_vs_sync"] = speedup(times, mode, "sync")
         key = "reward_delta_vs_sync" if mode == "async" else f"{prefix}_reward_delta_vs_sync"
-        out[key] = round(statistics.median(deltas), 4)
-        out[f"{prefix}_reward_delta_spread"] = spread(deltas)
-    print(json.dumps(out))
+        pairs = zip(sync, results[mode], strict=True)
+        deltas[key] = Ratio(tuple(r["reward_last10"] - s["reward_last10"] for s, r in pairs))
+    for name, ratio in {**ratios, **deltas}.items():
+        print(f"{name:<36}{ratio}")
+    print_result(
+        ratios,
+        **ratio_fields(deltas, digits=4),
+        seconds={m: round(statistics.median(times[m]), 2) for m in MODES},
+        run_seconds={
+            m: round(statistics.median(r["run_seconds"] for r in results[m]), 2) for m in MODES
+        },
+        rounds=rounds,
+        steps=steps,
+    )
 
 
 if __name__ == "__main__":

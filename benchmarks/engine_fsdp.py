@@ -1,24 +1,43 @@
-"""engine-fsdp throughput on this machine, measured side by side with the baselines.
+"""engine-fsdp training throughput on this machine, side by side with its baselines.
 
-1. overhead_ratio: drivetrain fsdp2 (world size 1) tokens/s ÷ a hand-written PyTorch loop
-   (HF forward with labels, backward, AdamW) on the same model and batch.
-2. packing_speedup: packed rows + token-budget micro-batches ÷ padded fixed-size micro-batches,
-   both drivetrain, lengths uniform in 16..512 (tokens/s counts real tokens).
-3. mfu: achieved model FLOP/s (6 * params * tokens/s) ÷ this machine's measured fp32 matmul FLOP/s.
+One optimizer step is one unit of work, one torch thread (a thread of a busy 2-core machine
+stalls less than two). Two comparisons, each timed through ``timing.py`` (interleaved,
+rotated every round, one warm-up round, at least 5 timed rounds, one ratio per round), so
+the configurations a ratio compares run back to back:
 
-Prints a table; the last line is one JSON object. Usage: uv run python benchmarks/engine_fsdp.py
+1. engine overhead: ``plain``, a hand-written PyTorch loop (HF forward with labels, backward,
+   clip, AdamW) on 8 rows of 128 tokens, vs ``fsdp2``, drivetrain fsdp2 (world size 1) on the
+   same batch;
+2. layouts:
+
+- ``dense``: drivetrain on 8 equal rows of 256 tokens, no padding anywhere (the engine's
+  default layout: one causal SDPA call over a view of the row; measured faster here than its
+  padded SDPA layout on the same rows): the dense limit of this engine;
+- ``packed``: 16 documents of 16..512 tokens packed into rows, 2048-token micro-batches;
+- ``padded``: the same documents padded, 4 per micro-batch, SDPA with a mask.
+
+Reported: useful (real) tokens/s and MFU (model FLOPs of the real tokens ÷ the fp32 matmul
+peak measured in this run: ``flops.py``) of each, and the ratios
+``overhead_ratio`` (fsdp2 ÷ plain tokens/s; goal >= 0.95), ``packed_mfu_vs_dense`` (goal >=
+0.7) and ``packing_speedup`` (packed ÷ padded tokens/s; padding wastes ``padded_token_ratio``
+x the real tokens there, which bounds it).
+
+The last line is one JSON object. Usage: uv run python benchmarks/engine_fsdp.py [--pairs N]
+[--quick]
 """
 
 from __future__ import annotations
 
-import json
+import argparse
 import random
-import sys
 import tempfile
-import time
+from collections.abc import Callable
 from pathlib import Path
+from statistics import median
 
 import torch
+from flops import matmul_peak, training_flops
+from timing import Ratio, add_arguments, interleaved, print_result, rates, rounds_of
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from drivetrain.api import Batch, MicroBatchConfig, ModelConfig, OptimConfig
@@ -29,16 +48,16 @@ from drivetrain.engine.fsdp.engine import FSDP2Engine
 VOCAB = 16384
 
 
-def build_model(path: Path) -> int:
+def build_model(path: Path, layers: int) -> torch.nn.Module:
     config = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=384, intermediate_size=1536, num_hidden_layers=8,
+        vocab_size=VOCAB, hidden_size=384, intermediate_size=1536, num_hidden_layers=layers,
         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024,
         tie_word_embeddings=True,
     )  # fmt: skip
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(path)
-    return sum(p.numel() for p in model.parameters())
+    return model
 
 
 def make_batch(lengths: list[int], seed: int) -> Batch:
@@ -52,17 +71,8 @@ def make_batch(lengths: list[int], seed: int) -> Batch:
     return Batch.from_columns({"input_ids": ids, "loss_mask": mask}, seq_lens=lengths)
 
 
-def matmul_flops() -> float:
-    a, b = torch.randn(1024, 2048), torch.randn(2048, 2048)
-    for _ in range(3):
-        a @ b
-    start, n = time.perf_counter(), 20
-    for _ in range(n):
-        a @ b
-    return 2 * 1024 * 2048 * 2048 * n / (time.perf_counter() - start)
-
-
-def engine_tokens_per_s(model_dir: Path, batch: Batch, steps: int, **overrides) -> float:
+def engine_step(model_dir: Path, batch: Batch, **overrides: object) -> Callable[[], None]:
+    """One drivetrain optimizer step on ``batch`` (the engine stays up between calls)."""
     micro = overrides.pop("micro_batch")
     config = FSDPConfig(
         model=ModelConfig(path=str(model_dir)),
@@ -81,16 +91,10 @@ def engine_tokens_per_s(model_dir: Path, batch: Batch, steps: int, **overrides) 
             engine.optimizer_step()
             engine.lr_scheduler_step()
 
-    step()  # warm-up
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    elapsed = time.perf_counter() - start
-    engine.close()
-    return batch.num_tokens * steps / elapsed
+    return step
 
 
-def plain_tokens_per_s(model_dir: Path, batch: Batch, steps: int) -> float:
+def plain_step(model_dir: Path, batch: Batch) -> Callable[[], None]:
     """The baseline: what one writes by hand with transformers and torch."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
@@ -106,63 +110,96 @@ def plain_tokens_per_s(model_dir: Path, batch: Batch, steps: int) -> float:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optim.step()
 
-    step()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return batch.num_tokens * steps / (time.perf_counter() - start)
+    return step
 
 
 def main() -> None:
-    steps = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args()
+    rounds = rounds_of(args)
+    torch.set_num_threads(1)
+    layers, longest = (2, 128) if args.quick else (8, 512)
+    rng = random.Random(1)
+    batches = {
+        "plain": make_batch([128] * 8, seed=0),  # equal lengths: no padding either way
+        "dense": make_batch([256] * 8, seed=3),
+        "varied": make_batch([rng.randint(16, longest) for _ in range(16)], seed=2),
+    }
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
-        params = build_model(model_dir)
-        peak = matmul_flops()
-
-        same = make_batch([128] * 8, seed=0)  # equal lengths: no padding advantage either way
-        plain = plain_tokens_per_s(model_dir, same, steps)
-        ours = engine_tokens_per_s(
-            model_dir, same, steps, micro_batch=MicroBatchConfig(micro_batch_size=8)
-        )
-
-        rng = random.Random(1)
-        varied = make_batch([rng.randint(16, 512) for _ in range(16)], seed=2)
-        packed = engine_tokens_per_s(
-            model_dir, varied, steps, micro_batch=MicroBatchConfig(max_tokens=2048)
-        )
-        padded = engine_tokens_per_s(
-            model_dir, varied, steps, micro_batch=MicroBatchConfig(micro_batch_size=4),
-            attention="sdpa", remove_padding=False,
-        )  # fmt: skip
-
-    lens = varied.seq_lens
-    padded_tokens = sum(max(lens[i : i + 4]) * len(lens[i : i + 4]) for i in range(0, len(lens), 4))
-    rows = [
-        ("plain PyTorch loop, 8x128", plain),
-        ("drivetrain fsdp2, 8x128", ours),
-        ("drivetrain padded, mbs 4, 16..512", padded),
-        ("drivetrain packed, 2048-token budget, 16..512", packed),
-    ]
-    print(f"model: {params / 1e6:.1f}M params, fp32, {torch.get_num_threads()} threads; "
-          f"matmul peak {peak / 1e9:.1f} GFLOP/s")  # fmt: skip
-    print(f"{'configuration':<48} {'tokens/s':>10}")
-    for name, value in rows:
-        print(f"{name:<48} {value:>10.1f}")
-    result = {
-        "overhead_ratio": round(ours / plain, 3),
-        "packing_speedup": round(packed / padded, 3),
-        "mfu": round(6 * params * ours / peak, 3),
-        "padded_token_ratio": round(padded_tokens / varied.num_tokens, 3),
-        "params_m": round(params / 1e6, 1),
+        model = build_model(model_dir, layers)
+        peak = matmul_peak()
+        sides = {
+            "plain": plain_step(model_dir, batches["plain"]),
+            "fsdp2": engine_step(
+                model_dir, batches["plain"], micro_batch=MicroBatchConfig(micro_batch_size=8)
+            ),
+            "dense": engine_step(
+                model_dir,
+                batches["dense"],
+                micro_batch=MicroBatchConfig(micro_batch_size=8),
+                attention="sdpa",
+                remove_padding=False,
+            ),
+            "packed": engine_step(
+                model_dir, batches["varied"], micro_batch=MicroBatchConfig(max_tokens=2048)
+            ),
+            "padded": engine_step(
+                model_dir,
+                batches["varied"],
+                micro_batch=MicroBatchConfig(micro_batch_size=4),
+                attention="sdpa",
+                remove_padding=False,
+            ),
+        }
+        times = interleaved({n: sides[n] for n in ("plain", "fsdp2")}, rounds)
+        times |= interleaved({n: sides[n] for n in ("dense", "packed", "padded")}, rounds)
+    data = {
+        "plain": batches["plain"], "fsdp2": batches["plain"], "dense": batches["dense"],
+        "packed": batches["varied"], "padded": batches["varied"],
+    }  # fmt: skip
+    tokens = {name: rates(batch.num_tokens, times[name]) for name, batch in data.items()}
+    mfu = {
+        name: [training_flops(model, batch.seq_lens) / s / peak for s in times[name]]
+        for name, batch in data.items()
     }
-    print(f"{'overhead_ratio (goal >= 0.95)':<48} {result['overhead_ratio']:>10.3f}")
-    print(f"{'packing_speedup (goal >= 2.0)':<48} {result['packing_speedup']:>10.3f}")
-    print(
-        f"{'  padded/real tokens of that baseline':<48} {padded_tokens / varied.num_tokens:>10.3f}"
+    lens = batches["varied"].seq_lens
+    padded_tokens = sum(max(lens[i : i + 4]) * len(lens[i : i + 4]) for i in range(0, len(lens), 4))
+    ratios = {
+        "overhead_ratio": Ratio.of(tokens["fsdp2"], tokens["plain"]),
+        "packed_mfu_vs_dense": Ratio.of(mfu["packed"], mfu["dense"]),
+        "packing_speedup": Ratio.of(tokens["packed"], tokens["padded"]),
+    }
+    params = sum(p.numel() for p in model.parameters())
+    print(f"model: {params / 1e6:.1f}M params, fp32, {torch.get_num_threads()} threads; "
+          f"matmul peak {peak / 1e9:.1f} GFLOP/s; {rounds} interleaved rounds")  # fmt: skip
+    labels = {
+        "plain": "plain PyTorch loop, 8x128",
+        "fsdp2": "drivetrain fsdp2, 8x128",
+        "dense": "drivetrain dense, 8x256",
+        "packed": f"drivetrain packed, 2048-token budget, 16..{longest}",
+        "padded": f"drivetrain padded, mbs 4, 16..{longest}",
+    }
+    print(f"{'configuration':<46}{'useful tokens/s':>16}{'MFU':>8}")
+    for name, label in labels.items():
+        print(f"{label:<46}{median(tokens[name]):>16.1f}"
+              f"{median(mfu[name]):>8.3f}")  # fmt: skip
+    goals = {"overhead_ratio": ">= 0.95", "packed_mfu_vs_dense": ">= 0.7", "packing_speedup": ""}
+    for name, ratio in ratios.items():
+        goal = f" (goal {goals[name]})" if goals[name] else ""
+        print(f"{name + goal:<46}{ratio}")
+    print(f"{'  padded/real tokens of the padded baseline':<46}{padded_tokens / sum(lens):.3f}")
+    print_result(
+        ratios,
+        mfu=round(median(mfu["fsdp2"]), 3),
+        mfu_by_configuration={n: round(median(v), 3) for n, v in mfu.items()},
+        useful_tokens_per_s={n: round(median(v), 1) for n, v in tokens.items()},
+        padded_token_ratio=round(padded_tokens / sum(lens), 3),
+        matmul_peak_gflops=round(peak / 1e9, 1),
+        params_m=round(params / 1e6, 1),
+        rounds=rounds,
     )
-    print(f"{'model FLOP/s / matmul FLOP/s':<48} {result['mfu']:>10.3f}")
-    print(json.dumps(result))
 
 
 if __name__ == "__main__":

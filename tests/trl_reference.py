@@ -14,6 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+#: TRL's batching: ``padded`` (its default), ``padding_free`` (each batch one row with
+#: position ids) and ``packing`` (best-fit-decreasing bins of ``max_length`` tokens, padding
+#: free; ``batch_size`` then counts bins).
+LAYOUTS = ("padded", "padding_free", "packing")
+
 
 @dataclass(frozen=True)
 class ReferenceRun:
@@ -32,7 +37,14 @@ def trl_sft(
     out_dir: Path,
     max_grad_norm: float = 1.0,
     callbacks: Sequence[Any] = (),
+    layout: str = "padded",
+    max_length: int | None = None,
+    examples_used: int | None = None,
 ) -> ReferenceRun:
+    """TRL's SFT over the first ``examples_used`` examples (default: ``batch_size * steps``).
+    The trainer counts the real tokens it sees (``state.num_input_tokens_seen``)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     import time
@@ -50,7 +62,7 @@ def trl_sft(
             if logs and "loss" in logs:
                 self.values.append(float(logs["loss"]))
 
-    used = list(examples[: batch_size * steps])
+    used = list(examples[: examples_used or batch_size * steps])
     dataset = Dataset.from_dict(
         {
             "input_ids": [list(e.input_ids) for e in used],
@@ -79,9 +91,10 @@ def trl_sft(
         report_to="none",
         disable_tqdm=True,
         completion_only_loss=True,
-        packing=False,
-        padding_free=False,
-        max_length=None,
+        packing=layout == "packing",
+        padding_free=layout != "padded",
+        max_length=max_length if layout == "packing" else None,
+        include_num_input_tokens_seen="non_padding",
     )
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))

@@ -1,0 +1,60 @@
+"""Every benchmark still runs: ``--quick`` (one round, the smallest workload) ends with its
+JSON line carrying the ratios it promises, each with its spread. CI never asserts a timing;
+a ratio is only checked to be a positive number."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rollout_support import vllm_python
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: benchmark -> (extra arguments, the ratios its last line must carry, seconds allowed)
+BENCHMARKS = {
+    "engine_fsdp": ((), ("overhead_ratio", "packed_mfu_vs_dense", "packing_speedup"), 300),
+    "packed_attention": ((), ("speedup_vs_per_document",), 120),
+    "sft": ((), ("speedup_vs_trl", "speedup_vs_trl_default"), 600),
+    "grpo": ((), ("step_speedup_vs_trl", "step_speedup_vs_trl_default"), 900),
+    "async_grpo": ((), ("async_speedup_vs_sync", "one_step_off_speedup_vs_sync"), 900),
+    "shared_prompts": ((), ("generate_speedup", "update_speedup"), 600),
+    "rollout": (("--vllm-python", "VLLM"), ("continuous_vs_batch.hf",), 900),
+    "rollout_weight_update": (("--vllm-python", "VLLM"), ("vllm_vs_hf",), 900),
+    "weight_sync": (
+        (),
+        tuple(f"speedup_vs_naive.100M.{t}" for t in ("colocated", "broadcast", "disk")),
+        600,
+    ),
+}
+
+
+def test_every_benchmark_is_listed_here():
+    scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py")}
+    assert scripts - {"timing", "flops"} == set(BENCHMARKS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(BENCHMARKS))
+def test_benchmark_runs_quick(name, tmp_path):
+    extra, ratios, limit = BENCHMARKS[name]
+    if "VLLM" in extra:
+        extra = tuple(vllm_python() if a == "VLLM" else a for a in extra)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--quick", *extra],
+        capture_output=True, text=True, env=env, timeout=limit, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    for ratio in ratios:
+        assert isinstance(result[ratio], float) and math.isfinite(result[ratio]), result
+        assert result[ratio] > 0, result
+        low, high = result[f"{ratio}_spread"]
+        assert low <= result[ratio] <= high, result
