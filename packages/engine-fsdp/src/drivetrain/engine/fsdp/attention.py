@@ -8,7 +8,10 @@ autograd's device thread (so a context variable would not do). Transformers buil
 it; attention never crosses a sequence boundary, and costs about sum(len_i^2) rather than T^2:
 spans of similar length are padded into one batched SDPA call each (a per-document loop
 measured faster than one block-diagonal mask on CPU, but thousands of short RL sequences made
-the loop's per-call overhead dominate, backward most of all).
+the loop's per-call overhead dominate, backward most of all). That loop sliced each document
+out of the row, and each slice's backward fills a zero gradient the size of the row. A loop
+over ``split`` views has no such cost, and ``benchmarks/packed_attention.py`` measures it
+faster than this grouping on 256 short documents; moving to it is still to do.
 
 A span may also see a *shared prefix* elsewhere in the row: samples that start with the same
 prompt carry it once, and each sample's own tokens attend to that copy and then causally to
