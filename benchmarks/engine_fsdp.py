@@ -10,9 +10,8 @@ the configurations a ratio compares run back to back:
    same batch;
 2. layouts:
 
-- ``dense``: drivetrain on 8 equal rows of 256 tokens, no padding anywhere (the engine's
-  default layout: one causal SDPA call over a view of the row; measured faster here than its
-  padded SDPA layout on the same rows): the dense limit of this engine;
+- ``dense``: drivetrain on 8 equal rows of 256 tokens in its row layout (SDPA over
+  ``[rows, tokens]``; equal rows carry no padding): the dense limit of this engine;
 - ``packed``: 16 documents of 16..512 tokens packed into rows, 2048-token micro-batches;
 - ``padded``: the same documents padded, 4 per micro-batch, SDPA with a mask.
 
@@ -46,6 +45,8 @@ from drivetrain.engine.fsdp.config import FSDPConfig
 from drivetrain.engine.fsdp.engine import FSDP2Engine
 
 VOCAB = 16384
+#: the engine's row layout: SDPA over [rows, tokens] with a padding mask, no packing
+ROW_LAYOUT = {"attention": "sdpa", "remove_padding": False}
 
 
 def build_model(path: Path, layers: int) -> torch.nn.Module:
@@ -139,8 +140,7 @@ def main() -> None:
                 model_dir,
                 batches["dense"],
                 micro_batch=MicroBatchConfig(micro_batch_size=8),
-                attention="sdpa",
-                remove_padding=False,
+                **ROW_LAYOUT,
             ),
             "packed": engine_step(
                 model_dir, batches["varied"], micro_batch=MicroBatchConfig(max_tokens=2048)
@@ -149,8 +149,7 @@ def main() -> None:
                 model_dir,
                 batches["varied"],
                 micro_batch=MicroBatchConfig(micro_batch_size=4),
-                attention="sdpa",
-                remove_padding=False,
+                **ROW_LAYOUT,
             ),
         }
         times = interleaved({n: sides[n] for n in ("plain", "fsdp2")}, rounds)

@@ -92,5 +92,5 @@ def test_training_flops_count_matmuls_and_causal_attention():
     # two documents of 3 and 5 tokens: 6*N per token, attention 6 * layers * 16 * n(n+1)
     want = 6 * (2 * per_layer + 1600) * 8 + 6 * 2 * 16 * (3 * 4 + 5 * 6)
     assert training_flops(model, [3, 5]) == want
-    # padding never counts: the same documents in any layout give the same FLOPs
+    # the documents' order does not matter (nor, having no argument, does padding)
     assert training_flops(model, [5, 3]) == want

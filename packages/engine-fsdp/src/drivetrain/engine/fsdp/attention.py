@@ -160,9 +160,8 @@ def attend_spans(
     positions: list[range | torch.Tensor] = []  # the row positions of each piece's queries
     for group in length_groups([s.keys for s in spans]):
         members = [spans[i] for i in group]
-        a, n = members[0].start, members[0].length
         if _back_to_back(members):  # a plain view: no gather, no mask, nothing to reorder
-            g = len(members)
+            a, n, g = members[0].start, members[0].length, len(members)
             q, k, v = (t[0, :, a : a + g * n].unflatten(1, (g, n)).transpose(0, 1)
                        for t in (query, key, value))  # fmt: skip
             out = F.scaled_dot_product_attention(
