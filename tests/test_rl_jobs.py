@@ -44,6 +44,30 @@ def test_grpo_inprocess_with_user_plugins(tmp_path):
     assert "reward/examples.custom_reward:brevity" in rows[0]
 
 
+def test_grpo_dapo_preset_samples_until_the_groups_are_informative(tmp_path):
+    """``--preset dapo``: dynamic sampling (groups with one reward everywhere replaced),
+    overlong shaping in the reward, and the overlong filter on top."""
+    base = make_rl_job(tmp_path)
+    out = tmp_path / "run"
+    env = {**sft_env(tmp_path), "PYTHONPATH": str(REPO / "tests")}
+    summary, _ = run_rl(
+        "grpo", "--preset", "dapo", *base, f"run.output_dir={out}", "run.steps=2",
+        "sampling.n=2", "reward.functions=[rl_support:varied_reward]",
+        "algorithm.overlong_filter=true", env=env,
+    )  # fmt: skip
+    assert summary["steps"] == 2
+    rows = [r for r in metrics_rows(out) if "reward/mean" in r]
+    for row in rows:
+        # 4 informative groups of 2 kept, unless the 4-round cap was reached first
+        assert row["sampling/kept_groups"] == 4 or row["sampling/rounds"] == 4
+        assert row["sampling/generated_groups"] == 4 * row["sampling/rounds"]
+        assert 0 <= row["sampling/zero_variance_frac"] <= 1
+        assert row["reward/overlong"] <= 0  # 6 new tokens, a 20% buffer: a -1 ramp over 1.2
+        assert 0 <= row["response/overlong_filtered_frac"] <= 1
+    config = (out / "config.yaml").read_text()
+    assert "clip_high: 0.28" in config and "dynamic_sampling: true" in config
+
+
 def test_ppo_with_critic_reference_and_reward_model(tmp_path):
     base = make_rl_job(tmp_path)
     out = tmp_path / "run"

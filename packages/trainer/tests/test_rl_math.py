@@ -116,15 +116,15 @@ def test_gspo_sequence_ratio() -> None:
         ("token-mean", (1 + 2 + 3) / 3),
         ("seq-mean-token-sum", ((1 + 2) + 3) / 2),
         ("seq-mean-token-mean", ((1 + 2) / 2 + 3 / 1) / 2),
+        ("seq-mean-token-sum-norm", (1 + 2 + 3) / (2 * 4)),  # Dr. GRPO: max_length 4
     ],
 )
 def test_aggregation_modes_padded_and_packed(mode: str, want: float) -> None:
     loss = torch.tensor([[1.0, 2.0], [3.0, 100.0]])
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
-    padded = aggregate(loss, mask, mode, seq_lens=[2, 2], global_tokens=3, global_sequences=2)
-    packed = aggregate(
-        loss.flatten(), mask.flatten(), mode, seq_lens=[2, 2], global_tokens=3, global_sequences=2
-    )
+    counts = {"seq_lens": [2, 2], "global_tokens": 3, "global_sequences": 2, "max_length": 4}
+    padded = aggregate(loss, mask, mode, **counts)
+    packed = aggregate(loss.flatten(), mask.flatten(), mode, **counts)
     assert float(padded) == pytest.approx(want)
     assert float(packed) == pytest.approx(want)
 

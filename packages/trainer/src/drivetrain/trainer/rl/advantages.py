@@ -82,6 +82,34 @@ def rloo_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor
     return adv, adv
 
 
+@ADVANTAGES.register("reinforce_pp")
+def reinforce_pp_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++: each token's discounted return ``G_t = sum_k gamma^(k-t) r_k`` (a KL in the
+    reward makes it differ per token), normalised over every response token of the *batch*
+    (no per-prompt baseline: the batch statistics stand in for a critic)."""
+    mask = inputs.mask
+    rewards = inputs.token_rewards * mask
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros(rewards.shape[0], dtype=rewards.dtype)
+    for t in reversed(range(rewards.shape[1])):
+        running = rewards[:, t] + inputs.gamma * running
+        returns[:, t] = running
+    returns = returns * mask
+    return masked_whiten(returns, mask), returns
+
+
+@ADVANTAGES.register("reinforce_pp_baseline")
+def reinforce_pp_baseline_advantages(
+    inputs: AdvantageInputs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++-baseline: the score minus its prompt group's mean (no division by the
+    group's std), then normalised over every response token of the batch."""
+    scores = (inputs.token_rewards * inputs.mask).sum(dim=-1)
+    mean, _ = _group_mean_std(scores, _group_index(inputs.group_ids))
+    centred = (scores - mean)[:, None] * inputs.mask
+    return masked_whiten(centred, inputs.mask), centred
+
+
 @ADVANTAGES.register("gae")
 def gae_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over response tokens:

@@ -6,7 +6,10 @@ an engine cut it into micro-batches.
 - ``seq-mean-token-sum``: sum over a sequence's tokens, mean over sequences (Dr. GRPO's
   unbiased form when paired with a fixed length normaliser);
 - ``seq-mean-token-mean``: mean within a sequence, then mean over sequences (the original
-  GRPO paper).
+  GRPO paper);
+- ``seq-mean-token-sum-norm``: sum over all tokens divided by sequences x a fixed length
+  (``sampling.max_new_tokens``): Dr. GRPO's constant normaliser (TRL ``loss_type="dr_grpo"``,
+  verl ``loss_agg_mode="seq-mean-token-sum-norm"``).
 
 Token tensors are either padded ``[b, T]`` or packed ``[tokens]`` (then ``seq_lens`` says where
 each sequence ends).
@@ -18,7 +21,12 @@ from collections.abc import Sequence
 
 import torch
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+AGGREGATIONS = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
 
 
 def sequence_sums(values: torch.Tensor, seq_lens: Sequence[int]) -> torch.Tensor:
@@ -58,11 +66,17 @@ def aggregate(
     seq_lens: Sequence[int],
     global_tokens: int,
     global_sequences: int,
+    max_length: int = 0,
 ) -> torch.Tensor:
-    """This micro-batch's share of the mini-batch loss (shares sum to the mini-batch value)."""
+    """This micro-batch's share of the mini-batch loss (shares sum to the mini-batch value).
+    ``max_length`` is the fixed normaliser of ``seq-mean-token-sum-norm``."""
     masked = per_token * mask
     if mode == "token-mean":
         return masked.sum() / max(global_tokens, 1)
+    if mode == "seq-mean-token-sum-norm":
+        if max_length < 1:
+            raise ValueError("seq-mean-token-sum-norm needs max_length >= 1")
+        return masked.sum() / (max(global_sequences, 1) * max_length)
     sums = sequence_sums(masked, seq_lens)
     if mode == "seq-mean-token-sum":
         return sums.sum() / max(global_sequences, 1)

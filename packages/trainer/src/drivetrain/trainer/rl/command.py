@@ -30,6 +30,7 @@ def _run(
     dry_run: bool,
     resume: str,
     overwrite: bool,
+    preset: str,
 ) -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     from drivetrain.trainer.checkpoints import verify_checkpoint
@@ -46,6 +47,7 @@ def _run(
             files=config or (),
             overrides=overrides or (),
             console=console,
+            preset=preset,
         )
         if print_config:
             typer.echo(job.to_yaml(), nl=False)
@@ -126,6 +128,14 @@ WeightSync = Annotated[
         help="Transport (`drivetrain ckpt-engines`); auto: colocated or broadcast by placement.",
     ),
 ]
+Preset = Annotated[
+    str,
+    typer.Option(
+        "--preset",
+        help="A named variant's algorithm settings (grpo, dr_grpo, bnpo, dapo, cispo, "
+        "reinforce_pp, reinforce_pp_baseline: trainer README); files and overrides win.",
+    ),
+]
 PrintConfig = Annotated[bool, typer.Option("--print-config", help="Print the config and exit.")]
 DryRun = Annotated[
     bool, typer.Option("--dry-run", help="Validate plugins, model and data; exit without training.")
@@ -146,9 +156,10 @@ def _command(algorithm: str, doc: str) -> Callable[..., None]:
         dry_run: DryRun = False,
         resume: Resume = "auto",
         overwrite: Overwrite = False,
+        preset: Preset = "",
     ) -> None:
         _run(algorithm, overrides, config, engine, critic_engine, rollout, weight_sync,
-             print_config, dry_run, resume, overwrite)  # fmt: skip
+             print_config, dry_run, resume, overwrite, preset)  # fmt: skip
 
     command.__name__ = command.__qualname__ = algorithm
     command.__doc__ = doc

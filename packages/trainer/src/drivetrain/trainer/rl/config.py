@@ -95,6 +95,16 @@ class AlgorithmConfig:
     correction_cap: float = 2.0  # tis, seq_tis
     correction_low: float = 0.5  # icepop, seq_mask
     correction_high: float = 2.0  # icepop, seq_mask
+    # ---- DAPO (rl/dapo.py) ------------------------------------------------------------------
+    #: drop groups whose samples all got the same reward and sample more prompts until the
+    #: step holds run.prompts_per_step informative groups (sync mode)
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 4  # generation calls per step at most, the first included
+    #: soft overlong penalty over this last fraction of sampling.max_new_tokens (DAPO: 0.2;
+    #: verl's overlong_buffer.len / max_response_length); 0: off
+    overlong_buffer: float = 0.0
+    overlong_penalty: float = 1.0  # the penalty at sampling.max_new_tokens
+    overlong_filter: bool = False  # truncated samples (finish reason length) carry no loss
 
     def __post_init__(self) -> None:
         if self.aggregation not in AGGREGATIONS:
@@ -132,6 +142,18 @@ class AlgorithmConfig:
                 f"algorithm.sync_every={self.sync_every} leaves the rollouts up to "
                 f"{self.sync_every - 1} versions behind, beyond max_staleness="
                 f"{self.max_staleness}: raise max_staleness or lower sync_every"
+            )
+        if self.dynamic_sampling and self.mode != "sync":
+            raise ConfigError(
+                f"algorithm.dynamic_sampling works in mode=sync, not {self.mode!r} (generation "
+                "ahead of training takes groups as they finish)"
+            )
+        if self.max_sampling_rounds < 1:
+            raise ConfigError("algorithm.max_sampling_rounds must be >= 1")
+        if not (0 <= self.overlong_buffer < 1 and self.overlong_penalty >= 0):
+            raise ConfigError(
+                "algorithm.overlong_buffer must be in [0, 1) (a fraction of "
+                "sampling.max_new_tokens), overlong_penalty >= 0"
             )
         if not (self.correction_cap > 0 and 0 <= self.correction_low <= self.correction_high):
             raise ConfigError(
@@ -240,6 +262,11 @@ class RLConfig:
     def __post_init__(self) -> None:
         # the reference and the KL coefficient must agree: a reference nothing uses, or a KL
         # term without a reference to measure it against, is a mistake, not a run to start
+        if self.algorithm.dynamic_sampling and self.sampling.n < 2:
+            raise ConfigError(
+                "algorithm.dynamic_sampling needs sampling.n >= 2: a group of one sample never "
+                "has reward variance"
+            )
         kl_coef, mode = self.algorithm.kl_coef, self.reference_mode
         if mode == "adapter" and not self.actor.model.lora.enabled:
             raise ConfigError(

@@ -47,6 +47,7 @@ from drivetrain.trainer.rl.trainer import RLSetup
 from drivetrain.trainer.rl.worker import ACTOR, CRITIC, REFERENCE, REWARD_MODEL, RoleSpec
 
 BUILTIN_CONFIG = Path(__file__).parent.parent / "builtin" / "addition_grpo.yaml"
+PRESETS = Path(__file__).parent / "presets"
 #: What each command changes from RLConfig's defaults (files and overrides still win).
 ALGORITHM_DEFAULTS = {
     "grpo": [],
@@ -78,8 +79,10 @@ def load_rl_job(
     files: Sequence[str | Path] = (),
     overrides: Sequence[str] = (),
     console: Console | None = None,
+    preset: str = "",
 ) -> RLJob:
     critic_engine = critic_engine or engine
+    files = [*preset_files(preset), *files]
     for reg, name in ((registry.engines, engine), (registry.engines, critic_engine)):
         reg.spec(name)  # unknown or unusable plugin: lists what is installed
     registry.rollouts.spec(rollout)
@@ -121,6 +124,20 @@ def load_rl_job(
     if weight_sync not in ("auto", transport):
         raise ConfigError(f"placement {mode} moves weights in-process; drop --weight-sync")
     return RLJob(algorithm, engine, critic_engine, rollout, transport, config, builtin)
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESETS.glob("*.yaml"))
+
+
+def preset_files(name: str) -> list[Path]:
+    """The preset's YAML (``rl/presets/<name>.yaml``: the algorithm knobs a named variant
+    sets), merged before the user's files and overrides, which win."""
+    if not name:
+        return []
+    if name not in preset_names():
+        raise ConfigError(f"unknown preset {name!r}; known: {', '.join(preset_names())}")
+    return [PRESETS / f"{name}.yaml"]
 
 
 def _transport_config(name: str) -> type[WeightSyncConfig]:

@@ -49,6 +49,7 @@ class ActorLoss:
     policy_loss: str = "vanilla"
     clip: ClipConfig = field(default_factory=ClipConfig)
     aggregation: str = "token-mean"
+    max_length: int = 0  # seq-mean-token-sum-norm's fixed normaliser (sampling.max_new_tokens)
     entropy_coef: float = 0.0
     kl_loss_coef: float = 0.0  # KL as a loss term (GRPO's); needs ref_log_probs
     kl_estimator: str = "k3"
@@ -78,6 +79,7 @@ class ActorLoss:
                 seq_lens=mb.seq_lens,
                 global_tokens=ctx.global_tokens,
                 global_sequences=ctx.global_sequences,
+                max_length=self.max_length,
             )
 
         old = log_probs.detach() if self.on_policy else mb[OLD_LOG_PROBS].to(log_probs.dtype)
@@ -133,6 +135,7 @@ class CriticLoss:
 
     clip_range: float = 0.5  # 0 disables value clipping
     aggregation: str = "token-mean"
+    max_length: int = 0  # seq-mean-token-sum-norm's fixed normaliser
 
     @property
     def outputs(self) -> OutputSpec:
@@ -159,6 +162,7 @@ class CriticLoss:
                 seq_lens=mb.seq_lens,
                 global_tokens=ctx.global_tokens,
                 global_sequences=ctx.global_sequences,
+                max_length=self.max_length,
             )
 
         value_loss = agg(loss, self.aggregation)

@@ -67,6 +67,18 @@ def reinforce_loss(inputs: PolicyLossInputs, clip: ClipConfig) -> PolicyLossResu
     return -inputs.advantages * ratio, {}
 
 
+@POLICY_LOSSES.register("cispo")
+def cispo_loss(inputs: PolicyLossInputs, clip: ClipConfig) -> PolicyLossResult:
+    """CISPO (MiniMax-M1): ``-sg(min(ratio, 1 + clip_high)) · A · log π``. The importance
+    weight is clipped and detached instead of the update: every token keeps a gradient (PPO's
+    clip zeroes the clipped tokens', which are often the rare reasoning tokens). No lower
+    bound, as the paper recommends; TRL's ``epsilon_high=5.0`` is ``clip_high=4.0`` here."""
+    ratio = (inputs.log_probs - inputs.old_log_probs).clamp(-20.0, 20.0).exp().detach()
+    weight = ratio.clamp(max=1.0 + clip.clip_high)
+    loss = -weight * inputs.advantages * inputs.log_probs
+    return loss, {"clip_frac": (ratio > 1.0 + clip.clip_high).float()}
+
+
 @POLICY_LOSSES.register("gspo")
 def gspo_loss(inputs: PolicyLossInputs, clip: ClipConfig) -> PolicyLossResult:
     """GSPO: one importance ratio per sequence, ``exp(mean_t log π/π_old)``, clipped like

@@ -9,6 +9,7 @@ import random
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,14 @@ from drivetrain.trainer.rl.batch_ops import (
     taken_batch,
 )
 from drivetrain.trainer.rl.config import RLConfig, updates_per_step
+from drivetrain.trainer.rl.dapo import (
+    SampledGroup,
+    dynamic_sample,
+    filter_truncated,
+    join_groups,
+    overlong_penalty,
+    split_groups,
+)
 from drivetrain.trainer.rl.group_stream import GroupStream
 from drivetrain.trainer.rl.kl import kl_penalty
 from drivetrain.trainer.rl.losses import OLD_VALUES, ActorLoss, CriticLoss, state_values
@@ -121,6 +130,7 @@ class RLTrainer:
             policy_loss=alg.policy_loss,
             clip=ClipConfig(alg.clip_low, alg.clip_high, alg.dual_clip),
             aggregation=alg.aggregation,
+            max_length=c.sampling.max_new_tokens,
             entropy_coef=alg.entropy_coef,
             kl_loss_coef=0.0 if alg.kl_in_reward or setup.reference == "none" else alg.kl_coef,
             kl_estimator=alg.kl_estimator,
@@ -131,7 +141,7 @@ class RLTrainer:
                 alg.correction_cap, alg.correction_low, alg.correction_high
             ),
         )
-        self.critic_loss = CriticLoss(alg.value_clip, alg.aggregation)
+        self.critic_loss = CriticLoss(alg.value_clip, alg.aggregation, c.sampling.max_new_tokens)
         self.trainable = (ACTOR, CRITIC) if setup.critic else (ACTOR,)
         self.out = Path(c.run.output_dir)
         self.checkpoints = CheckpointManager(
@@ -146,21 +156,39 @@ class RLTrainer:
     def step(self, step: int) -> dict[str, float]:
         """RL step ``step`` (0-based): its metrics."""
         c, timer = self.config, PhaseTimer()
+        alg = c.algorithm
         stream_metrics: dict[str, float] = {}
         if self.stream is None:
             prompts = [self.setup.train[i] for i in self.sampler.indices(step)]
             with timer("generate"):
-                completions = self.pool.generate(
-                    [Prompt(token_ids=p.token_ids) for p in prompts], self.sampling(step)
-                )
+                completions = self.generate(prompts, step)
         else:
             with timer("wait_for_rollouts"):
                 taken = self.stream.take(step)
             prompts, completions = taken_batch(taken, self.setup.train)
             stream_metrics = stream_stats(taken)
         with timer("reward"):
-            scores, reward_metrics = self.score(completions, prompts)
-            batch = completions_batch(completions, self.setup.pad_token_id)
+            scores, parts = self.score(completions, prompts)
+        reward_metrics = reward_stats(scores, parts)
+        if alg.dynamic_sampling:
+            with timer("dynamic_sampling"):
+                sample = dynamic_sample(
+                    split_groups(prompts, completions, scores, parts),
+                    partial(self.more_groups, step),
+                    c.run.prompts_per_step,
+                    alg.max_sampling_rounds,
+                )
+            prompts, completions, scores, parts = join_groups(sample.kept)
+            reward_metrics = {
+                **reward_stats(*join_groups(sample.generated)[2:]),  # what was generated
+                **sample.metrics(),
+            }
+        batch = completions_batch(completions, self.setup.pad_token_id)
+        lengths = batch[LOSS_MASK].sum(-1).float()
+        if alg.overlong_filter:
+            batch, reward_metrics["response/overlong_filtered_frac"] = filter_truncated(
+                batch, completions
+            )
         if self.stream is not None:
             stream_metrics.update(staleness_stats(batch, step))
         # sync: colocated rollouts sleep while the trainer uses their device; on leaving, the
@@ -207,7 +235,6 @@ class RLTrainer:
         if report is not None:
             timer.seconds["weight_sync"] = report.seconds
         mask = batch[LOSS_MASK]
-        lengths = mask.sum(-1).float()
         generated = float(lengths.sum())
         metrics = {
             **reward_metrics,
@@ -252,20 +279,35 @@ class RLTrainer:
     def temp(self) -> float:
         return self.config.sampling.temperature
 
-    def sampling(self, step: int) -> SamplingParams:
+    def sampling(self, step: int, round_: int = 0) -> SamplingParams:
+        """Step ``step``'s sampling; dynamic sampling's extra rounds get seeds of their own."""
         s = self.config.sampling
+        seed = self.config.seed * 100_003 + step  # a resumed step samples the same way
         return SamplingParams(
             n=s.n,
             temperature=s.temperature,
             top_p=s.top_p,
             top_k=s.top_k,
             max_new_tokens=s.max_new_tokens,
-            seed=self.config.seed * 100_003 + step,  # a resumed step samples the same way
+            seed=seed if round_ == 0 else (seed * 1_009 + round_) % 2**62,
         )
 
+    def generate(self, prompts: Sequence[RLPrompt], step: int, round_: int = 0) -> list[Any]:
+        return self.pool.generate(
+            [Prompt(token_ids=p.token_ids) for p in prompts], self.sampling(step, round_)
+        )
+
+    def more_groups(self, step: int, round_: int) -> list[SampledGroup]:
+        """Dynamic sampling's round ``round_``: another step's worth of prompts, scored."""
+        prompts = [self.setup.train[i] for i in self.sampler.extra(step, round_)]
+        completions = self.generate(prompts, step, round_)
+        return split_groups(prompts, completions, *self.score(completions, prompts))
+
     def score(
-        self, completions: Sequence[Any], prompts: Sequence[RLPrompt]
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+        self, completions: Sequence[Any], prompts: Sequence[RLPrompt], shaping: bool = True
+    ) -> tuple[torch.Tensor, dict[str, list[float]]]:
+        """Each sample's reward (the weighted reward functions, plus DAPO's overlong penalty
+        when configured and ``shaping``) and each part's values."""
         decode = self.setup.tokenizer.decode
         totals, parts = [], {name: [] for name in self.scorer.names}
         for c in completions:
@@ -275,9 +317,17 @@ class RLTrainer:
             for name, value in each.items():
                 parts[name].append(value)
         scores = torch.tensor(totals, dtype=torch.float32)
-        metrics = {"reward/mean": float(scores.mean()), "reward/std": float(scores.std())}
-        metrics.update({f"reward/{n}": sum(v) / len(v) for n, v in parts.items()})
-        return scores, metrics
+        alg = self.config.algorithm
+        if shaping and alg.overlong_buffer > 0:
+            penalty = overlong_penalty(
+                [len(c.token_ids) for c in completions],
+                self.config.sampling.max_new_tokens,
+                alg.overlong_buffer,
+                alg.overlong_penalty,
+            )
+            scores = scores + penalty
+            parts["overlong"] = penalty.tolist()
+        return scores, parts
 
     def infer(
         self, batch: Batch, role: str, spec: OutputSpec, adapter_off: bool = False
@@ -337,7 +387,7 @@ class RLTrainer:
         completions = self.pool.generate(
             [Prompt(token_ids=p.token_ids) for p in self.setup.val], params
         )
-        _, metrics = self.score(completions, self.setup.val)
+        metrics = reward_stats(*self.score(completions, self.setup.val, shaping=False))
         return {k.replace("reward/", "val/"): v for k, v in metrics.items() if k != "reward/std"}
 
     def group_stream(self, start: int) -> GroupStream:
@@ -443,6 +493,13 @@ class RLTrainer:
         plot_curve(self.out / METRICS_FILE, self.out / "reward_curve.png", series, ylabel="reward")
         result.seconds = time.perf_counter() - began
         return result
+
+
+def reward_stats(scores: torch.Tensor, parts: dict[str, list[float]]) -> dict[str, float]:
+    """Mean and std of the rewards, and each part's mean."""
+    metrics = {"reward/mean": float(scores.mean()), "reward/std": float(scores.std())}
+    metrics.update({f"reward/{n}": sum(v) / len(v) for n, v in parts.items()})
+    return metrics
 
 
 def _mean_stats(stats: Sequence[StepStats]) -> StepStats:
