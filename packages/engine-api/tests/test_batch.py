@@ -171,3 +171,23 @@ def test_dp_shards_restore_to_the_global_order(lengths, dp, layout):
     if len(lengths) % dp == 0:
         assert len({len(s) for s in shards}) == 1
     assert sample_tokens(restore_order(shards, indices)) == sample_tokens(batch)
+
+
+def test_sample_groups_are_never_split() -> None:
+    """``sample_group``: every partition keeps a group's samples together (DPO pairs)."""
+    lengths = [7, 3, 12, 5, 9, 4, 11, 6]
+    groups = [0, 1, 1, 2, 3, 0, 2, 3]
+    batch = Batch.from_columns(
+        {"input_ids": [[1] * n for n in lengths], "sample_group": groups}, seq_lens=lengths
+    )
+    assert batch.units() == [[0, 5], [1, 2], [3, 6], [4, 7]]
+    assert batch.fixed_size_parts(1) == [[0, 5], [1, 2], [3, 6], [4, 7]]
+    assert batch.fixed_size_parts(3) == [[0, 1, 2, 5], [3, 4, 6, 7]]
+    for parts in (batch.token_budget_parts(16), batch.dp_shards(2), batch.balanced_parts(3)):
+        assert sorted(i for part in parts for i in part) == list(range(8))
+        for part in parts:
+            assert all(groups[j] != groups[i] or j in part for i in part for j in range(8))
+    assert all(sum(lengths[i] for i in part) <= 16 for part in batch.token_budget_parts(16))
+    assert [len(s) for s in batch.dp_shards(2)] == [4, 4]  # two pairs each
+    plain = batch.drop("sample_group")
+    assert plain.fixed_size_parts(3) == [[0, 1, 2], [3, 4, 5], [6, 7]]

@@ -23,11 +23,15 @@ from types import MappingProxyType
 from typing import Any
 
 from drivetrain.api.column_ops import column_ops_for
+from drivetrain.api.columns import SAMPLE_GROUP
 from drivetrain.api.errors import BatchError
 from drivetrain.api.partition import (
     balanced_partition,
     chunk_sizes,
+    dp_shard_indices,
+    expand_units,
     inverse_permutation,
+    sample_units,
     token_budget_partition,
 )
 
@@ -232,13 +236,48 @@ class Batch:
         return replace(first, columns=columns, seq_lens=seq_lens, meta=_merge_meta(batches))
 
     # ---- token-balanced partitioning ----------------------------------------------------
+    # Every method keeps the samples of one ``sample_group`` value together (a unit: its
+    # weight is its samples' tokens); without that column each sample is its own unit.
+    def units(self) -> list[list[int]]:
+        """The indivisible groups of sample indices (``sample_group``), in batch order."""
+        if SAMPLE_GROUP not in self.columns:
+            return [[i] for i in range(len(self))]
+        return sample_units([int(g) for g in self.columns[SAMPLE_GROUP]])
+
+    def _unit_lengths(self, units: Sequence[Sequence[int]]) -> list[int]:
+        return [sum(self.seq_lens[i] for i in unit) for unit in units]
+
     def balanced_parts(self, parts: int, *, equal_size: bool = False) -> list[list[int]]:
-        """Index groups with about equal tokens each (e.g. one per data-parallel rank)."""
-        return balanced_partition(self.seq_lens, parts, equal_size=equal_size)
+        """Index groups with about equal tokens each (e.g. one per data-parallel rank);
+        ``equal_size``: the same number of units in each."""
+        units = self.units()
+        found = balanced_partition(self._unit_lengths(units), parts, equal_size=equal_size)
+        return expand_units(found, units)
 
     def token_budget_parts(self, max_tokens: int, *, min_parts: int = 1) -> list[list[int]]:
         """Index groups of at most ``max_tokens`` tokens each (dynamic micro-batches)."""
-        return token_budget_partition(self.seq_lens, max_tokens, min_parts=min_parts)
+        units = self.units()
+        found = token_budget_partition(self._unit_lengths(units), max_tokens, min_parts=min_parts)
+        return expand_units(found, units)
+
+    def fixed_size_parts(self, size: int) -> list[list[int]]:
+        """Consecutive index groups of ``size`` samples (a micro-batch size); a group that
+        would split a unit takes the whole unit."""
+        units = self.units()
+        if size < 1:
+            raise BatchError(f"micro-batch size must be >= 1, got {size}")
+        parts: list[list[int]] = []
+        for unit in units:
+            if not parts or len(parts[-1]) >= size:
+                parts.append([])
+            parts[-1].extend(unit)
+        return [sorted(part) for part in parts]
+
+    def dp_shards(self, dp_size: int) -> list[list[int]]:
+        """Which samples each data-parallel rank gets (:func:`.partition.dp_shard_indices`,
+        over units): token-balanced, the same number of units per rank when they divide."""
+        units = self.units()
+        return expand_units(dp_shard_indices(self._unit_lengths(units), dp_size), units)
 
     # ---- layout -------------------------------------------------------------------------
     def to_packed(self) -> Batch:

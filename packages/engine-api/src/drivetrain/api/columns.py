@@ -29,6 +29,11 @@ TOKEN_WEIGHT_VERSION = "token_weight_version"
 #: samples of the batch that start with the *same* tokens. Engines may compute such a prefix
 #: once; outputs must not change (the conformance kit checks it). Engines may ignore it.
 SHARED_PREFIX_LEN = "shared_prefix_len"
+#: Per sample, an integer: samples with the same value are one unit of work that engines must
+#: not split: they land on the same data-parallel rank and in the same micro-batch (a
+#: preference pair, whose loss needs both). The :class:`~drivetrain.api.batch.Batch`
+#: partitioning methods honour it; the conformance kit checks an engine does.
+SAMPLE_GROUP = "sample_group"
 
 #: Columns holding one value per token (the rest hold one value per sample).
 TOKEN_COLUMNS = frozenset(

@@ -33,7 +33,6 @@ from typing import Any
 from drivetrain.api.batch import Batch
 from drivetrain.api.config import EngineConfig
 from drivetrain.api.loss import LossFn, OutputSpec
-from drivetrain.api.partition import dp_shard_indices
 
 #: One exported weight: its Hugging Face parameter name and the full (unsharded) tensor.
 NamedTensor = tuple[str, Any]
@@ -165,14 +164,14 @@ class Engine(abc.ABC):
 
     # ---- data ---------------------------------------------------------------------------
     def shard_data(self, batch: Batch) -> Batch:
-        """This rank's share of a global batch, per :func:`.partition.dp_shard_indices`
+        """This rank's share of a global batch, per :meth:`.Batch.dp_shards`
         (token-balanced; equal sample counts when ``dp_size`` divides the batch), identical for
         ranks with the same ``dp_rank``, in the global batch's order. Shards may hold different
         numbers of samples and micro-batches: engines agree on a common micro-batch count
         (running empty ones where needed) so their collectives line up.
         :func:`~drivetrain.api.batch.restore_order` joins collected results back."""
         info = self.parallel
-        return batch.select(dp_shard_indices(batch.seq_lens, info.dp_size)[info.dp_rank])
+        return batch.select(batch.dp_shards(info.dp_size)[info.dp_rank])
 
     # ---- placement ----------------------------------------------------------------------
     @abc.abstractmethod

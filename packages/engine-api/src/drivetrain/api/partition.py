@@ -106,6 +106,21 @@ def chunk_sizes(n: int, chunks: int) -> list[int]:
     return [base + (1 if c < extra else 0) for c in range(chunks)]
 
 
+def sample_units(groups: Sequence[int]) -> list[list[int]]:
+    """Indices with equal ``groups`` values together, units in order of first appearance."""
+    units: dict[int, list[int]] = {}
+    for index, group in enumerate(groups):
+        units.setdefault(int(group), []).append(index)
+    return list(units.values())
+
+
+def expand_units(
+    unit_parts: Sequence[Sequence[int]], units: Sequence[Sequence[int]]
+) -> list[list[int]]:
+    """Parts of unit indices as parts of sample indices (ascending within each part)."""
+    return [sorted(i for u in part for i in units[u]) for part in unit_parts]
+
+
 def inverse_permutation(order: Sequence[int]) -> list[int]:
     """``inverse[order[k]] = k``: the indices that put reordered rows back in place."""
     inverse = [-1] * len(order)

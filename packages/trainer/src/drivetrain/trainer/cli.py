@@ -10,12 +10,13 @@ import typer
 
 from drivetrain.api import registry
 from drivetrain.trainer.console import plain_console, print_error
+from drivetrain.trainer.dpo.command import dpo
 from drivetrain.trainer.plugin_table import plugin_table
 from drivetrain.trainer.rl.command import grpo, ppo
 from drivetrain.trainer.sft_command import sft
 
 app = typer.Typer(
-    help="drivetrain: modular LLM post-training (SFT, PPO, GRPO) over pluggable engines.",
+    help="drivetrain: modular LLM post-training (SFT, GRPO, PPO, DPO) over pluggable engines.",
     no_args_is_help=True,
     add_completion=False,
 )
@@ -49,7 +50,7 @@ def _root(
         help="Show the versions of every installed drivetrain distribution and exit.",
     ),
 ) -> None:
-    """drivetrain: modular LLM post-training (SFT, PPO, GRPO) over pluggable engines."""
+    """drivetrain: modular LLM post-training (SFT, GRPO, PPO, DPO) over pluggable engines."""
 
 
 @app.command()
@@ -73,6 +74,7 @@ def ckpt_engines() -> None:
 app.command()(sft)
 app.command()(grpo)
 app.command()(ppo)
+app.command()(dpo)
 
 
 @app.command("import-gguf")

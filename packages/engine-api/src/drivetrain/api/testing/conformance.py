@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from drivetrain.api.batch import Batch
-from drivetrain.api.columns import ENTROPY, LOG_PROBS, LOSS_MASK, SHARED_PREFIX_LEN
+from drivetrain.api.columns import ENTROPY, LOG_PROBS, LOSS_MASK, SAMPLE_GROUP, SHARED_PREFIX_LEN
 from drivetrain.api.config import MicroBatchConfig
 from drivetrain.api.engine import Engine, ParallelInfo, StepResult
 from drivetrain.api.errors import EngineStateError
@@ -261,6 +261,39 @@ def check_micro_batch_invariance(h: EngineHarness) -> None:
     engine.close()
 
 
+#: The kit's preference-style pairs (``sample_group``): apart in the batch, each pair within
+#: the kit's token budget (``max(LENGTHS) + 4``).
+PAIRS = (0, 1, 1, 2, 3, 0, 2, 3)
+
+
+def check_sample_groups_stay_together(h: EngineHarness) -> None:
+    """Samples sharing a ``sample_group`` value reach the loss in one micro-batch, on one rank,
+    whatever the split (a DPO loss needs chosen and rejected together)."""
+    batch = _data(h).with_columns(**{SAMPLE_GROUP: list(PAIRS)})
+    seen: list[list[int]] = []
+
+    def recording_loss(outputs: Mapping[str, Any], micro: Batch, ctx: LossContext) -> Any:
+        seen.append([int(g) for g in micro[SAMPLE_GROUP]])
+        return token_mean_nll(outputs, micro, ctx)
+
+    splits = [MicroBatchConfig(micro_batch_size=1), MicroBatchConfig(max_tokens=max(LENGTHS) + 4)]
+    for split in splits:
+        engine = h.make_engine(split)
+        with engine.train_mode():
+            engine.optimizer_zero_grad()
+            engine.forward_backward(engine.shard_data(batch), recording_loss)
+        engine.close()
+    micros = [micro for rank in _gather(h, seen) for micro in rank]
+    assert micros, "the loss never ran"
+    for micro in micros:
+        for g in set(micro):
+            assert micro.count(g) == PAIRS.count(g), (
+                f"sample_group {g} was split: a micro-batch holds {micro.count(g)} of its "
+                f"{PAIRS.count(g)} samples (use Batch.fixed_size_parts / token_budget_parts / "
+                "dp_shards, which keep groups together)"
+            )
+
+
 def check_order_restored(h: EngineHarness) -> None:
     """``infer`` returns samples in the caller's order, whatever its micro-batching."""
     regrouping = h.make_engine(MicroBatchConfig(max_tokens=max(LENGTHS) + 4))
@@ -419,6 +452,7 @@ ENGINE_CHECKS: tuple[Callable[[EngineHarness], None], ...] = (
     check_contract_shapes,
     check_micro_batch_invariance,
     check_order_restored,
+    check_sample_groups_stay_together,
     check_packed_matches_padded,
     check_shared_prefix_is_only_a_hint,
     check_modes,

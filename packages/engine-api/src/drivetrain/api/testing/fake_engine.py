@@ -30,7 +30,7 @@ from drivetrain.api.engine import CheckpointInfo, NamedTensor, ParallelInfo, Ste
 from drivetrain.api.errors import EngineStateError
 from drivetrain.api.loss import LossContext, LossFn, OutputSpec, merge_metrics
 from drivetrain.api.modes import ModalEngine
-from drivetrain.api.partition import fixed_size_partition, inverse_permutation
+from drivetrain.api.partition import inverse_permutation
 from drivetrain.api.schedule import lr_multiplier
 from drivetrain.api.testing import fake_model
 from drivetrain.api.testing.autodiff import Array, Scalar, lift, logsumexp
@@ -105,7 +105,7 @@ class FakeEngine(ModalEngine):
         spec = self.config.micro_batch
         if spec.max_tokens is not None:
             return batch.token_budget_parts(spec.max_tokens)
-        return fixed_size_partition(len(batch), spec.micro_batch_size or 1)
+        return batch.fixed_size_parts(spec.micro_batch_size or 1)
 
     def _forward(self, batch: Batch, spec: OutputSpec, weights: dict[str, Any]) -> dict[str, Any]:
         """Per-token outputs as autodiff arrays laid out like ``batch[INPUT_IDS]``."""

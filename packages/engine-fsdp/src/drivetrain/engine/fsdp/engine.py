@@ -37,7 +37,6 @@ from drivetrain.api import (
 from drivetrain.api.batch import restore_order
 from drivetrain.api.columns import ENTROPY, INPUT_IDS, LOG_PROBS, LOSS_MASK, VALUES
 from drivetrain.api.modes import TRAIN, ModalEngine
-from drivetrain.api.partition import fixed_size_partition
 from drivetrain.engine.fsdp import checkpoint, offload, weights
 from drivetrain.engine.fsdp.attention import set_packed_row
 from drivetrain.engine.fsdp.config import FSDPConfig
@@ -188,7 +187,7 @@ class FSDPEngine(ModalEngine):
             if spec.max_tokens is not None:
                 parts = batch.token_budget_parts(spec.max_tokens)
             else:
-                parts = fixed_size_partition(len(batch), spec.micro_batch_size or 1)
+                parts = batch.fixed_size_parts(spec.micro_batch_size or 1)
         except BatchError as exc:  # tell the peers before raising, or they wait forever
             error = exc
         # NCCL reduces device tensors only

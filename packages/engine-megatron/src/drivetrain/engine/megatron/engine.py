@@ -37,7 +37,6 @@ from drivetrain.api import (
 from drivetrain.api.batch import restore_order
 from drivetrain.api.columns import ENTROPY, LOG_PROBS, LOSS_MASK, VALUES
 from drivetrain.api.modes import ModalEngine
-from drivetrain.api.partition import fixed_size_partition
 from drivetrain.api.schedule import lr_multiplier
 from drivetrain.engine.megatron import checkpoint
 from drivetrain.engine.megatron.config import MegatronConfig
@@ -235,7 +234,7 @@ class MegatronEngine(ModalEngine):
         if spec.max_tokens is not None:
             parts = batch.token_budget_parts(spec.max_tokens)
         else:
-            parts = fixed_size_partition(len(batch), spec.micro_batch_size or 1)
+            parts = batch.fixed_size_parts(spec.micro_batch_size or 1)
         count = torch.tensor([len(parts)], device=self.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         return parts + [[] for _ in range(int(count) - len(parts))]

@@ -134,6 +134,53 @@ def ensure_assets(root: Path | None = None) -> AdditionAssets:
     return assets
 
 
+def preference_rows(
+    count: int, seed: int, exclude: set[str] = frozenset()
+) -> list[dict[str, object]]:
+    """``count`` preference pairs: the true sum chosen, the careless annotator's slip
+    rejected (the mistakes SFT learned from its data)."""
+    rng, rows = random.Random(seed), []
+    while len(rows) < count:
+        prompt, answer = problem(rng)
+        slip = str(abs(int(answer) + rng.choice(SLIPS)))
+        if prompt in exclude or slip == answer:
+            continue
+        rows.append({"prompt": prompt, "chosen": answer, "rejected": slip})
+    return rows
+
+
+PREFERENCE_TRAIN, PREFERENCE_TEST = "dpo_train.jsonl", "dpo_test.jsonl"
+
+
+def ensure_preference_pairs(assets: AdditionAssets, train_size: int = 4000) -> tuple[Path, Path]:
+    """The built-in DPO job's pairs (training, and held-out on the test problems), written
+    beside the assets once."""
+    paths = (assets.root / PREFERENCE_TRAIN, assets.root / PREFERENCE_TEST)
+    if all(p.is_file() for p in paths):
+        return paths
+    test = [json.loads(line) for line in assets.test_path.read_text().splitlines()]
+    held_out = {row["messages"][0]["content"] for row in test}
+    for path, rows in (
+        (paths[0], preference_rows(train_size, seed=3, exclude=held_out)),
+        (paths[1], [
+            {"prompt": r["messages"][0]["content"], **_pair_answers(r["messages"][1]["content"], i)}
+            for i, r in enumerate(test)
+        ]),
+    ):  # fmt: skip
+        staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        _write_jsonl(staging, rows)
+        os.replace(staging, path)
+    return paths
+
+
+def _pair_answers(answer: str, index: int) -> dict[str, str]:
+    rng = random.Random(1_000 + index)
+    slip = answer
+    while slip == answer:
+        slip = str(abs(int(answer) + rng.choice(SLIPS)))
+    return {"chosen": answer, "rejected": slip}
+
+
 SFT_MODEL = "sft-model"
 SFT_REPORT = "drivetrain_sft_report.json"
 

@@ -18,7 +18,6 @@ from drivetrain.api.columns import (
     SHARED_PREFIX_LEN,
     TOKEN_WEIGHT_VERSION,
 )
-from drivetrain.api.partition import dp_shard_indices
 from drivetrain.api.rollout_batch import PROMPT_INDEX, PROMPT_LENGTH, completions_to_batch
 from drivetrain.trainer.rl.group_stream import Taken
 from drivetrain.trainer.workers.group import WorkerGroup
@@ -45,7 +44,7 @@ def engine_view(batch: Batch, *extra: str) -> Batch:
 
 def gather_outputs(group: WorkerGroup, batch: Batch, *args: Any) -> dict[str, torch.Tensor]:
     """``infer`` on every data-parallel shard; per-token outputs in the batch's order."""
-    shards = dp_shard_indices(batch.seq_lens, group.parallel.dp_size)
+    shards = batch.dp_shards(group.parallel.dp_size)
     results = group.gather_sharded("infer", batch, *args)
     pieces = [
         Batch.from_columns(columns, seq_lens=batch.select(idx).seq_lens, token_keys=columns)

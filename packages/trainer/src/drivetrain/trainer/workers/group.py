@@ -50,7 +50,7 @@ class WorkerGroup(abc.ABC):
     @abc.abstractmethod
     def gather_sharded(self, method: str, batch: Batch, *args: Any) -> list[Any]:
         """``method`` on each rank's data-parallel shard; the results of one output rank per
-        shard, in ``dp_shard_indices`` order."""
+        shard, in ``Batch.dp_shards`` order."""
 
     @abc.abstractmethod
     def close(self) -> None: ...

@@ -9,7 +9,12 @@ from drivetrain.api import EngineConfig
 from drivetrain.api.errors import ConfigError
 from drivetrain.trainer.sft_config import WorkersConfig
 from drivetrain.trainer.workers.engine_worker import EngineWorker
-from drivetrain.trainer.workers.group import LocalWorkerGroup, WorkerGroup, launched_by_torchrun
+from drivetrain.trainer.workers.group import (
+    LocalWorkerGroup,
+    WorkerFactory,
+    WorkerGroup,
+    launched_by_torchrun,
+)
 
 
 def resolve_launcher(workers: WorkersConfig) -> str:
@@ -29,7 +34,11 @@ def writes_files(workers: WorkersConfig) -> bool:
 
 
 def make_group(engine_name: str, config: EngineConfig, workers: WorkersConfig) -> WorkerGroup:
-    factory = functools.partial(EngineWorker, engine_name, config)
+    return make_worker_group(functools.partial(EngineWorker, engine_name, config), workers)
+
+
+def make_worker_group(factory: WorkerFactory, workers: WorkersConfig) -> WorkerGroup:
+    """The ranks ``factory`` builds, launched as ``workers`` says."""
     launcher = resolve_launcher(workers)
     if launcher == "torchrun":
         if not launched_by_torchrun():

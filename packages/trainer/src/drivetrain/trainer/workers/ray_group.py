@@ -16,7 +16,6 @@ import socket
 from typing import Any
 
 from drivetrain.api import Batch, ParallelInfo
-from drivetrain.api.partition import dp_shard_indices
 from drivetrain.trainer.sft_config import WorkersConfig
 from drivetrain.trainer.workers.group import WorkerFactory, WorkerGroup
 from drivetrain.trainer.workers.ray_runtime import ensure_ray, wait_all
@@ -156,7 +155,7 @@ class RayWorkerGroup(WorkerGroup):
         return self._wait(refs, None, f"running {method}")[0]
 
     def _sharded_refs(self, method: str, batch: Batch, args: tuple) -> tuple[list, list]:
-        shards = dp_shard_indices(batch.seq_lens, self.parallel.dp_size)
+        shards = batch.dp_shards(self.parallel.dp_size)
         by_dp = {dp: self._ray.put(batch.select(idx)) for dp, idx in enumerate(shards)}
         refs = [
             actor.call.remote(method, by_dp[info.dp_rank], *args)

@@ -1,0 +1,1 @@
+"""Preference optimisation (``drivetrain dpo``): DPO, IPO and SimPO over any installed engine."""

@@ -1,0 +1,95 @@
+"""``drivetrain dpo``: preference optimisation (DPO, IPO, SimPO) on any installed engine."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from drivetrain.api.errors import DrivetrainError
+from drivetrain.trainer.checkpoints import verify_checkpoint
+from drivetrain.trainer.console import plain_console, print_error, print_ok
+from drivetrain.trainer.run_options import Overwrite, Resume
+
+console = plain_console()
+
+
+def dpo(
+    overrides: Annotated[
+        list[str] | None,
+        typer.Argument(help="Dotted config overrides, e.g. algorithm.beta=0.05 run.max_steps=9"),
+    ] = None,
+    config: Annotated[
+        list[Path] | None,
+        typer.Option("--config", "-c", help="YAML config file(s), merged in order."),
+    ] = None,
+    engine: Annotated[
+        str, typer.Option("--engine", help="Training engine (see `drivetrain engines`).")
+    ] = "fsdp2",
+    print_config: Annotated[
+        bool, typer.Option("--print-config", help="Print the config and exit (trains nothing).")
+    ] = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option("--dry-run", help="Validate engine, model and data; exit without training."),
+    ] = False,
+    resume: Resume = "auto",
+    overwrite: Overwrite = False,
+) -> None:
+    """Preference optimisation. With no data and no model: the built-in addition pairs."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from drivetrain.trainer.dpo.job import builtin_report, describe, load_dpo_job, prepare, run_dpo
+
+    try:
+        job = load_dpo_job(
+            engine,
+            files=config or (),
+            overrides=overrides or (),
+            console=console,
+            train_prerequisites=not print_config,
+        )
+        if print_config:
+            typer.echo(job.to_yaml(), nl=False)
+            return
+        prepared = prepare(job)
+        if resume not in ("auto", "none"):
+            verify_checkpoint(Path(resume))  # fail before any worker starts
+        console.print(describe(prepared))
+        if dry_run:
+            print_ok(console, "dry run: config, engine, model and data are valid")
+            return
+        result = run_dpo(prepared, resume=resume, overwrite=overwrite, console=console)
+    except DrivetrainError as exc:
+        print_error(console, exc)
+        raise typer.Exit(2) from None
+    if result is None:  # a non-zero torchrun rank
+        return
+    summary = {
+        "output_dir": str(result.output_dir),
+        "steps": result.final_step,
+        "seconds": round(result.seconds, 1),
+        "final_train_loss": result.train_loss.get(result.final_step),
+        "val_before": result.val_before,
+        "val_after": result.val_after,
+        "hf_model": str(result.hf_dir) if result.hf_dir else None,
+    }
+    before = result.val_before.get("val/preference_accuracy")
+    after = result.val_after.get("val/preference_accuracy")
+    if before is not None and after is not None:
+        console.print(
+            f"held-out preference accuracy (the model's own log-probs prefer the chosen "
+            f"answer): {before:.1%} before, {after:.1%} after DPO"
+        )
+    if job.builtin is not None and result.hf_dir is not None:
+        report = builtin_report(job, result)
+        console.print(
+            f"exact-match accuracy on {report['test_examples']} held-out problems: greedy "
+            f"{report['exact_match_before']:.1%} before, {report['exact_match_after']:.1%} after; "
+            f"sampled {report['sampled_accuracy_before']:.1%} before, "
+            f"{report['sampled_accuracy_after']:.1%} after DPO"
+        )
+        summary.update(report)
+    typer.echo(json.dumps(summary))
