@@ -1,7 +1,7 @@
 """The README's main job: `drivetrain grpo` with no arguments trains the built-in SFT model
 first (nothing cached), then runs GRPO on the built-in task, raising its sampled reward (the
 SFT model imitated a careless annotator; the verifier is not careless), and reports before and
-after."""
+after. Then `drivetrain dpo` with no arguments starts from the same cached SFT model."""
 
 from __future__ import annotations
 
@@ -16,11 +16,17 @@ from sft_support import sft_env
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 
-def test_default_grpo_job(tmp_path):
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """One cache for the module: the SFT model the GRPO job trains first, DPO reuses."""
+    return tmp_path_factory.mktemp("builtin")
+
+
+def test_default_grpo_job(tmp_path, shared):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "drivetrain.trainer", "grpo", f"run.output_dir={out}"]
     done = subprocess.run(  # in tmp_path: the chained SFT run writes runs/sft-addition there
-        cmd, env=sft_env(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=1400
+        cmd, env=sft_env(shared), cwd=tmp_path, capture_output=True, text=True, timeout=1400
     )
     assert done.returncode == 0, done.stderr[-4000:]
     assert "running the SFT default first" in done.stderr
@@ -42,3 +48,21 @@ def test_default_grpo_job(tmp_path):
     assert max(r["actor/rollout_log_prob_diff"] for r in steps) < 1e-4
     for produced in ("reward_curve.png", "config.yaml", "hf/model.safetensors"):
         assert (out / produced).is_file(), produced
+
+
+def test_default_dpo_job(tmp_path, shared):
+    """`drivetrain dpo`: the true sum chosen over the annotator's slip raises held-out accuracy
+    (measured: greedy 97.5% -> 100%, sampled 63.5% -> 79%, preference 99.5% -> 100%)."""
+    cmd = [sys.executable, "-m", "drivetrain.trainer", "dpo", "logging.progress=false"]
+    done = subprocess.run(
+        cmd, env=sft_env(shared), cwd=tmp_path, capture_output=True, text=True, timeout=1400
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 120
+    assert summary["sampled_accuracy_after"] >= summary["sampled_accuracy_before"] + 0.05, summary
+    assert summary["exact_match_after"] >= summary["exact_match_before"] - 0.01, summary
+    after, before = summary["val_after"], summary["val_before"]
+    assert after["val/loss"] < before["val/loss"] and after["val/rewards/margins"] > 0
+    assert "held-out preference accuracy" in done.stderr
+    assert (tmp_path / "runs" / "dpo-addition" / "hf" / "model.safetensors").is_file()

@@ -257,7 +257,10 @@ class Batch:
     def token_budget_parts(self, max_tokens: int, *, min_parts: int = 1) -> list[list[int]]:
         """Index groups of at most ``max_tokens`` tokens each (dynamic micro-batches)."""
         units = self.units()
-        found = token_budget_partition(self._unit_lengths(units), max_tokens, min_parts=min_parts)
+        unit = "sample" if len(units) == len(self) else "sample group"  # kept whole
+        found = token_budget_partition(
+            self._unit_lengths(units), max_tokens, min_parts=min_parts, unit=unit
+        )
         return expand_units(found, units)
 
     def fixed_size_parts(self, size: int) -> list[list[int]]:
