@@ -24,6 +24,7 @@ BENCHMARKS = {
     "sft": ((), ("speedup_vs_trl", "speedup_vs_trl_default"), 600),
     "grpo": ((), ("step_speedup_vs_trl", "step_speedup_vs_trl_default"), 900),
     "async_grpo": ((), ("async_speedup_vs_sync", "one_step_off_speedup_vs_sync"), 900),
+    "dapo": ((), ("dapo_reward_per_token_vs_grpo",), 900),
     "shared_prompts": ((), ("generate_speedup", "update_speedup"), 600),
     "rollout": (("--vllm-python", "VLLM"), ("continuous_vs_batch.hf",), 900),
     "rollout_weight_update": (("--vllm-python", "VLLM"), ("vllm_vs_hf",), 900),

@@ -66,3 +66,20 @@ def test_default_dpo_job(tmp_path, shared):
     assert after["val/loss"] < before["val/loss"] and after["val/rewards/margins"] > 0
     assert "held-out preference accuracy" in done.stderr
     assert (tmp_path / "runs" / "dpo-addition" / "hf" / "model.safetensors").is_file()
+
+
+def test_default_distill_job(tmp_path, shared):
+    """`drivetrain distill`: the cached SFT model teaches a smaller student (its own short SFT
+    first); the student's held-out accuracy rises toward the teacher's (measured: 15.5% ->
+    19.5%, the teacher 97.5%)."""
+    cmd = [sys.executable, "-m", "drivetrain.trainer", "distill", "logging.progress=false"]
+    done = subprocess.run(
+        cmd, env=sft_env(shared), cwd=tmp_path, capture_output=True, text=True, timeout=1400
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    before = summary["val_before"]["val/exact_match"]
+    assert summary["val_after"]["val/exact_match"] >= before + 0.02, summary
+    rows = [json.loads(x) for x in (tmp_path / "runs/distill-addition/metrics.jsonl").open()]
+    kl = [r["distill/reverse_kl"] for r in rows if "distill/reverse_kl" in r]
+    assert sum(kl[-20:]) < sum(kl[:20])  # the student moves toward the teacher

@@ -10,6 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from drivetrain.trainer.builtin.tiny_model import build_tiny_chat_model
 from rl_support import kill_mid_run, make_rl_job, metrics_rows, rl_command, run_rl
 from sft_support import sft_env
 
@@ -66,6 +67,31 @@ def test_grpo_dapo_preset_samples_until_the_groups_are_informative(tmp_path):
         assert 0 <= row["response/overlong_filtered_frac"] <= 1
     config = (out / "config.yaml").read_text()
     assert "clip_high: 0.28" in config and "dynamic_sampling: true" in config
+
+
+def test_distill_scores_the_students_tokens_with_the_teacher(tmp_path):
+    """`drivetrain distill`: the teacher (here a second copy of the student's model, then a
+    differently initialised one) scores every sampled token; its reverse KL is the reward."""
+    base = make_rl_job(tmp_path)
+    twin = tmp_path / "model"  # the student itself: every token's reverse KL is 0
+    run_rl(
+        "distill", *base, f"teacher.model_path={twin}", f"run.output_dir={tmp_path / 'same'}",
+        "run.steps=1", env=sft_env(tmp_path),
+    )  # fmt: skip
+    row = metrics_rows(tmp_path / "same")[0]
+    assert row["distill/reverse_kl"] == pytest.approx(0.0, abs=1e-5)
+    assert row["advantages/abs_mean"] == pytest.approx(0.0, abs=1e-5)
+    other = build_tiny_chat_model(tmp_path / "teacher", seed=7)
+    out = tmp_path / "other"
+    run_rl(
+        "distill", *base, f"teacher.model_path={other}", f"run.output_dir={out}", "run.steps=2",
+        env=sft_env(tmp_path),
+    )  # fmt: skip
+    rows = [r for r in metrics_rows(out) if "distill/reverse_kl" in r]
+    assert len(rows) == 2 and rows[0]["advantages/abs_mean"] > 0
+    assert "time/teacher_log_probs_s" in rows[0]
+    state = json.loads(next((out / "checkpoints").glob("step_*/trainer_state.json")).read_text())
+    assert state["roles"] == ["actor", "teacher"]
 
 
 def test_ppo_with_critic_reference_and_reward_model(tmp_path):

@@ -69,4 +69,5 @@ if __name__ == "__main__":
             record["losses"].append(loss)
             record["norms"].append(norm)
     write_result(out_dir, record)
+    engine.close()  # its threads and process-group resources end before the group does
     torch.distributed.destroy_process_group()

@@ -98,6 +98,8 @@ def test_dynamic_sampling_keeps_informative_groups_until_enough() -> None:
     assert sample.metrics() == {
         "sampling/rounds": 2.0,
         "sampling/generated_groups": 6.0,
+        "sampling/generated_samples": 12.0,
+        "sampling/generated_tokens": 24.0,  # two tokens each
         "sampling/zero_variance_frac": 3 / 6,
         "sampling/kept_groups": 3.0,
     }

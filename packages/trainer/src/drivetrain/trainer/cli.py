@@ -12,7 +12,7 @@ from drivetrain.api import registry
 from drivetrain.trainer.console import plain_console, print_error
 from drivetrain.trainer.dpo.command import dpo
 from drivetrain.trainer.plugin_table import plugin_table
-from drivetrain.trainer.rl.command import grpo, ppo
+from drivetrain.trainer.rl.command import distill, grpo, ppo
 from drivetrain.trainer.sft_command import sft
 
 app = typer.Typer(
@@ -75,6 +75,7 @@ app.command()(sft)
 app.command()(grpo)
 app.command()(ppo)
 app.command()(dpo)
+app.command()(distill)
 
 
 @app.command("import-gguf")

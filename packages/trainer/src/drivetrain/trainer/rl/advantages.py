@@ -110,6 +110,16 @@ def reinforce_pp_baseline_advantages(
     return masked_whiten(centred, inputs.mask), centred
 
 
+@ADVANTAGES.register("distill")
+def distill_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """On-policy distillation: each token's own reward is its advantage (no discount, no
+    baseline): with a teacher, ``-coef x (log pi_student - log pi_teacher)`` of that token
+    (plus the sequence reward on the last token, when the reward functions weigh anything).
+    The per-token reverse-KL signal of GKD / on-policy distillation."""
+    adv = inputs.token_rewards * inputs.mask
+    return adv, adv
+
+
 @ADVANTAGES.register("gae")
 def gae_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over response tokens:

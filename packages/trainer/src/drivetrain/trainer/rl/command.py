@@ -88,7 +88,8 @@ def _run(
         "reward_curve": str(out / "reward_curve.png"),
         "weight_digests": result.weight_digests,
     }
-    if window:
+    weights = job.config.reward.weights
+    if window and not (weights and not any(weights)):  # all-zero weights: the reward is 0
         console.print(
             f"train reward (sampled, mean of {window} steps): "
             f"{summary['reward_first_steps_mean']:.3f} first, "
@@ -172,4 +173,9 @@ grpo = _command(
 )
 ppo = _command(
     "ppo", "PPO with GAE and a critic. With no data and no model: the built-in addition task."
+)
+distill = _command(
+    "distill",
+    "On-policy distillation: a teacher (teacher.model_path) scores every token the student "
+    "samples. With no data and no model: the built-in SFT model teaches a smaller student.",
 )

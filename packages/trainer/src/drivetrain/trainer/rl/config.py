@@ -55,7 +55,9 @@ class SamplingConfig:
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
-    advantage: str = "grpo"  # grpo | rloo | gae (needs the critic) | a registered name
+    #: grpo | rloo | gae (needs the critic) | reinforce_pp | reinforce_pp_baseline | distill
+    #: (per-token rewards as they are: the teacher's reverse KL) | a registered name
+    advantage: str = "grpo"
     norm_by_std: bool = True  # GRPO: divide by the group's std (False: Dr. GRPO)
     gamma: float = 1.0
     lam: float = 1.0
@@ -193,6 +195,21 @@ class RewardConfig:
 
 
 @dataclass(frozen=True)
+class TeacherConfig:
+    """On-policy distillation (rl/distill.py): a teacher model (the actor's engine backend,
+    ``infer`` only) scores every token the student sampled; ``coef`` x the per-token reverse
+    KL ``log pi_student - log pi_teacher`` is subtracted from the token's reward. Empty
+    ``model_path``: no teacher. The teacher must share the student's tokenizer."""
+
+    model_path: str = ""
+    coef: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.coef <= 0:
+            raise ConfigError(f"teacher.coef={self.coef} must be > 0")
+
+
+@dataclass(frozen=True)
 class RLRunConfig:
     output_dir: str = "runs/grpo"
     steps: int = 20
@@ -252,6 +269,7 @@ class RLConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     data: RLDataConfig = field(default_factory=RLDataConfig)
     run: RLRunConfig = field(default_factory=RLRunConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)

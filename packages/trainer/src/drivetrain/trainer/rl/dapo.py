@@ -95,13 +95,25 @@ class DynamicSample:
     rounds: int
 
     def metrics(self) -> dict[str, float]:
-        zero = sum(not g.informative for g in self.generated)
         return {
+            **generation_stats(self.generated),
             "sampling/rounds": float(self.rounds),
-            "sampling/generated_groups": float(len(self.generated)),
-            "sampling/zero_variance_frac": zero / max(len(self.generated), 1),
             "sampling/kept_groups": float(len(self.kept)),
         }
+
+
+def generation_stats(groups: Sequence[SampledGroup]) -> dict[str, float]:
+    """What a step generated: groups, samples, tokens, and the share of groups whose samples
+    all got the same reward (no group-relative signal)."""
+    zero = sum(not g.informative for g in groups)
+    return {
+        "sampling/generated_groups": float(len(groups)),
+        "sampling/generated_samples": float(sum(len(g.completions) for g in groups)),
+        "sampling/generated_tokens": float(
+            sum(len(c.token_ids) for g in groups for c in g.completions)
+        ),
+        "sampling/zero_variance_frac": zero / max(len(groups), 1),
+    }
 
 
 def dynamic_sample(

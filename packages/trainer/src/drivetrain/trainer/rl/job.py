@@ -16,9 +16,10 @@ from typing import Any
 from rich.console import Console
 
 from drivetrain.api import EngineConfig, registry
-from drivetrain.api.config import RolloutConfig, WeightSyncConfig
+from drivetrain.api.config import LoraConfig, RolloutConfig, WeightSyncConfig
 from drivetrain.api.errors import ConfigError
 from drivetrain.trainer.builtin import addition
+from drivetrain.trainer.builtin.student import ensure_student_model
 from drivetrain.trainer.config_loader import load_config, to_yaml
 from drivetrain.trainer.console import plain_console
 from drivetrain.trainer.data.tokenize import pad_token_id
@@ -44,14 +45,21 @@ from drivetrain.trainer.rl.prompts import load_prompts
 from drivetrain.trainer.rl.registry import import_plugins
 from drivetrain.trainer.rl.rewards import RewardScorer
 from drivetrain.trainer.rl.trainer import RLSetup
-from drivetrain.trainer.rl.worker import ACTOR, CRITIC, REFERENCE, REWARD_MODEL, RoleSpec
+from drivetrain.trainer.rl.worker import ACTOR, CRITIC, REFERENCE, REWARD_MODEL, TEACHER, RoleSpec
 
 BUILTIN_CONFIG = Path(__file__).parent.parent / "builtin" / "addition_grpo.yaml"
+DISTILL_CONFIG = Path(__file__).parent.parent / "builtin" / "addition_distill.yaml"
 PRESETS = Path(__file__).parent / "presets"
 #: What each command changes from RLConfig's defaults (files and overrides still win).
 ALGORITHM_DEFAULTS = {
     "grpo": [],
     "ppo": ["algorithm.advantage=gae", "sampling.n=1", "run.output_dir=runs/ppo"],
+    # the teacher's per-token reverse KL is the whole signal: the verifier weighs nothing
+    "distill": [
+        "algorithm.advantage=distill",
+        "reward.weights=[0.0]",
+        "run.output_dir=runs/distill",
+    ],
 }
 
 
@@ -105,6 +113,10 @@ def load_rl_job(
             f"data.train_path={builtin.rl_path}",
             f"data.val_path={builtin.test_path}",
         ]
+        if algorithm == "distill":  # the SFT model teaches a smaller student
+            student = ensure_student_model(builtin, console)
+            extra = [f"actor.model.path={student}", f"teacher.model_path={model}", *extra[1:]]
+            files = [DISTILL_CONFIG, *files]
         config = load_config(
             config_type, files=[BUILTIN_CONFIG, *files], overrides=[*defaults, *extra, *overrides]
         )
@@ -187,6 +199,9 @@ def role_specs(job: RLJob, total_updates: int) -> tuple[dict[str, RoleSpec], str
         )
         critic = _for_run(dataclasses.replace(critic, model=model), total_updates, c.seed)
         roles[CRITIC] = RoleSpec(job.critic_engine, critic)
+    if c.teacher.model_path:  # frozen, full weights: the actor's LoRA is not the teacher's
+        model = dataclasses.replace(actor.model, path=c.teacher.model_path, lora=LoraConfig())
+        roles[TEACHER] = RoleSpec(job.engine, dataclasses.replace(actor, model=model))
     if c.reward.model_path:
         model = dataclasses.replace(c.critic.model, path=c.reward.model_path, value_head=True)
         roles[REWARD_MODEL] = RoleSpec(
@@ -213,6 +228,8 @@ def prepare(job: RLJob) -> PreparedRL:
     from transformers import AutoTokenizer
 
     c = job.config
+    if c.algorithm.advantage == "distill" and not c.teacher.model_path:
+        raise ConfigError("algorithm.advantage=distill needs a teacher: set teacher.model_path")
     import_plugins(c.algorithm.plugins)
     ADVANTAGES.get(c.algorithm.advantage)
     POLICY_LOSSES.get(c.algorithm.policy_loss)
@@ -231,13 +248,15 @@ def prepare(job: RLJob) -> PreparedRL:
         "weight_sync.device": c.weight_sync.device,
     }
     check_devices(devices, ray_address=c.workers.ray_address)
-    for model in (c.actor.model.path, c.critic.model.path):
+    for model in (c.actor.model.path, c.critic.model.path, c.teacher.model_path):
         verify_model_dir(model)
     path = c.data.tokenizer_path or c.actor.model.path
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot load the tokenizer at {path!r}: {exc}") from None
+    if c.teacher.model_path:
+        check_same_vocabulary(tokenizer, c.teacher.model_path)
     keys = {
         "prompt_key": c.data.prompt_key,
         "messages_key": c.data.messages_key,
@@ -272,10 +291,28 @@ def prepare(job: RLJob) -> PreparedRL:
         pad_token_id=pad_token_id(tokenizer),
         tokenizer=tokenizer,
         reference=reference,
+        teacher=TEACHER in roles,
         critic=CRITIC in roles,
         reward_model=REWARD_MODEL in roles,
     )
     return PreparedRL(job, setup, roles, dropped)
+
+
+def check_same_vocabulary(tokenizer: Any, teacher_path: str) -> None:
+    """The teacher scores the student's token ids: both must mean the same tokens by them."""
+    from transformers import AutoTokenizer
+
+    try:
+        teacher = AutoTokenizer.from_pretrained(teacher_path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"cannot load the teacher's tokenizer at {teacher_path!r}: {exc}"
+        ) from None
+    if teacher.get_vocab() != tokenizer.get_vocab():
+        raise ConfigError(
+            f"teacher.model_path={teacher_path!r} has another vocabulary than the student: "
+            "on-policy distillation scores the student's token ids with the teacher"
+        )
 
 
 def generation_context(job: RLJob) -> Context:

@@ -54,6 +54,7 @@ from drivetrain.trainer.rl.dapo import (
     SampledGroup,
     dynamic_sample,
     filter_truncated,
+    generation_stats,
     join_groups,
     overlong_penalty,
     split_groups,
@@ -66,9 +67,11 @@ from drivetrain.trainer.rl.placement import Placement
 from drivetrain.trainer.rl.policy_losses import ClipConfig
 from drivetrain.trainer.rl.prompts import PromptSampler, RLPrompt
 from drivetrain.trainer.rl.rewards import RewardScorer
-from drivetrain.trainer.rl.worker import ACTOR, CRITIC, REFERENCE, REWARD_MODEL
+from drivetrain.trainer.rl.worker import ACTOR, CRITIC, REFERENCE, REWARD_MODEL, TEACHER
 from drivetrain.trainer.run_dir import start_point
 from drivetrain.trainer.workers.engine_worker import StepStats
+
+TEACHER_LOG_PROBS = "teacher_log_probs"  # on-policy distillation: the teacher's, per token
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,7 @@ class RLSetup:
     reference: str  # "none" | "engine" | "adapter"
     critic: bool
     reward_model: bool
+    teacher: bool = False  # on-policy distillation
 
 
 @dataclass
@@ -122,9 +126,10 @@ class RLTrainer:
         self.scorer = RewardScorer(c.reward.functions, c.reward.weights)
         self.sampler = PromptSampler(len(setup.train), c.run.prompts_per_step, c.seed)
         alg = c.algorithm
-        # the KL in the reward needs the old log-probs here; the off-policy correction takes
+        # the KL in the reward (and the teacher's reverse KL) needs the old log-probs here; the
+        # off-policy correction takes
         # them from the update's own forward when it is the only one (the actor loss's)
-        needs_old = alg.kl_in_reward and setup.reference != "none"
+        needs_old = (alg.kl_in_reward and setup.reference != "none") or setup.teacher
         self.on_policy = alg.on_policy_shortcut and updates_per_step(c) == 1 and not needs_old
         self.actor_loss = ActorLoss(
             policy_loss=alg.policy_loss,
@@ -169,11 +174,12 @@ class RLTrainer:
             stream_metrics = stream_stats(taken)
         with timer("reward"):
             scores, parts = self.score(completions, prompts)
-        reward_metrics = reward_stats(scores, parts)
+        groups = split_groups(prompts, completions, scores, parts)
+        reward_metrics = {**reward_stats(scores, parts), **generation_stats(groups)}
         if alg.dynamic_sampling:
             with timer("dynamic_sampling"):
                 sample = dynamic_sample(
-                    split_groups(prompts, completions, scores, parts),
+                    groups,
                     partial(self.more_groups, step),
                     c.run.prompts_per_step,
                     alg.max_sampling_rounds,
@@ -212,6 +218,12 @@ class RLTrainer:
                         adapter_off=self.setup.reference == "adapter",
                     )
                     batch = batch.with_columns(ref_log_probs=ref[LOG_PROBS])
+            if self.setup.teacher:
+                with timer("teacher_log_probs"):
+                    taught = self.infer(batch, TEACHER, OutputSpec(temperature=self.temp))
+                    batch = batch.with_columns(
+                        teacher_log_probs=taught[LOG_PROBS], token_keys=[TEACHER_LOG_PROBS]
+                    )
             if self.setup.reward_model:
                 with timer("reward_model"):
                     model_scores = self.reward_model_scores(batch)
@@ -350,6 +362,10 @@ class RLTrainer:
             metrics["actor/kl_ref"] = masked_mean(kl, mask)
             if alg.kl_in_reward:
                 rewards = rewards - alg.kl_coef * kl * mask
+        if TEACHER_LOG_PROBS in batch:  # on-policy distillation: -coef x reverse KL per token
+            reverse_kl = (batch[OLD_LOG_PROBS] - batch[TEACHER_LOG_PROBS]) * mask
+            rewards = rewards - self.config.teacher.coef * reverse_kl
+            metrics["distill/reverse_kl"] = masked_mean(reverse_kl, mask)
         inputs = AdvantageInputs(
             token_rewards=rewards,
             mask=mask,

@@ -2,9 +2,10 @@
 operations the controller runs on them by name.
 
 Roles share the rank's process and torch.distributed world (verl's colocated roles): the actor
-(trained), the reference (frozen), the critic (trained, value head) and the reward model
-(frozen, value head). Each may use another engine backend. Rank 0 also holds the sending end
-of the weight-sync transport; the other ranks take part in the export's collectives.
+(trained), the reference (frozen), the critic (trained, value head), the reward model
+(frozen, value head) and the distillation teacher (frozen). Each may use another engine
+backend. Rank 0 also holds the sending end of the weight-sync transport; the other ranks take
+part in the export's collectives.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from drivetrain.trainer.rl.registry import import_plugins
 from drivetrain.trainer.workers.engine_worker import EngineWorker, StepStats
 
 ACTOR, REFERENCE, CRITIC, REWARD_MODEL = "actor", "reference", "critic", "reward_model"
+TEACHER = "teacher"  # on-policy distillation: a frozen model scoring the student's tokens
 
 
 @dataclass(frozen=True)
