@@ -88,13 +88,14 @@ def test_dynamic_sampling_keeps_informative_groups_until_enough() -> None:
     rounds = {1: _groups(["d", "e", "f"], [[1, 0], [1, 1], [0.5, 0]])}
     calls = []
 
-    def more(round_: int) -> list[SampledGroup]:
-        calls.append(round_)
+    def more(round_: int, prompts: int) -> list[SampledGroup]:
+        calls.append((round_, prompts))
         return rounds[round_]
 
     sample = dynamic_sample(first, more, wanted=3, max_rounds=4)
     assert [g.prompt for g in sample.kept] == ["b", "d", "f"]
-    assert calls == [1] and sample.rounds == 2
+    # 2 groups missing at 1 informative in 3: min(3, ceil(2 * 3)) prompts asked for
+    assert calls == [(1, 3)] and sample.rounds == 2
     assert sample.metrics() == {
         "sampling/rounds": 2.0,
         "sampling/generated_groups": 6.0,
@@ -112,10 +113,10 @@ def test_dynamic_sampling_keeps_informative_groups_until_enough() -> None:
 
 def test_dynamic_sampling_stops_at_the_round_cap() -> None:
     first = _groups(["a", "b"], [[1, 1], [0, 1]])
-    sample = dynamic_sample(first, lambda r: _groups(["x", "y"], [[0, 0], [1, 1]]), 2, 3)
+    sample = dynamic_sample(first, lambda r, n: _groups(["x", "y"], [[0, 0], [1, 1]]), 2, 3)
     assert [g.prompt for g in sample.kept] == ["b"] and sample.rounds == 3
     # nothing informative at all: the first round trains (no policy gradient, as GRPO's)
-    none = dynamic_sample(first[:1], lambda r: first[:1], 2, 2)
+    none = dynamic_sample(first[:1], lambda r, n: first[:1], 2, 2)
     assert [g.prompt for g in none.kept] == ["a"]
 
 
@@ -131,10 +132,11 @@ def test_overlong_filter_zeroes_truncated_samples_loss() -> None:
 
 def test_extra_prompts_avoid_the_step_and_repeat_per_seed() -> None:
     sampler = PromptSampler(10, 3, seed=1)
-    extra = sampler.extra(2, 1)
+    extra = sampler.extra(2, 1, 3)
     assert len(extra) == 3 and not set(extra) & set(sampler.indices(2))
-    assert PromptSampler(10, 3, seed=1).extra(2, 1) == extra
-    assert sampler.extra(2, 2) != extra or sampler.extra(3, 1) != extra
+    assert PromptSampler(10, 3, seed=1).extra(2, 1, 3) == extra
+    assert sampler.extra(2, 2, 3) != extra or sampler.extra(3, 1, 3) != extra
+    assert len(sampler.extra(2, 1, 2)) == 2
 
 
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "bnpo", "dapo", "cispo", "reinforce_pp"])

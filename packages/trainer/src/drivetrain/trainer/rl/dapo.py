@@ -3,9 +3,9 @@ learning system at scale"): dynamic sampling, overlong reward shaping and overlo
 
 - **Dynamic sampling**: a group whose samples all got the same reward has zero group-relative
   advantage everywhere; it costs a forward and backward and teaches nothing, and it shrinks
-  the batch's effective size. Such groups are dropped and more prompts are sampled until the
-  step holds ``prompts_per_step`` informative groups, within ``max_sampling_rounds``
-  generation calls.
+  the batch's effective size. Such groups are dropped and more prompts are sampled (as many as
+  the missing groups need at the informative rate seen so far) until the step holds
+  ``prompts_per_step`` informative groups, within ``max_sampling_rounds`` generation calls.
 - **Overlong reward shaping**: a soft penalty that grows linearly over the last
   ``overlong_buffer`` fraction of ``max_new_tokens``, reaching ``-overlong_penalty`` at the
   limit, so a truncated answer is told apart from a wrong one gradually.
@@ -14,6 +14,7 @@ learning system at scale"): dynamic sampling, overlong reward shaping and overlo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -118,20 +119,24 @@ def generation_stats(groups: Sequence[SampledGroup]) -> dict[str, float]:
 
 def dynamic_sample(
     first: Sequence[SampledGroup],
-    more: Callable[[int], Sequence[SampledGroup]],
+    more: Callable[[int, int], Sequence[SampledGroup]],
     wanted: int,
     max_rounds: int,
 ) -> DynamicSample:
-    """Informative groups of ``first`` and of ``more(round)`` (round 1, 2, ...) until
+    """Informative groups of ``first`` and of ``more(round, prompts)`` (round 1, 2, ...) until
     ``wanted`` are held or ``max_rounds`` calls were made (``first`` is round 0); the first
-    ``wanted`` in generation order. When no group at all is informative, the first round's
-    groups are kept (the step's update then carries no policy gradient, as plain GRPO's
-    would)."""
+    ``wanted`` in generation order. Each extra round asks for the prompts the missing groups
+    need at the informative rate seen so far (at most ``wanted``), not a whole step's worth:
+    a step missing two groups of 32 generates about two more. When no group at all is
+    informative, the first round's groups are kept (the step's update then carries no policy
+    gradient, as plain GRPO's would)."""
     generated = list(first)
     kept = [g for g in first if g.informative]
     rounds = 1
     while len(kept) < wanted and rounds < max_rounds:
-        extra = list(more(rounds))
+        rate = max(len(kept), 1) / max(len(generated), 1)
+        prompts = min(wanted, math.ceil((wanted - len(kept)) / rate))
+        extra = list(more(rounds, prompts))
         rounds += 1
         generated.extend(extra)
         kept.extend(g for g in extra if g.informative)

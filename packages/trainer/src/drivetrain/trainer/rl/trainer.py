@@ -309,9 +309,9 @@ class RLTrainer:
             [Prompt(token_ids=p.token_ids) for p in prompts], self.sampling(step, round_)
         )
 
-    def more_groups(self, step: int, round_: int) -> list[SampledGroup]:
-        """Dynamic sampling's round ``round_``: another step's worth of prompts, scored."""
-        prompts = [self.setup.train[i] for i in self.sampler.extra(step, round_)]
+    def more_groups(self, step: int, round_: int, count: int) -> list[SampledGroup]:
+        """Dynamic sampling's round ``round_``: ``count`` more prompts' groups, scored."""
+        prompts = [self.setup.train[i] for i in self.sampler.extra(step, round_, count)]
         completions = self.generate(prompts, step, round_)
         return split_groups(prompts, completions, *self.score(completions, prompts))
 
