@@ -5,37 +5,31 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Annotated
 
 import typer
 
 from drivetrain.api.errors import DrivetrainError
 from drivetrain.trainer.checkpoints import verify_checkpoint
 from drivetrain.trainer.console import plain_console, print_error, print_ok
-from drivetrain.trainer.run_options import Overwrite, Resume
+from drivetrain.trainer.run_options import (
+    ConfigFiles,
+    DryRun,
+    EngineName,
+    Overrides,
+    Overwrite,
+    PrintConfig,
+    Resume,
+)
 
 console = plain_console()  # errors stay whole lines (greppable)
 
 
 def sft(
-    overrides: Annotated[
-        list[str] | None,
-        typer.Argument(help="Dotted config overrides, e.g. engine.optim.lr=1e-5 run.max_steps=9"),
-    ] = None,
-    config: Annotated[
-        list[Path] | None,
-        typer.Option("--config", "-c", help="YAML config file(s), merged in order."),
-    ] = None,
-    engine: Annotated[
-        str, typer.Option("--engine", help="Training engine (see `drivetrain engines`).")
-    ] = "fsdp2",
-    print_config: Annotated[
-        bool, typer.Option("--print-config", help="Print the config and exit.")
-    ] = False,
-    dry_run: Annotated[
-        bool,
-        typer.Option("--dry-run", help="Validate engine, model and data; exit without training."),
-    ] = False,
+    overrides: Overrides = None,
+    config: ConfigFiles = None,
+    engine: EngineName = "fsdp2",
+    print_config: PrintConfig = False,
+    dry_run: DryRun = False,
     resume: Resume = "auto",
     overwrite: Overwrite = False,
 ) -> None:

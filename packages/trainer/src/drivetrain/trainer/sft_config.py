@@ -8,6 +8,7 @@ the engine's knobs (``engine.optim.lr=1e-4``) and unknown keys are reported at e
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,20 +119,26 @@ class SFTConfig:
     seed: int = 0  # data order, validation split and the engine's seed
 
 
-def sft_config_type(engine_config: type[EngineConfig]) -> type[SFTConfig]:
-    """``SFTConfig`` whose ``engine`` field has the chosen engine's config class.
-
-    The defaults keep the SFT-specific engine defaults above (lr, token budget) for the fields
-    the base class shares."""
-    base = _default_engine()
+def with_engine_config(
+    config: type[Any], engine_config: type[EngineConfig], default: Callable[[], EngineConfig]
+) -> type[Any]:
+    """``config`` (a frozen dataclass with an ``engine`` field) whose ``engine`` has the chosen
+    engine's config class, keeping ``default()``'s values for the fields the base class
+    shares (a job's own defaults: lr, token budget)."""
+    base = default()
     shared = {f.name: getattr(base, f.name) for f in dataclasses.fields(EngineConfig)}
 
-    def default() -> Any:
+    def plugged() -> Any:
         return engine_config(**shared)
 
     return dataclasses.make_dataclass(
-        f"SFTConfig[{engine_config.__name__}]",
-        [("engine", engine_config, field(default_factory=default))],
-        bases=(SFTConfig,),
+        f"{config.__name__}[{engine_config.__name__}]",
+        [("engine", engine_config, field(default_factory=plugged))],
+        bases=(config,),
         frozen=True,
     )
+
+
+def sft_config_type(engine_config: type[EngineConfig]) -> type[SFTConfig]:
+    """``SFTConfig`` whose ``engine`` field has the chosen engine's config class."""
+    return with_engine_config(SFTConfig, engine_config, _default_engine)

@@ -6,13 +6,16 @@ Like SFT's, the engine's own config class is plugged in under ``engine`` at load
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
 
 from drivetrain.api.config import EngineConfig, MicroBatchConfig, ModelConfig, OptimConfig
 from drivetrain.api.errors import ConfigError
-from drivetrain.trainer.sft_config import LoggingConfig, RunConfig, WorkersConfig
+from drivetrain.trainer.sft_config import (
+    LoggingConfig,
+    RunConfig,
+    WorkersConfig,
+    with_engine_config,
+)
 
 LOSSES = ("sigmoid", "ipo", "simpo")
 #: losses that compare with a reference model, and the one that does not
@@ -120,17 +123,5 @@ class DPOConfig:
 
 
 def dpo_config_type(engine_config: type[EngineConfig]) -> type[DPOConfig]:
-    """``DPOConfig`` whose ``engine`` field has the chosen engine's config class (keeping the
-    defaults above for the fields the base class shares)."""
-    base = _default_engine()
-    shared = {f.name: getattr(base, f.name) for f in dataclasses.fields(EngineConfig)}
-
-    def default() -> Any:
-        return engine_config(**shared)
-
-    return dataclasses.make_dataclass(
-        f"DPOConfig[{engine_config.__name__}]",
-        [("engine", engine_config, field(default_factory=default))],
-        bases=(DPOConfig,),
-        frozen=True,
-    )
+    """``DPOConfig`` whose ``engine`` field has the chosen engine's config class."""
+    return with_engine_config(DPOConfig, engine_config, _default_engine)
