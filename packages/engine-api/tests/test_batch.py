@@ -189,5 +189,9 @@ def test_sample_groups_are_never_split() -> None:
             assert all(groups[j] != groups[i] or j in part for i in part for j in range(8))
     assert all(sum(lengths[i] for i in part) <= 16 for part in batch.token_budget_parts(16))
     assert [len(s) for s in batch.dp_shards(2)] == [4, 4]  # two pairs each
+    with pytest.raises(BatchError, match="sample_group 2 .2 samples, kept together. has 16"):
+        batch.token_budget_parts(15)
+    with pytest.raises(BatchError, match="cannot split 4 sample groups .8 samples. into 5"):
+        batch.dp_shards(5)
     plain = batch.drop("sample_group")
     assert plain.fixed_size_parts(3) == [[0, 1, 2], [3, 4, 5], [6, 7]]

@@ -66,6 +66,19 @@ def test_reinforce_pp_baseline_subtracts_the_group_mean_then_whitens() -> None:
     assert adv[:, 0].tolist() == pytest.approx([0.5 * scale, -0.5 * scale, 0.0, 0.0])
 
 
+def test_reinforce_pp_baseline_keeps_a_per_token_kl_per_token() -> None:
+    # one group of two; token rewards: a KL penalty on every response token, score at the end
+    mask = torch.tensor([[0, 1, 1], [0, 1, 1]], dtype=torch.float64)
+    rewards = torch.tensor([[0, -0.1, 1.0 - 0.1], [0, -0.2, -0.2]], dtype=torch.float64)
+    _, returns = ADVANTAGES.get("reinforce_pp_baseline")(
+        AdvantageInputs(rewards, mask, [0, 0], gamma=1.0)
+    )
+    mean = (0.8 + -0.4) / 2  # the group's mean total
+    assert returns.flatten().tolist() == pytest.approx(
+        [0, -0.1 + 0.9 - mean, 0.9 - mean, 0, -0.4 - mean, -0.2 - mean]
+    )
+
+
 def test_overlong_penalty_is_dapos_linear_ramp() -> None:
     # L_max 10, buffer 0.2: L_cache 2, ramp from 8 tokens to -1 at 10
     got = overlong_penalty([3, 8, 9, 10], 10, 0.2, 1.0)
@@ -111,6 +124,14 @@ def test_dynamic_sampling_keeps_informative_groups_until_enough() -> None:
     assert parts["exact_match"] == scores.tolist()
 
 
+def test_informative_means_the_verifier_disagrees_not_the_length_shaping() -> None:
+    completions = [_completion(0), _completion(0)]
+    scores = torch.tensor([1.0 - 0.5, 1.0])  # same verdict, one answer in the overlong ramp
+    parts = {"exact_match": [1.0, 1.0], "overlong": [-0.5, 0.0]}
+    (group,) = split_groups(["a"], completions, scores, parts)
+    assert not group.informative
+
+
 def test_dynamic_sampling_stops_at_the_round_cap() -> None:
     first = _groups(["a", "b"], [[1, 1], [0, 1]])
     sample = dynamic_sample(first, lambda r, n: _groups(["x", "y"], [[0, 0], [1, 1]]), 2, 3)
@@ -130,13 +151,13 @@ def test_overlong_filter_zeroes_truncated_samples_loss() -> None:
     assert kept["loss_mask"].tolist() == batch["loss_mask"].tolist() and frac == 1.0
 
 
-def test_extra_prompts_avoid_the_step_and_repeat_per_seed() -> None:
+def test_extra_prompts_avoid_the_step_and_each_other() -> None:
     sampler = PromptSampler(10, 3, seed=1)
-    extra = sampler.extra(2, 1, 3)
-    assert len(extra) == 3 and not set(extra) & set(sampler.indices(2))
-    assert PromptSampler(10, 3, seed=1).extra(2, 1, 3) == extra
-    assert sampler.extra(2, 2, 3) != extra or sampler.extra(3, 1, 3) != extra
-    assert len(sampler.extra(2, 1, 2)) == 2
+    first, second = sampler.extra(2, 0, 3), sampler.extra(2, 3, 4)
+    assert len(first) == 3 and not set(first) & set(sampler.indices(2))
+    assert not set(first) & set(second) and len(second) == 4  # rounds never repeat
+    assert PromptSampler(10, 3, seed=1).extra(2, 0, 3) == first  # a function of seed, step
+    assert sampler.extra(3, 0, 3) != first
 
 
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "bnpo", "dapo", "cispo", "reinforce_pp"])

@@ -247,20 +247,36 @@ class Batch:
     def _unit_lengths(self, units: Sequence[Sequence[int]]) -> list[int]:
         return [sum(self.seq_lens[i] for i in unit) for unit in units]
 
+    def _check_units(self, units: Sequence[Sequence[int]], parts: int) -> None:
+        if len(units) < parts and len(units) < len(self):
+            raise BatchError(
+                f"cannot split {len(units)} sample groups ({len(self)} samples) into {parts} "
+                "parts: a sample_group is never split"
+            )
+
     def balanced_parts(self, parts: int, *, equal_size: bool = False) -> list[list[int]]:
         """Index groups with about equal tokens each (e.g. one per data-parallel rank);
         ``equal_size``: the same number of units in each."""
         units = self.units()
+        self._check_units(units, parts)
         found = balanced_partition(self._unit_lengths(units), parts, equal_size=equal_size)
         return expand_units(found, units)
 
     def token_budget_parts(self, max_tokens: int, *, min_parts: int = 1) -> list[list[int]]:
         """Index groups of at most ``max_tokens`` tokens each (dynamic micro-batches)."""
         units = self.units()
-        unit = "sample" if len(units) == len(self) else "sample group"  # kept whole
-        found = token_budget_partition(
-            self._unit_lengths(units), max_tokens, min_parts=min_parts, unit=unit
-        )
+        lengths = self._unit_lengths(units)
+        if len(units) < len(self):  # name the group a budget cannot hold, by its value
+            for unit, tokens in zip(units, lengths, strict=True):
+                if tokens > max_tokens:
+                    group = int(self.columns[SAMPLE_GROUP][unit[0]])
+                    raise BatchError(
+                        f"sample_group {group} ({len(unit)} samples, kept together) has "
+                        f"{tokens} tokens, more than max_tokens={max_tokens} per micro-batch; "
+                        "raise the token budget or shorten the data"
+                    )
+            self._check_units(units, min_parts)
+        found = token_budget_partition(lengths, max_tokens, min_parts=min_parts)
         return expand_units(found, units)
 
     def fixed_size_parts(self, size: int) -> list[list[int]]:
@@ -280,6 +296,7 @@ class Batch:
         """Which samples each data-parallel rank gets (:func:`.partition.dp_shard_indices`,
         over units): token-balanced, the same number of units per rank when they divide."""
         units = self.units()
+        self._check_units(units, dp_size)
         return expand_units(dp_shard_indices(self._unit_lengths(units), dp_size), units)
 
     # ---- layout -------------------------------------------------------------------------

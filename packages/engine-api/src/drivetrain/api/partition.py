@@ -52,15 +52,14 @@ def balanced_partition(
 
 
 def token_budget_partition(
-    lengths: Sequence[int], max_tokens: int, *, min_parts: int = 1, unit: str = "sample"
+    lengths: Sequence[int], max_tokens: int, *, min_parts: int = 1
 ) -> list[list[int]]:
     """Group samples into as few balanced micro-batches as fit ``max_tokens`` tokens each.
 
     ``min_parts`` lets distributed engines agree on a common micro-batch count (every rank runs
     the same number of forward passes, which FSDP's and Megatron's collectives require): each
     rank computes its count, the engine all-reduces the maximum and calls this again with it.
-    A single sample longer than ``max_tokens`` is an error, never silently truncated
-    (``unit`` names what ``lengths`` count in that error).
+    A single sample longer than ``max_tokens`` is an error, never silently truncated.
     """
     if max_tokens < 1:
         raise BatchError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -68,7 +67,7 @@ def token_budget_partition(
     if too_long:
         i = too_long[0]
         raise BatchError(
-            f"{unit} {i} has {lengths[i]} tokens, more than max_tokens={max_tokens} per "
+            f"sample {i} has {lengths[i]} tokens, more than max_tokens={max_tokens} per "
             "micro-batch; raise the token budget or truncate the data"
         )
     if not lengths:

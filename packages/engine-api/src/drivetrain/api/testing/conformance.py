@@ -261,9 +261,10 @@ def check_micro_batch_invariance(h: EngineHarness) -> None:
     engine.close()
 
 
-#: The kit's preference-style pairs (``sample_group``): apart in the batch, each pair within
-#: the kit's token budget (``max(LENGTHS) + 4``).
-PAIRS = (0, 1, 1, 2, 3, 0, 2, 3)
+#: The kit's ``sample_group`` values: three pairs apart in the batch, each within the kit's
+#: token budget (``max(LENGTHS) + 4``), and two single samples: five units, so two
+#: data-parallel shards hold different numbers of them.
+PAIRS = (0, 1, 1, 2, 3, 0, 2, 4)
 
 
 def check_sample_groups_stay_together(h: EngineHarness) -> None:

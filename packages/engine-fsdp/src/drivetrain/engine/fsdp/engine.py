@@ -198,7 +198,9 @@ class FSDPEngine(ModalEngine):
             raise error
         if failed:
             raise BatchError("another rank's shard could not be cut into micro-batches")
-        if spec.max_tokens is not None and len(parts) < count <= len(batch):
+        # units, not samples: a sample_group is never split, so a shard of fewer groups than
+        # the agreed count cannot be spread over it (it pads with empty micro-batches)
+        if spec.max_tokens is not None and len(parts) < count <= len(batch.units()):
             balanced = batch.token_budget_parts(spec.max_tokens, min_parts=count)
             if len(balanced) == count:  # spread over the agreed count rather than pad
                 parts = balanced

@@ -71,14 +71,15 @@ class PreferenceLoss:
         if self.loss in NEEDS_REFERENCE:
             ref = torch.as_tensor(micro[REF_LOGPS]).to(log_probs.device, log_probs.dtype)
             ratio = logps - ref  # log pi / ref per sample
+            if self.loss == "ipo":  # per token, as TRL's IPO (its rewards too)
+                ratio = ratio / lengths
         else:
             ratio = logps / lengths  # SimPO's implicit reward: the average log-prob
         if self.loss == "sigmoid":
             logit = self.beta * (ratio[c] - ratio[r])
             loss = -F.logsigmoid(logit)
         elif self.loss == "ipo":
-            h = ratio[c] / lengths[c] - ratio[r] / lengths[r]
-            loss = (h - 1 / (2 * self.beta)) ** 2
+            loss = (ratio[c] - ratio[r] - 1 / (2 * self.beta)) ** 2
         else:  # simpo
             logit = self.beta * (ratio[c] - ratio[r]) - self.simpo_gamma
             loss = -F.logsigmoid(logit)

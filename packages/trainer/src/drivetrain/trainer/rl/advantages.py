@@ -82,32 +82,42 @@ def rloo_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor
     return adv, adv
 
 
+def _discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """``G_t = sum_k gamma^(k-t) r_k`` over each row's tokens, zero outside ``mask``."""
+    rewards = rewards * mask
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros(rewards.shape[0], dtype=rewards.dtype)
+    for t in reversed(range(rewards.shape[1])):
+        running = rewards[:, t] + gamma * running
+        returns[:, t] = running
+    return returns * mask
+
+
 @ADVANTAGES.register("reinforce_pp")
 def reinforce_pp_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++: each token's discounted return ``G_t = sum_k gamma^(k-t) r_k`` (a KL in the
     reward makes it differ per token), normalised over every response token of the *batch*
     (no per-prompt baseline: the batch statistics stand in for a critic)."""
-    mask = inputs.mask
-    rewards = inputs.token_rewards * mask
-    returns = torch.zeros_like(rewards)
-    running = torch.zeros(rewards.shape[0], dtype=rewards.dtype)
-    for t in reversed(range(rewards.shape[1])):
-        running = rewards[:, t] + inputs.gamma * running
-        returns[:, t] = running
-    returns = returns * mask
-    return masked_whiten(returns, mask), returns
+    returns = _discounted_returns(inputs.token_rewards, inputs.mask, inputs.gamma)
+    return masked_whiten(returns, inputs.mask), returns
 
 
 @ADVANTAGES.register("reinforce_pp_baseline")
 def reinforce_pp_baseline_advantages(
     inputs: AdvantageInputs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """REINFORCE++-baseline: the score minus its prompt group's mean (no division by the
-    group's std), then normalised over every response token of the batch."""
-    scores = (inputs.token_rewards * inputs.mask).sum(dim=-1)
+    """REINFORCE++-baseline: the prompt group's mean reward subtracted on each sample's last
+    response token (no division by the group's std), then REINFORCE++'s per-token discounted
+    returns (a KL in the reward stays per token), normalised over every response token of the
+    batch."""
+    mask = inputs.mask
+    scores = (inputs.token_rewards * mask).sum(dim=-1)
     mean, _ = _group_mean_std(scores, _group_index(inputs.group_ids))
-    centred = (scores - mean)[:, None] * inputs.mask
-    return masked_whiten(centred, inputs.mask), centred
+    last = mask.shape[1] - 1 - mask.flip(-1).argmax(dim=-1)  # each row's last response token
+    rewards = inputs.token_rewards.clone()
+    rewards[torch.arange(len(rewards)), last] -= mean
+    returns = _discounted_returns(rewards, mask, inputs.gamma)
+    return masked_whiten(returns, mask), returns
 
 
 @ADVANTAGES.register("distill")

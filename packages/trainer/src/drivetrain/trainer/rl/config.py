@@ -196,9 +196,10 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class TeacherConfig:
-    """On-policy distillation (rl/distill.py): a teacher model (the actor's engine backend,
-    ``infer`` only) scores every token the student sampled; ``coef`` x the per-token reverse
-    KL ``log pi_student - log pi_teacher`` is subtracted from the token's reward. Empty
+    """On-policy distillation (``RLTrainer.advantages``, the ``distill`` estimator): a teacher
+    model (the actor's engine backend, ``infer`` only) scores every token the student sampled;
+    ``coef`` x the per-token reverse KL ``log pi_student - log pi_teacher`` is subtracted from
+    the token's reward. Empty
     ``model_path``: no teacher. The teacher must share the student's tokenizer."""
 
     model_path: str = ""
@@ -280,6 +281,11 @@ class RLConfig:
     def __post_init__(self) -> None:
         # the reference and the KL coefficient must agree: a reference nothing uses, or a KL
         # term without a reference to measure it against, is a mistake, not a run to start
+        if self.algorithm.dynamic_sampling and self.teacher.model_path:
+            raise ConfigError(
+                "algorithm.dynamic_sampling filters groups on the verifier's reward; with a "
+                "teacher the signal is per token: turn one of them off"
+            )
         if self.algorithm.dynamic_sampling and self.sampling.n < 2:
             raise ConfigError(
                 "algorithm.dynamic_sampling needs sampling.n >= 2: a group of one sample never "

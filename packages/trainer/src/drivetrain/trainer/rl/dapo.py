@@ -51,7 +51,11 @@ class SampledGroup:
 
     @property
     def informative(self) -> bool:
-        return float(self.scores.max() - self.scores.min()) > SAME_SCORE
+        """The verifier's rewards differ (the overlong shaping is left out, as DAPO filters
+        on accuracy: lengths alone make no signal worth a slot)."""
+        shaping = torch.as_tensor(self.parts.get("overlong", [0.0] * len(self.scores)))
+        verdict = self.scores - shaping.to(self.scores.dtype)
+        return float(verdict.max() - verdict.min()) > SAME_SCORE
 
 
 def split_groups(

@@ -116,11 +116,12 @@ class PromptSampler:
             self._epoch = (epoch, order)
         return self._epoch[1][within * self.per_step : (within + 1) * self.per_step]
 
-    def extra(self, step: int, round_: int, count: int) -> list[int]:
-        """``count`` more prompts for step ``step`` (dynamic sampling's round ``round_`` >= 1):
-        a fixed function of (seed, step, round, count), drawn from the prompts the step does
-        not hold."""
+    def extra(self, step: int, start: int, count: int) -> list[int]:
+        """Prompts ``start .. start + count`` of step ``step``'s extra ones (dynamic sampling's
+        further rounds): one fixed permutation per (seed, step) of the prompts the step does
+        not hold, so later rounds never repeat an earlier round's prompts (until it runs
+        out and starts over)."""
         held = set(self.indices(step))
         rest = [i for i in range(self.count) if i not in held] or list(range(self.count))
-        rng = random.Random((self.seed * 1_000_003 + step) * 10_007 + round_)
-        return rng.sample(rest, min(count, len(rest)))
+        random.Random((self.seed * 1_000_003 + step) * 10_007).shuffle(rest)
+        return [rest[(start + k) % len(rest)] for k in range(min(count, len(rest)))]

@@ -180,7 +180,7 @@ class RLTrainer:
             with timer("dynamic_sampling"):
                 sample = dynamic_sample(
                     groups,
-                    partial(self.more_groups, step),
+                    partial(self.more_groups, step, []),
                     c.run.prompts_per_step,
                     alg.max_sampling_rounds,
                 )
@@ -191,10 +191,6 @@ class RLTrainer:
             }
         batch = completions_batch(completions, self.setup.pad_token_id)
         lengths = batch[LOSS_MASK].sum(-1).float()
-        if alg.overlong_filter:
-            batch, reward_metrics["response/overlong_filtered_frac"] = filter_truncated(
-                batch, completions
-            )
         if self.stream is not None:
             stream_metrics.update(staleness_stats(batch, step))
         # sync: colocated rollouts sleep while the trainer uses their device; on leaving, the
@@ -235,6 +231,11 @@ class RLTrainer:
                     batch = batch.with_columns(old_values=values, token_keys=[OLD_VALUES])
             with timer("advantages"):
                 batch, kl_metrics = self.advantages(batch, scores)
+            if alg.overlong_filter:  # after the advantages: truncated samples keep their
+                # reward in their group's baseline, they only carry no loss
+                batch, kl_metrics["response/overlong_filtered_frac"] = filter_truncated(
+                    batch, completions
+                )
             if self.setup.critic:
                 with timer("update_critic"):
                     critic = self.update(batch, CRITIC, self.critic_loss, step, RETURNS, OLD_VALUES)
@@ -309,9 +310,14 @@ class RLTrainer:
             [Prompt(token_ids=p.token_ids) for p in prompts], self.sampling(step, round_)
         )
 
-    def more_groups(self, step: int, round_: int, count: int) -> list[SampledGroup]:
-        """Dynamic sampling's round ``round_``: ``count`` more prompts' groups, scored."""
-        prompts = [self.setup.train[i] for i in self.sampler.extra(step, round_, count)]
+    def more_groups(
+        self, step: int, drawn: list[int], round_: int, count: int
+    ) -> list[SampledGroup]:
+        """Dynamic sampling's round ``round_``: ``count`` more prompts' groups, scored;
+        ``drawn`` counts the step's extra prompts so far (one per round, appended)."""
+        indices = self.sampler.extra(step, sum(drawn), count)
+        drawn.append(len(indices))
+        prompts = [self.setup.train[i] for i in indices]
         completions = self.generate(prompts, step, round_)
         return split_groups(prompts, completions, *self.score(completions, prompts))
 
