@@ -80,6 +80,6 @@ def test_default_distill_job(tmp_path, shared):
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     before = summary["val_before"]["val/exact_match"]
     assert summary["val_after"]["val/exact_match"] >= before + 0.02, summary
-    rows = [json.loads(x) for x in (tmp_path / "runs/distill-addition/metrics.jsonl").open()]
+    rows = [json.loads(x) for x in (tmp_path / summary["output_dir"] / "metrics.jsonl").open()]
     kl = [r["distill/reverse_kl"] for r in rows if "distill/reverse_kl" in r]
     assert sum(kl[-20:]) < sum(kl[:20])  # the student moves toward the teacher

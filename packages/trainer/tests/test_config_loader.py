@@ -86,3 +86,30 @@ def test_yaml_file_errors_name_the_position(tmp_path):
         load_config(EngineConfig, files=[path])
     with pytest.raises(ConfigError, match="is a directory"):
         load_config(EngineConfig, files=[tmp_path])
+
+
+def test_a_tuple_layer_sits_between_files(tmp_path):
+    """A command's own defaults are a layer: above the file before them, below the files and
+    overrides after (`drivetrain ppo`'s sampling.n=1 used to beat the user's file)."""
+    from drivetrain.trainer.rl.config import RLConfig
+
+    before, after = tmp_path / "before.yaml", tmp_path / "after.yaml"
+    before.write_text("sampling:\n  n: 3\n  top_k: 5\n")
+    after.write_text("sampling:\n  n: 4\n")
+    config = load_config(
+        RLConfig, files=[before, ("sampling.n=1", "sampling.top_k=7", "seed=2"), after],
+        overrides=["seed=9"],
+    )  # fmt: skip
+    assert (config.sampling.n, config.sampling.top_k, config.seed) == (4, 7, 9)
+
+
+def test_ppo_defaults_yield_to_the_users_file(tmp_path):
+    from drivetrain.trainer.rl.job import load_rl_job
+
+    user = tmp_path / "ppo.yaml"
+    user.write_text("sampling:\n  n: 4\n")
+    job = load_rl_job(
+        "ppo", engine="fsdp2", files=[user],
+        overrides=["data.train_path=x.jsonl", "actor.model.path=m"],
+    )  # fmt: skip
+    assert job.config.sampling.n == 4 and job.config.algorithm.advantage == "gae"

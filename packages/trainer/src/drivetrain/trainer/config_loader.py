@@ -65,10 +65,15 @@ def _load_yaml(file: Path) -> DictConfig | ListConfig:
         raise ConfigError(f"{file}: not a YAML mapping ({exc})") from None
 
 
+#: a YAML file, or a tuple of ``key=value`` strings (a layer a command sets, e.g. its defaults)
+ConfigLayer = str | Path | tuple[str, ...]
+
+
 def load_config(
-    config_type: type[T], *, files: Sequence[str | Path] = (), overrides: Sequence[str] = ()
+    config_type: type[T], *, files: Sequence[ConfigLayer] = (), overrides: Sequence[str] = ()
 ) -> T:
-    """Merge defaults, then each YAML file in order, then ``key=value`` overrides."""
+    """Merge defaults, then each layer of ``files`` in order (YAML files; a tuple of
+    ``key=value`` strings is a layer too), then ``key=value`` overrides."""
     if not dataclasses.is_dataclass(config_type):
         raise TypeError(f"{config_type!r} is not a dataclass")
     bad = [o for o in overrides if "=" not in o]
@@ -77,6 +82,9 @@ def load_config(
     try:
         merged: Any = OmegaConf.structured(config_type)
         for path in files:
+            if isinstance(path, tuple):
+                merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(path)))
+                continue
             loaded = _load_yaml(Path(path))
             if not isinstance(loaded, type(merged)):
                 raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top")

@@ -20,7 +20,7 @@ from drivetrain.api.config import LoraConfig, RolloutConfig, WeightSyncConfig
 from drivetrain.api.errors import ConfigError
 from drivetrain.trainer.builtin import addition
 from drivetrain.trainer.builtin.student import ensure_student_model
-from drivetrain.trainer.config_loader import load_config, to_yaml
+from drivetrain.trainer.config_loader import ConfigLayer, load_config, to_yaml
 from drivetrain.trainer.console import plain_console
 from drivetrain.trainer.data.tokenize import pad_token_id
 from drivetrain.trainer.errors import CheckpointError, RunDirectoryError
@@ -50,7 +50,8 @@ from drivetrain.trainer.rl.worker import ACTOR, CRITIC, REFERENCE, REWARD_MODEL,
 BUILTIN_CONFIG = Path(__file__).parent.parent / "builtin" / "addition_grpo.yaml"
 DISTILL_CONFIG = Path(__file__).parent.parent / "builtin" / "addition_distill.yaml"
 PRESETS = Path(__file__).parent / "presets"
-#: What each command changes from RLConfig's defaults (files and overrides still win).
+#: What each command changes from RLConfig's defaults (and the built-in job's file): the
+#: user's files and overrides still win.
 ALGORITHM_DEFAULTS = {
     "grpo": [],
     "ppo": ["algorithm.advantage=gae", "sampling.n=1", "run.output_dir=runs/ppo"],
@@ -84,7 +85,7 @@ def load_rl_job(
     critic_engine: str = "",
     rollout: str = "hf",
     weight_sync: str = "auto",
-    files: Sequence[str | Path] = (),
+    files: Sequence[ConfigLayer] = (),
     overrides: Sequence[str] = (),
     console: Console | None = None,
     preset: str = "",
@@ -100,8 +101,8 @@ def load_rl_job(
         registry.rollouts.load_config_class(rollout, RolloutConfig),
         _transport_config(weight_sync),
     )
-    defaults = ALGORITHM_DEFAULTS[algorithm]
-    config = load_config(config_type, files=files, overrides=[*defaults, *overrides])
+    defaults = tuple(ALGORITHM_DEFAULTS[algorithm])
+    config = load_config(config_type, files=[defaults, *files], overrides=overrides)
     builtin = None
     if not config.data.train_path:
         if config.actor.model.path:
@@ -118,7 +119,7 @@ def load_rl_job(
             extra = [f"actor.model.path={student}", f"teacher.model_path={model}", *extra[1:]]
             files = [DISTILL_CONFIG, *files]
         config = load_config(
-            config_type, files=[BUILTIN_CONFIG, *files], overrides=[*defaults, *extra, *overrides]
+            config_type, files=[BUILTIN_CONFIG, defaults, *files], overrides=[*extra, *overrides]
         )
     elif not config.actor.model.path:
         raise ConfigError("actor.model.path is required when data.train_path is set")
