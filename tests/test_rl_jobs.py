@@ -61,7 +61,9 @@ def test_grpo_dapo_preset_samples_until_the_groups_are_informative(tmp_path):
     for row in rows:
         # 4 informative groups of 2 kept, unless the 4-round cap was reached first
         assert row["sampling/kept_groups"] == 4 or row["sampling/rounds"] == 4
-        assert row["sampling/generated_groups"] == 4 * row["sampling/rounds"]
+        # extra rounds ask only for the groups still missing: 4 + at most 4 per extra round
+        assert 4 <= row["sampling/generated_groups"] <= 4 * row["sampling/rounds"]
+        assert row["sampling/rounds"] == 1 or row["sampling/generated_groups"] > 4
         assert 0 <= row["sampling/zero_variance_frac"] <= 1
         assert row["reward/overlong"] <= 0  # 6 new tokens, a 20% buffer: a -1 ramp over 1.2
         assert 0 <= row["response/overlong_filtered_frac"] <= 1
@@ -116,7 +118,7 @@ def test_ppo_with_critic_reference_and_reward_model(tmp_path):
     ("overrides", "message"),
     [
         (["algorithm.policy_loss=nope"],
-         "unknown policy loss 'nope'; registered: gspo, reinforce, vanilla"),
+         "unknown policy loss 'nope'; registered: cispo, gspo, reinforce, vanilla"),
         (["algorithm.mode=async", "workers.num=2"],  # colocated rollouts sleep while it trains
          "algorithm.mode=async generates while the actor trains"),
     ],
