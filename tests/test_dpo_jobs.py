@@ -40,7 +40,9 @@ def test_dpo_job_with_each_reference(tmp_path, extra, reference):
         "engine.micro_batch.max_tokens=100", "logging.progress=false",
         "logging.tensorboard=false", *extra,
     ]  # fmt: skip
-    done = subprocess.run(command, env=sft_env(tmp_path), capture_output=True, text=True)
+    done = subprocess.run(
+        command, env=sft_env(tmp_path), capture_output=True, text=True, timeout=540
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"reference {reference}" in done.stderr
     summary = json.loads(done.stdout.strip().splitlines()[-1])

@@ -39,7 +39,9 @@ def test_loss_curve_matches_trl_dpo_trainer(tmp_path, loss, beta):
         f"algorithm.beta={beta}", "run.export_hf=false", "logging.progress=false",
         "logging.tensorboard=false",
     ]  # fmt: skip
-    done = subprocess.run(command, env=sft_env(tmp_path), capture_output=True, text=True)
+    done = subprocess.run(
+        command, env=sft_env(tmp_path), capture_output=True, text=True, timeout=540
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     ours = train_losses(out)
 

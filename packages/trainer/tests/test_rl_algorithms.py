@@ -4,7 +4,6 @@ by hand."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -185,6 +184,6 @@ def test_preset_values() -> None:
         (["algorithm.max_sampling_rounds=0"], "max_sampling_rounds must be >= 1"),
     ],
 )
-def test_dapo_config_errors(overrides: list[str], message: str, tmp_path: Path) -> None:
+def test_dapo_config_errors(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(RLConfig, overrides=overrides)

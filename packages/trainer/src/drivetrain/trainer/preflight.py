@@ -7,6 +7,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from drivetrain.api.errors import ConfigError
 
@@ -32,6 +33,16 @@ def model_context(model_path: str, *, trust_remote_code: bool = False) -> Contex
     if not positions:
         return None
     return Context(int(positions), f"the model's context (max_position_embeddings={positions})")
+
+
+def load_tokenizer(path: str, *, trust_remote_code: bool = False, what: str = "tokenizer") -> Any:
+    """The tokenizer at ``path``; one line naming it when it cannot load."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot load the {what} at {path!r}: {exc}") from None
 
 
 def check_devices(devices: Mapping[str, str], *, ray_address: str) -> None:

@@ -15,13 +15,30 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
 from drivetrain.api.atomic_dir import STAGING_SUFFIX
 from drivetrain.trainer.checkpoints import Checkpoint, CheckpointManager, verify_checkpoint
 from drivetrain.trainer.errors import CheckpointError, RunDirectoryError
+
+
+def adopt_checkpoint(
+    found: Checkpoint, state: Mapping[str, Any], checkpoints: CheckpointManager
+) -> None:
+    """Continue ``found``'s run: every key of this run's ``state`` must match the one the
+    checkpoint recorded (else another run.output_dir or --overwrite), and new checkpoints
+    keep its run id."""
+    for key, value in state.items():
+        if found.state.get(key) != value:
+            raise CheckpointError(
+                f"{found.path} has {key}={found.state.get(key)!r}, this run {value!r}; use "
+                "another run.output_dir or --overwrite"
+            )
+    checkpoints.run_id = found.run_id or checkpoints.run_id
 
 
 def resume_point(

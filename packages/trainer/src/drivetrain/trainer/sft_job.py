@@ -28,7 +28,12 @@ from drivetrain.trainer.data.sft_dataset import SFTData, load_sft_data
 from drivetrain.trainer.data.tokenize import pad_token_id
 from drivetrain.trainer.errors import DataError
 from drivetrain.trainer.hf_export import verify_model_dir
-from drivetrain.trainer.preflight import check_devices, check_output_dir, model_context
+from drivetrain.trainer.preflight import (
+    check_devices,
+    check_output_dir,
+    load_tokenizer,
+    model_context,
+)
 from drivetrain.trainer.run_dir import start_point
 from drivetrain.trainer.sft_config import SFTConfig, sft_config_type
 from drivetrain.trainer.sft_trainer import SFTResult, SFTTrainer, total_steps
@@ -88,7 +93,6 @@ class PreparedSFT:
 
 def prepare(job: SFTJob) -> PreparedSFT:
     """Validate everything a run needs, without writing anything."""
-    from transformers import AutoTokenizer
 
     registry.engines.load(job.engine_name)
     config = job.config
@@ -98,12 +102,8 @@ def prepare(job: SFTJob) -> PreparedSFT:
     verify_model_dir(str(model_path))
     trust = config.engine.model.trust_remote_code
     context = model_context(str(model_path), trust_remote_code=trust)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            config.data.tokenizer_path or str(model_path), trust_remote_code=trust
-        )
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot load model/tokenizer at {str(model_path)!r}: {exc}") from None
+    path = config.data.tokenizer_path or str(model_path)
+    tokenizer = load_tokenizer(path, trust_remote_code=trust)
     data = load_sft_data(config.data, tokenizer, config.seed, context)
     try:
         plan = StepPlan(len(data.train), config.run.batch_size, config.seed, config.data.shuffle)

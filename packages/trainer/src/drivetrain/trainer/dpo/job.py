@@ -31,7 +31,12 @@ from drivetrain.trainer.dpo.trainer import DPOResult, DPOTrainer, PreferenceData
 from drivetrain.trainer.dpo.worker import PreferenceWorker
 from drivetrain.trainer.errors import DataError
 from drivetrain.trainer.hf_export import verify_model_dir
-from drivetrain.trainer.preflight import check_devices, check_output_dir, model_context
+from drivetrain.trainer.preflight import (
+    check_devices,
+    check_output_dir,
+    load_tokenizer,
+    model_context,
+)
 from drivetrain.trainer.rl.job import ensure_sft_model
 from drivetrain.trainer.rl.worker import ACTOR, REFERENCE, RoleSpec
 from drivetrain.trainer.run_dir import start_point
@@ -92,8 +97,6 @@ class PreparedDPO:
 
 def prepare(job: DPOJob) -> PreparedDPO:
     """Validate everything a run needs, without starting a worker or writing a file."""
-    from transformers import AutoTokenizer
-
     registry.engines.load(job.engine_name)
     c = job.config
     check_output_dir("run.output_dir", c.run.output_dir)
@@ -102,11 +105,9 @@ def prepare(job: DPOJob) -> PreparedDPO:
         verify_model_dir(path)
     trust = c.engine.model.trust_remote_code
     context = model_context(c.engine.model.path, trust_remote_code=trust)
-    path = c.data.tokenizer_path or c.engine.model.path
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot load the tokenizer at {path!r}: {exc}") from None
+    tokenizer = load_tokenizer(
+        c.data.tokenizer_path or c.engine.model.path, trust_remote_code=trust
+    )
     precomputed = c.reference_mode == "precomputed"
     load = functools.partial(
         load_pairs, tokenizer=tokenizer, config=c.data, context=context, precomputed=precomputed

@@ -23,9 +23,9 @@ from drivetrain.trainer.data.batching import StepPlan, eval_batches
 from drivetrain.trainer.dpo.config import DPOConfig
 from drivetrain.trainer.dpo.data import Pair, pair_batch
 from drivetrain.trainer.dpo.loss import PreferenceLoss
-from drivetrain.trainer.errors import CheckpointError
 from drivetrain.trainer.metrics import METRICS_FILE, MetricsLogger, plot_loss_curve
 from drivetrain.trainer.progress import TrainingProgress
+from drivetrain.trainer.run_dir import adopt_checkpoint
 from drivetrain.trainer.workers.group import WorkerGroup
 
 
@@ -132,20 +132,11 @@ class DPOTrainer:
         self.group.run_all("save_checkpoint", path, step, ("actor",))
         self.checkpoints.publish(step, {**self.state(), "time": time.time()})
 
-    def _check_resumable(self, found: Checkpoint) -> None:
-        for key, value in self.state().items():
-            if found.state.get(key) != value:
-                raise CheckpointError(
-                    f"{found.path} has {key}={found.state.get(key)!r}, this run {value!r}; use "
-                    "another run.output_dir or --overwrite"
-                )
-        self.checkpoints.run_id = found.run_id or self.checkpoints.run_id
-
     def fit(self, *, start_from: Checkpoint | None = None) -> DPOResult:
         began = time.perf_counter()
         start = 0
         if start_from is not None:
-            self._check_resumable(start_from)
+            adopt_checkpoint(start_from, self.state(), self.checkpoints)
             start = self.group.run_all("load_checkpoint", start_from.engine_path, ("actor",))
             self.console.print(f"resumed from {start_from.path} at step {start}")
         result = DPOResult(self.out, final_step=start)

@@ -13,7 +13,7 @@ import typer
 
 from drivetrain.api.errors import DrivetrainError
 from drivetrain.trainer.console import plain_console, print_error, print_ok
-from drivetrain.trainer.run_options import Overwrite, Resume
+from drivetrain.trainer.run_options import ConfigFiles, Overwrite, Resume
 
 console = plain_console()
 
@@ -108,9 +108,6 @@ def _run(
 Overrides = Annotated[
     list[str] | None,
     typer.Argument(help="Dotted config overrides, e.g. actor.optim.lr=1e-6 run.steps=100"),
-]
-ConfigFiles = Annotated[
-    list[Path] | None, typer.Option("--config", "-c", help="YAML config file(s), merged in order.")
 ]
 Engine = Annotated[
     str, typer.Option("--engine", help="Engine of the actor and reference (`drivetrain engines`).")

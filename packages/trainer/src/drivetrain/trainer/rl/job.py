@@ -29,6 +29,7 @@ from drivetrain.trainer.preflight import (
     Context,
     check_devices,
     check_output_dir,
+    load_tokenizer,
     model_context,
 )
 from drivetrain.trainer.rl.advantages import ADVANTAGES, NEEDS_CRITIC
@@ -226,8 +227,6 @@ class PreparedRL:
 
 def prepare(job: RLJob) -> PreparedRL:
     """Validate everything a run needs, without starting a worker or writing a file."""
-    from transformers import AutoTokenizer
-
     c = job.config
     if c.algorithm.advantage == "distill" and not c.teacher.model_path:
         raise ConfigError("algorithm.advantage=distill needs a teacher: set teacher.model_path")
@@ -251,11 +250,7 @@ def prepare(job: RLJob) -> PreparedRL:
     check_devices(devices, ray_address=c.workers.ray_address)
     for model in (c.actor.model.path, c.critic.model.path, c.teacher.model_path):
         verify_model_dir(model)
-    path = c.data.tokenizer_path or c.actor.model.path
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot load the tokenizer at {path!r}: {exc}") from None
+    tokenizer = load_tokenizer(c.data.tokenizer_path or c.actor.model.path)
     if c.teacher.model_path:
         check_same_vocabulary(tokenizer, c.teacher.model_path)
     keys = {
@@ -301,14 +296,7 @@ def prepare(job: RLJob) -> PreparedRL:
 
 def check_same_vocabulary(tokenizer: Any, teacher_path: str) -> None:
     """The teacher scores the student's token ids: both must mean the same tokens by them."""
-    from transformers import AutoTokenizer
-
-    try:
-        teacher = AutoTokenizer.from_pretrained(teacher_path)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(
-            f"cannot load the teacher's tokenizer at {teacher_path!r}: {exc}"
-        ) from None
+    teacher = load_tokenizer(teacher_path, what="teacher's tokenizer")
     if teacher.get_vocab() != tokenizer.get_vocab():
         raise ConfigError(
             f"teacher.model_path={teacher_path!r} has another vocabulary than the student: "

@@ -33,7 +33,6 @@ from drivetrain.api.loss import MAX_SUFFIX
 from drivetrain.api.sync_manager import SyncReport
 from drivetrain.trainer.checkpoints import CheckpointManager
 from drivetrain.trainer.console import plain_console
-from drivetrain.trainer.errors import CheckpointError
 from drivetrain.trainer.metrics import METRICS_FILE, MetricsLogger, plot_curve
 from drivetrain.trainer.progress import TrainingProgress
 from drivetrain.trainer.rl.advantages import ADVANTAGES as ESTIMATORS
@@ -68,7 +67,7 @@ from drivetrain.trainer.rl.policy_losses import ClipConfig
 from drivetrain.trainer.rl.prompts import PromptSampler, RLPrompt
 from drivetrain.trainer.rl.rewards import RewardScorer
 from drivetrain.trainer.rl.worker import ACTOR, CRITIC, REFERENCE, REWARD_MODEL, TEACHER
-from drivetrain.trainer.run_dir import start_point
+from drivetrain.trainer.run_dir import adopt_checkpoint, start_point
 from drivetrain.trainer.workers.engine_worker import StepStats
 
 TEACHER_LOG_PROBS = "teacher_log_probs"  # on-policy distillation: the teacher's, per token
@@ -447,13 +446,7 @@ class RLTrainer:
         )
         if found is None:
             return 0
-        for key, value in self.setup.state.items():
-            if found.state.get(key) != value:
-                raise CheckpointError(
-                    f"{found.path} has {key}={found.state.get(key)!r}, this run {value!r}; use "
-                    "another run.output_dir or --overwrite"
-                )
-        self.checkpoints.run_id = found.run_id or self.checkpoints.run_id
+        adopt_checkpoint(found, self.setup.state, self.checkpoints)
         step = self.group.run_all("load_checkpoint", found.engine_path, self.trainable)
         self.weights.sync(step)  # the rollouts generate with the checkpoint's weights
         self.console.print(f"resumed from {found.path} at step {step}")
