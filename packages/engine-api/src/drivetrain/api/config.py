@@ -9,11 +9,23 @@ make sense and names the valid choices when they do not.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from drivetrain.api.errors import ConfigError
 
+_C = TypeVar("_C")
+
 SCHEDULERS = ("constant", "linear", "cosine")
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+def coerce_config(config: Any, cls: type[_C]) -> _C:
+    """``config`` as a ``cls``: itself when it is one, else a ``cls`` built from its fields
+    (a caller that knows only the base class, e.g. a test passing an :class:`EngineConfig`, to
+    a backend with its own subclass; the subclass's extra fields keep their defaults)."""
+    if isinstance(config, cls):
+        return config
+    return cls(**{name: getattr(config, name) for name in vars(config)})
 
 
 def _check_choice(owner: str, name: str, value: str, choices: tuple[str, ...]) -> None:

@@ -4,7 +4,8 @@ Subclass :class:`ModalEngine` instead of :class:`Engine` to get ``train_mode()``
 ``eval_mode()`` (nestable; leaving one restores the outer mode) and ``_require(mode, what)``
 for the :class:`EngineStateError` the contract asks for. Implement ``_place(mode)``: put
 parameters and optimizer state where ``mode`` needs them, or, for ``None`` (idle), where the
-offload config says.
+offload config says. ``_resident()`` brings the state onto the device for a call made outside
+the modes (weight export, checkpoints) and back where the offload config keeps it afterwards.
 """
 
 from __future__ import annotations
@@ -48,6 +49,19 @@ class ModalEngine(Engine):
 
     def eval_mode(self) -> AbstractContextManager[None]:
         return self._mode_context(EVAL)
+
+    @contextlib.contextmanager
+    def _resident(self, *, optimizer: bool = True) -> Iterator[None]:
+        """Parameters (and the optimizer state, if ``optimizer``) on the device for the
+        ``with`` body; nothing moves inside a mode, which placed them already."""
+        if self._mode is not None:
+            yield
+            return
+        self.to("device", model=True, optimizer=optimizer)
+        try:
+            yield
+        finally:
+            self._place(None)
 
     def _require(self, mode: str, what: str) -> None:
         if self._mode != mode:

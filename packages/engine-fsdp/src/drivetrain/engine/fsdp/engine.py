@@ -9,7 +9,6 @@ chunked token outputs, optimizer, offload, checkpoint and weight export live bes
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 from collections.abc import Iterator, Mapping
@@ -21,7 +20,6 @@ import torch.distributed as dist
 
 from drivetrain.api import (
     Batch,
-    BatchError,
     CheckpointInfo,
     ConfigError,
     EngineConfig,
@@ -34,8 +32,9 @@ from drivetrain.api import (
     StepResult,
     merge_metrics,
 )
-from drivetrain.api.batch import restore_order
-from drivetrain.api.columns import ENTROPY, INPUT_IDS, LOG_PROBS, LOSS_MASK, VALUES
+from drivetrain.api.columns import ENTROPY, INPUT_IDS, LOG_PROBS, VALUES
+from drivetrain.api.config import coerce_config
+from drivetrain.api.micro_batching import loss_totals, plan_micro_batches
 from drivetrain.api.modes import TRAIN, ModalEngine
 from drivetrain.engine.fsdp import checkpoint, offload, weights
 from drivetrain.engine.fsdp.attention import set_packed_row
@@ -43,21 +42,16 @@ from drivetrain.engine.fsdp.config import FSDPConfig
 from drivetrain.engine.fsdp.distributed import build_meshes, ensure_process_group, resolve_device
 from drivetrain.engine.fsdp.model import DTYPES, TokenOutputModel, load_hf_model, unwrap_peft
 from drivetrain.engine.fsdp.optim import build_optimizer, clip_grad_norm
-from drivetrain.engine.fsdp.packing import (
-    PackedRow,
-    flat_column,
-    outputs_per_token,
-    pack,
-    to_layout,
-)
+from drivetrain.engine.fsdp.packing import PackedRow, outputs_per_token, pack
 from drivetrain.engine.fsdp.sequence_parallel import gather_sequence, local_slice
 from drivetrain.engine.fsdp.sharding import broadcast_from_rank0, wrap_fsdp1, wrap_fsdp2
-
-
-def _as_fsdp_config(config: EngineConfig) -> FSDPConfig:
-    if isinstance(config, FSDPConfig):
-        return config
-    return FSDPConfig(**{name: getattr(config, name) for name in vars(config)})
+from drivetrain.engine_core import (
+    InferOutputs,
+    TorchCollectives,
+    loss_free_batch,
+    on_device,
+    to_layout,
+)
 
 
 class FSDPEngine(ModalEngine):
@@ -67,7 +61,7 @@ class FSDPEngine(ModalEngine):
     config: FSDPConfig
 
     def __init__(self, config: EngineConfig) -> None:
-        super().__init__(_as_fsdp_config(config))
+        super().__init__(coerce_config(config, FSDPConfig))
         self.model: Any = None
 
     # ---- life cycle ---------------------------------------------------------------------
@@ -80,6 +74,7 @@ class FSDPEngine(ModalEngine):
         torch.manual_seed(cfg.seed)  # identical init on every rank for new heads / adapters
         shard_size = {"hybrid_shard": cfg.hybrid_shard_size, "no_shard": 0 if self.fsdp1 else 1}
         self.meshes = build_meshes(self.device, cfg.ulysses_size, shard_size.get(cfg.strategy, 0))
+        self.collectives = TorchCollectives(self.device, self.meshes.dp_group)
         rank0_loads = (
             self._shards() and not self.fsdp1 and dist.get_world_size() > 1 and cfg.meta_init
         )
@@ -152,18 +147,6 @@ class FSDPEngine(ModalEngine):
         self.to("device", model=True, optimizer=mode == TRAIN)
         self.model.train(mode == TRAIN)
 
-    @contextlib.contextmanager
-    def _resident(self) -> Iterator[None]:
-        """State on the device for a call made outside the modes (export, checkpoints)."""
-        if self._mode is not None:
-            yield
-            return
-        self.to("device")
-        try:
-            yield
-        finally:
-            self._place(None)
-
     def to(self, device: str, *, model: bool = True, optimizer: bool = True) -> None:
         if device not in ("cpu", "device"):
             raise ValueError(f"device must be 'cpu' or 'device', got {device!r}")
@@ -179,51 +162,12 @@ class FSDPEngine(ModalEngine):
 
     # ---- data ---------------------------------------------------------------------------
     def _micro_batches(self, batch: Batch) -> list[list[int]]:
-        """Index groups; every rank gets the same count (empty groups pad short shards)."""
-        spec = self.config.micro_batch
-        error: BatchError | None = None
-        parts: list[list[int]] = []
-        try:
-            if spec.max_tokens is not None:
-                parts = batch.token_budget_parts(spec.max_tokens)
-            else:
-                parts = batch.fixed_size_parts(spec.micro_batch_size or 1)
-        except BatchError as exc:  # tell the peers before raising, or they wait forever
-            error = exc
-        # NCCL reduces device tensors only
-        flags = torch.tensor([len(parts), int(error is not None)], device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        count, failed = int(flags[0]), bool(flags[1])
-        if error is not None:
-            raise error
-        if failed:
-            raise BatchError("another rank's shard could not be cut into micro-batches")
-        # units, not samples: a sample_group is never split, so a shard of fewer groups than
-        # the agreed count cannot be spread over it (it pads with empty micro-batches)
-        if spec.max_tokens is not None and len(parts) < count <= len(batch.units()):
-            balanced = batch.token_budget_parts(spec.max_tokens, min_parts=count)
-            if len(balanced) == count:  # spread over the agreed count rather than pad
-                parts = balanced
-        return parts + [[] for _ in range(count - len(parts))]
-
-    def _on_device(self, batch: Batch) -> Batch:
-        moved = {
-            name: value.to(self.device)
-            for name, value in batch.columns.items()
-            if isinstance(value, torch.Tensor) and value.device != self.device
-        }
-        return batch.with_columns(**moved) if moved else batch
+        return plan_micro_batches(batch, self.config.micro_batch, self.collectives)
 
     def _dummy(self) -> Batch:
-        """A one-sample, loss-free micro-batch for ranks with fewer samples than their peers."""
-        n = self.meshes.sp_size
-        return Batch.from_columns(
-            {
-                INPUT_IDS: torch.zeros(1, n, dtype=torch.long, device=self.device),
-                LOSS_MASK: torch.zeros(1, n, device=self.device),
-            },
-            seq_lens=[n],
-        )
+        """A loss-free micro-batch for ranks with fewer micro-batches than their peers (one
+        token per sequence-parallel rank)."""
+        return loss_free_batch(self.meshes.sp_size, self.device)
 
     # ---- compute ------------------------------------------------------------------------
     def _run_model(
@@ -281,15 +225,7 @@ class FSDPEngine(ModalEngine):
             else OutputSpec()
         )
         m = self.meshes
-        counts = torch.tensor(
-            [float(flat_column(batch, LOSS_MASK).sum()) if len(batch) else 0.0, float(len(batch))],
-            dtype=torch.float64,  # exact token counts beyond 2**24
-            device=self.device,
-        )
-        dist.all_reduce(counts, group=m.dp_group)
-        global_tokens, global_seqs = int(counts[0]), int(counts[1])
-        if global_tokens == 0:
-            raise BatchError("the mini-batch has no tokens with loss_mask == 1")
+        totals = loss_totals(batch, self.collectives)
         parts = self._micro_batches(batch)
         # FSDP averages gradients over all ranks; the contract wants their sum over
         # data-parallel ranks (sequence-parallel peers each hold a slice of one gradient)
@@ -300,14 +236,14 @@ class FSDPEngine(ModalEngine):
                 out = self._outputs(self._dummy(), spec)
                 (sum(v.sum() for v in out.values()) * 0.0).backward()
                 continue
-            micro = self._on_device(batch.select(indices))
-            ctx = LossContext(global_tokens, global_seqs, m.dp_size, k, len(parts))
+            micro = on_device(batch.select(indices), self.device)
+            ctx = LossContext(totals.tokens, totals.sequences, m.dp_size, k, len(parts))
             loss, mb_metrics = loss_fn(self._outputs(micro, spec), micro, ctx)
             (loss * scale).backward()
             loss_sum += float(loss.detach())
             merge_metrics(metrics, mb_metrics)
         loss_total, metric_totals = self._sum_over_dp(loss_sum, metrics)
-        return StepResult(loss_total, metric_totals, len(parts), global_tokens)
+        return StepResult(loss_total, metric_totals, len(parts), totals.tokens)
 
     def _sum_over_dp(
         self, loss: float, metrics: Mapping[str, float]
@@ -322,24 +258,15 @@ class FSDPEngine(ModalEngine):
 
     def infer(self, batch: Batch, outputs: OutputSpec) -> Batch | None:
         self._require("eval", "infer")
-        pieces, groups = [], []
+        collected = InferOutputs(batch)
         with torch.no_grad():
             for indices in self._micro_batches(batch):
                 if not indices:
                     self._outputs(self._dummy(), outputs)
                     continue
-                micro = self._on_device(batch.select(indices))
-                computed = {k: v.detach().cpu() for k, v in self._outputs(micro, outputs).items()}
-                pieces.append(
-                    Batch(computed, micro.seq_lens, frozenset(computed), micro.layout, batch.meta)
-                )
-                groups.append(indices)
-        if not self.parallel.is_output_rank:
-            return None
-        if not pieces:
-            empty = {name: torch.zeros(0) for name in outputs.names}
-            return Batch(empty, (), frozenset(empty), batch.layout, batch.meta)
-        return restore_order(pieces, groups)
+                micro = on_device(batch.select(indices), self.device)
+                collected.add(indices, micro, self._outputs(micro, outputs))
+        return collected.result(outputs.names) if self.parallel.is_output_rank else None
 
     def optimizer_zero_grad(self) -> None:
         self._require("train", "optimizer_zero_grad")

@@ -7,7 +7,8 @@ of samples with the same prompt is laid out as ``[prompt, own tokens of each sam
 prompt's positions are computed once and serve every sample of the group.
 
 Outputs are aligned with ``input_ids`` (position ``t``: about token ``t``; 0 at each sample's
-first token) and returned in the micro-batch's own layout. A token's output comes from the row
+first token); the engine puts them back in the micro-batch's own layout
+(:func:`drivetrain.engine_core.to_layout`). A token's output comes from the row
 position of the token before it; where that position is not directly followed by the token in
 the row (the first own token of a sharing sample), the model computes an extra output for the
 pair (``extra_src``, ``extra_targets``).
@@ -19,10 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from drivetrain.api import Batch, Layout
+from drivetrain.api import Batch
 from drivetrain.api.columns import INPUT_IDS
 from drivetrain.engine.fsdp.attention import Span
 from drivetrain.engine.fsdp.prefix_sharing import prefix_groups
+from drivetrain.engine_core import flat_column
 
 
 @dataclass(frozen=True)
@@ -40,18 +42,6 @@ class PackedRow:
     def shared_tokens(self) -> int:
         """Tokens the row saves against one copy per sample."""
         return self.num_tokens - sum(s.length for s in self.spans)
-
-
-def flat_column(batch: Batch, name: str) -> torch.Tensor:
-    """A token column as one flat tensor of the samples' real tokens."""
-    value = batch[name]
-    if batch.layout is Layout.PACKED:
-        return value
-    return (
-        torch.cat([value[i, :n] for i, n in enumerate(batch.seq_lens)])
-        if len(batch)
-        else value[:0, 0]
-    )
 
 
 class _RowBuilder:
@@ -140,18 +130,3 @@ def outputs_per_token(row_outputs: torch.Tensor, row: PackedRow) -> torch.Tensor
     """Per-position outputs of the row and its extras ``[T + E]`` -> per token of the batch
     ``[num_tokens]`` (``out[t]`` from the position of token ``t - 1``; 0 at first tokens)."""
     return torch.cat([row_outputs, row_outputs.new_zeros(1)])[row.output_index]
-
-
-def to_layout(flat: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """A flat per-token tensor in ``batch``'s layout (padded: right-padded to the width of
-    ``batch["input_ids"]``)."""
-    if batch.layout is Layout.PACKED:
-        return flat
-    width = batch[INPUT_IDS].shape[1]
-    out = flat.new_zeros(len(batch), width)
-    mask = (
-        torch.arange(width, device=flat.device)[None, :]
-        < torch.tensor(batch.seq_lens, device=flat.device)[:, None]
-    )
-    out[mask] = flat
-    return out

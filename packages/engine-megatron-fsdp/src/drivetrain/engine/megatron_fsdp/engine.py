@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from drivetrain.api import CheckpointInfo, EngineConfig, EngineStateError
+from drivetrain.api.config import coerce_config
 from drivetrain.engine.megatron.engine import MegatronEngine
 from drivetrain.engine.megatron_fsdp import checkpoint
 from drivetrain.engine.megatron_fsdp.config import MegatronFSDPConfig
@@ -24,17 +25,11 @@ from drivetrain.engine.megatron_fsdp.gather import GatheredParams
 from drivetrain.engine.megatron_fsdp.wrap import wrap_chunks
 
 
-def _as_fsdp_config(config: EngineConfig) -> MegatronFSDPConfig:
-    if isinstance(config, MegatronFSDPConfig):
-        return config
-    return MegatronFSDPConfig(**{k: getattr(config, k) for k in vars(config)})
-
-
 class MegatronFSDPEngine(MegatronEngine):
     config: MegatronFSDPConfig
 
     def __init__(self, config: EngineConfig) -> None:
-        super().__init__(_as_fsdp_config(config))
+        super().__init__(coerce_config(config, MegatronFSDPConfig))
 
     def _wrap_chunks(self, chunks: list[Any]) -> list[Any]:
         return wrap_chunks(chunks, self.tcfg, self.config, self.device)

@@ -10,7 +10,6 @@ ranks) and our ``finalize_model_grads`` hook never rescales by a token count.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from collections.abc import Iterator, Mapping
@@ -22,7 +21,6 @@ import torch.distributed as dist
 
 from drivetrain.api import (
     Batch,
-    BatchError,
     CheckpointInfo,
     EngineConfig,
     EngineStateError,
@@ -34,25 +32,28 @@ from drivetrain.api import (
     StepResult,
     merge_metrics,
 )
-from drivetrain.api.batch import restore_order
-from drivetrain.api.columns import ENTROPY, LOG_PROBS, LOSS_MASK, VALUES
+from drivetrain.api.columns import ENTROPY, INPUT_IDS, LOG_PROBS, VALUES
+from drivetrain.api.config import coerce_config
+from drivetrain.api.micro_batching import loss_totals, plan_micro_batches
 from drivetrain.api.modes import ModalEngine
 from drivetrain.api.schedule import lr_multiplier
 from drivetrain.engine.megatron import checkpoint
 from drivetrain.engine.megatron.config import MegatronConfig
 from drivetrain.engine.megatron.context import gather_outputs, pack_row_cp
 from drivetrain.engine.megatron.offload import Offloader
-from drivetrain.engine.megatron.packing import align_to_inputs, flat_column, pack_row, to_layout
+from drivetrain.engine.megatron.packing import align_to_inputs, pack_row
 from drivetrain.engine.megatron.parallel import init_parallel
 from drivetrain.engine.megatron.token_outputs import vocab_parallel_outputs
+from drivetrain.engine_core import (
+    InferOutputs,
+    TorchCollectives,
+    flat_column,
+    loss_free_batch,
+    on_device,
+    to_layout,
+)
 
 log = logging.getLogger(__name__)
-
-
-def _as_megatron_config(config: EngineConfig) -> MegatronConfig:
-    if isinstance(config, MegatronConfig):
-        return config
-    return MegatronConfig(**{k: getattr(config, k) for k in vars(config)})
 
 
 def _resolve_device(device: str) -> torch.device:
@@ -65,7 +66,7 @@ class MegatronEngine(ModalEngine):
     config: MegatronConfig
 
     def __init__(self, config: EngineConfig) -> None:
-        super().__init__(_as_megatron_config(config))
+        super().__init__(coerce_config(config, MegatronConfig))
         self.model: list[Any] = []
 
     # ---- life cycle ---------------------------------------------------------------------
@@ -91,6 +92,7 @@ class MegatronEngine(ModalEngine):
             seed=cfg.seed,
         )
         self.ps = ps
+        self.collectives = TorchCollectives(self.device, ps.get_data_parallel_group())
         self.hf_config = AutoConfig.from_pretrained(cfg.model.path)
         tcfg = transformer_config(
             self.hf_config,
@@ -228,32 +230,22 @@ class MegatronEngine(ModalEngine):
 
     # ---- data ---------------------------------------------------------------------------
     def _micro_batches(self, batch: Batch) -> list[list[int]]:
-        """Index groups; every data-parallel rank gets the same count (empty groups pad short
-        shards), because the pipeline schedule's collectives must line up."""
-        spec = self.config.micro_batch
-        if spec.max_tokens is not None:
-            parts = batch.token_budget_parts(spec.max_tokens)
-        else:
-            parts = batch.fixed_size_parts(spec.micro_batch_size or 1)
-        count = torch.tensor([len(parts)], device=self.device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        return parts + [[] for _ in range(int(count) - len(parts))]
+        """Index groups, the same count on every rank (the pipeline schedule's collectives
+        must line up); a rank that cannot cut its shard fails every rank."""
+        return plan_micro_batches(batch, self.config.micro_batch, self.collectives)
 
     def _rows(self, batch: Batch, parts: list[list[int]]) -> list[tuple[Batch | None, Any]]:
         """Each micro-batch with its packed row; an empty group (a short shard) runs a one-token
         loss-free row so the schedule's collectives line up."""
         cfg = self.config
         multiple = cfg.tensor_parallel if cfg.sequence_parallel else 1
-        empty = Batch.from_columns(
-            {"input_ids": torch.zeros(1, 1, dtype=torch.long), LOSS_MASK: torch.zeros(1, 1)},
-            seq_lens=[1],
-        )
-        micros = [self._on_device(batch.select(indices)) if indices else None for indices in parts]
+        empty = loss_free_batch(1, self.device)
+        micros = [on_device(batch.select(i), self.device) if i else None for i in parts]
         if cfg.context_parallel > 1:
             rank = self.ps.get_context_parallel_rank()
             return [
                 (micro, pack_row_cp(
-                    flat_column(micro or empty, "input_ids").to(self.device, torch.long),
+                    flat_column(micro or empty, INPUT_IDS).to(self.device, torch.long),
                     list((micro or empty).seq_lens), cp=cfg.context_parallel, rank=rank,
                     multiple=multiple,
                 ))
@@ -273,16 +265,6 @@ class MegatronEngine(ModalEngine):
             (micro, pack_row(micro or empty, self.device, multiple, length=length))
             for micro, length in zip(micros, lengths, strict=True)
         ]
-
-    def _on_device(self, batch: Batch) -> Batch:
-        """The micro-batch's tensor columns on the compute device: the loss function combines
-        them with the model's outputs."""
-        moved = {
-            name: value.to(self.device)
-            for name, value in batch.columns.items()
-            if isinstance(value, torch.Tensor) and value.device != self.device
-        }
-        return batch.with_columns(**moved) if moved else batch
 
     def _common_lengths(self, micros: list[Batch | None], empty: Batch, multiple: int) -> list[int]:
         """megatron's all-gather token dispatcher needs the same token count on every rank of
@@ -363,16 +345,7 @@ class MegatronEngine(ModalEngine):
         self._require("train", "forward_backward")
         value_head = self.config.model.value_head
         spec = outputs or (OutputSpec(log_probs=False, values=True) if value_head else OutputSpec())
-        dp_group = self.ps.get_data_parallel_group()
-        counts = torch.tensor(
-            [float(flat_column(batch, LOSS_MASK).sum()) if len(batch) else 0.0, float(len(batch))],
-            dtype=torch.float64,
-            device=self.device,
-        )
-        dist.all_reduce(counts, group=dp_group)
-        global_tokens, global_seqs = int(counts[0]), int(counts[1])
-        if global_tokens == 0:
-            raise BatchError("the mini-batch has no tokens with loss_mask == 1")
+        totals = loss_totals(batch, self.collectives)
         parts = self._micro_batches(batch)
         dp_size = self.ps.get_data_parallel_world_size()
         index = iter(range(len(parts)))
@@ -381,14 +354,14 @@ class MegatronEngine(ModalEngine):
             k = next(index)
             if micro is None:  # an empty micro-batch of a short shard: zero loss, zero grads
                 return output.sum() * 0.0, torch.tensor(0), {"loss": 0.0}
-            ctx = LossContext(global_tokens, global_seqs, dp_size, k, len(parts))
+            ctx = LossContext(totals.tokens, totals.sequences, dp_size, k, len(parts))
             loss, metrics = loss_fn(self._outputs(output, row, micro, spec), micro, ctx)
             report = {"loss": float(loss.detach()), **{n: float(v) for n, v in metrics.items()}}
             return loss, torch.tensor(1), report
 
         reports = self._schedule(self._rows(batch, parts), on_output, forward_only=False)
         loss, metrics = self._sum_reports(reports)
-        return StepResult(loss, metrics, len(parts), global_tokens)
+        return StepResult(loss, metrics, len(parts), totals.tokens)
 
     def _sum_reports(self, reports: list[Mapping[str, float]]) -> tuple[float, dict[str, float]]:
         """Totals over micro-batches and data-parallel ranks, the same on every rank (only the
@@ -410,28 +383,18 @@ class MegatronEngine(ModalEngine):
         self._require("eval", "infer")
         self._sync_params()
         parts = self._micro_batches(batch)
-        pieces = []
+        collected = InferOutputs(batch)
+        indices = iter(parts)
 
         def on_output(micro: Batch | None, row: Any, output: torch.Tensor) -> tuple[Any, ...]:
+            taken = next(indices)
             if micro is not None:
-                computed = {
-                    k: v.detach().cpu()
-                    for k, v in self._outputs(output, row, micro, outputs).items()
-                }
-                pieces.append(
-                    Batch(computed, micro.seq_lens, frozenset(computed), micro.layout, batch.meta)
-                )
+                collected.add(taken, micro, self._outputs(output, row, micro, outputs))
             return output.sum() * 0.0, torch.tensor(0), {}
 
         with torch.no_grad():
             self._schedule(self._rows(batch, parts), on_output, forward_only=True)
-        groups = [p for p in parts if p]
-        if not self.parallel.is_output_rank:
-            return None
-        if not pieces:
-            empty = {name: torch.zeros(0) for name in outputs.names}
-            return Batch(empty, (), frozenset(empty), batch.layout, batch.meta)
-        return restore_order(pieces, groups)
+        return collected.result(outputs.names) if self.parallel.is_output_rank else None
 
     # ---- optimizer ----------------------------------------------------------------------
     def _set_lr(self) -> None:
@@ -467,19 +430,6 @@ class MegatronEngine(ModalEngine):
         return self._lr
 
     # ---- weights and checkpoints --------------------------------------------------------
-    @contextlib.contextmanager
-    def _resident(self, *, optimizer: bool) -> Iterator[None]:
-        """State on the device for a call made outside the modes (export, checkpoints); back
-        where the offload config keeps it afterwards."""
-        if self._mode is not None:
-            yield
-            return
-        self.to("device", model=True, optimizer=optimizer)
-        try:
-            yield
-        finally:
-            self._place(None)
-
     def export_weights(self, *, adapter_only: bool = False) -> Iterator[NamedTensor]:
         if adapter_only:
             raise EngineStateError("the megatron engine has no LoRA adapter")

@@ -15,8 +15,9 @@ from itertools import accumulate
 
 import torch
 
-from drivetrain.api import Batch, Layout
+from drivetrain.api import Batch
 from drivetrain.api.columns import INPUT_IDS
+from drivetrain.engine_core import flat_column
 
 
 @dataclass(frozen=True)
@@ -27,16 +28,6 @@ class PackedRow:
     targets: torch.Tensor  # [T] the next token after each position (0 where there is none)
     offsets: tuple[int, ...]  # sample offsets, then the padding tail's
     num_tokens: int  # real tokens
-
-
-def flat_column(batch: Batch, name: str) -> torch.Tensor:
-    """A token column as one flat tensor of the samples' real tokens."""
-    value = batch[name]
-    if batch.layout is Layout.PACKED:
-        return value
-    if not len(batch):
-        return value[:0, 0]
-    return torch.cat([value[i, :n] for i, n in enumerate(batch.seq_lens)])
 
 
 def pack_row(
@@ -75,15 +66,3 @@ def align_to_inputs(next_values: torch.Tensor, row: PackedRow) -> torch.Tensor:
     keep = torch.ones_like(shifted)
     keep[starts[starts < row.num_tokens]] = 0
     return shifted * keep
-
-
-def to_layout(flat: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """A flat per-token tensor in ``batch``'s layout (padded: right-padded to the width of
-    ``batch["input_ids"]``)."""
-    if batch.layout is Layout.PACKED:
-        return flat
-    width = batch[INPUT_IDS].shape[1]
-    out = flat.new_zeros(len(batch), width)
-    lens = torch.tensor(batch.seq_lens, device=flat.device)
-    out[torch.arange(width, device=flat.device)[None, :] < lens[:, None]] = flat
-    return out

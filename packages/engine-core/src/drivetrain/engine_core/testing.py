@@ -1,0 +1,89 @@
+"""Start a worker script on N local ranks, for engines' multi-process tests.
+
+Each rank is a plain ``python script OUT_DIR ARGS...`` process with torchrun's environment
+(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` on a free loopback port), one torch
+thread and its own session, so a hung run (and anything it spawned) is killed as a group at the
+deadline, and a rank that dies stops the others at once. Workers report with
+:func:`write_result` (JSON: nothing is unpickled); :func:`launch_ranks` returns the reports in
+rank order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path, chars: int = 6000) -> str:
+    return path.read_text(errors="replace")[-chars:] if path.exists() else "(no log)"
+
+
+def launch_ranks(
+    script: Path,
+    out_dir: Path,
+    *args: str,
+    nproc: int = 2,
+    timeout: float = 300,
+    pythonpath: Sequence[Path] = (),
+) -> list[Any]:
+    """Run ``script`` on ``nproc`` ranks; raise ``AssertionError`` with every rank's log tail
+    when one fails or the deadline passes."""
+    port = str(free_port())
+    path = os.pathsep.join([*map(str, pythonpath), os.environ.get("PYTHONPATH", "")])
+    procs = []
+    for rank in range(nproc):
+        env = dict(
+            os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+            LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+            OMP_NUM_THREADS="1", PYTHONPATH=path, PYTHONFAULTHANDLER="1",
+        )  # fmt: skip
+        log = open(out_dir / f"rank{rank}.log", "w")  # noqa: SIM115 (closed below)
+        command = [sys.executable, str(script), str(out_dir), *args]
+        proc = subprocess.Popen(
+            command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        procs.append((proc, log))
+    deadline = time.monotonic() + timeout
+    failed = None
+    try:
+        while any(p.poll() is None for p, _ in procs):
+            if time.monotonic() > deadline:
+                failed = f"timed out after {timeout:.0f} s"
+                break
+            bad = [p.returncode for p, _ in procs if p.poll() not in (None, 0)]
+            if bad:
+                failed = f"a rank exited with {bad[0]}"
+                break
+            time.sleep(0.1)
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)  # the worker's own session
+                proc.wait()
+            log.close()
+    if failed is None and any(p.returncode for p, _ in procs):
+        failed = f"exit codes {[p.returncode for p, _ in procs]}"
+    if failed:
+        logs = "\n".join(f"--- rank {r}\n{_tail(out_dir / f'rank{r}.log')}" for r in range(nproc))
+        raise AssertionError(f"{Path(script).name} failed: {failed}\n{logs}")
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def write_result(out_dir: str, value: Any) -> None:
+    """This rank's report (JSON-serialisable) for :func:`launch_ranks`."""
+    rank = os.environ.get("RANK", "0")
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(value))
