@@ -80,26 +80,68 @@ def test_discovery_imports_no_plugin_code(install):
     assert "lazy_engine.plugin" in sys.modules and "lazy_engine.engine" not in sys.modules
 
 
-def test_unknown_name_lists_installed_with_status(install):
+def test_unknown_name_is_one_line_naming_what_is_installed(install):
     install("acme-engine", "acme")
     install("broken-engine", "broken", engine="import acme_backend_never_installed.core\n")
     with pytest.raises(PluginError) as err:
         reg.engines.load("acmee")
     text = str(err.value)
-    assert "unknown engine 'acmee'" in text
-    assert re.search(r"\n  acme +acme-engine 1\.2  ok", text)  # names padded to the widest
-    assert "broken-engine 1.2  failed to import: ModuleNotFoundError" in text
-    assert "(pip install broken-engine)" in text
+    assert "\n" not in text
+    assert text.startswith("unknown engine 'acmee': did you mean 'acme'? installed engines: ")
+    assert re.search(r"installed engines: (\w+, )*acme, broken\b", text)
+    assert "`drivetrain engines` shows their status" in text
+    assert "entry-point group drivetrain.engines" in text  # where third-party ones come from
+    assert "acme_backend_never_installed" not in sys.modules  # naming them imported nothing
+
+
+@pytest.mark.parametrize(
+    ("registry", "name", "hint"),
+    [
+        ("engines", "fsdp2", "pip install drivetrain-engine-fsdp;"),
+        ("engines", "megatron_fsdp", "pip install drivetrain-engine-megatron-fsdp;"),
+        ("rollouts", "hf", "pip install drivetrain-rollout;"),
+        ("rollouts", "vllm", "python -m drivetrain.rollout.env vllm-cpu"),
+        ("ckpt_engines", "disk", "pip install drivetrain-ckpt-engine;"),
+    ],
+)
+def test_missing_first_party_plugin_names_its_install_command(monkeypatch, registry, name, hint):
+    monkeypatch.setattr(reg.metadata, "entry_points", lambda group: [])  # nothing installed
+    reg.refresh_all()
+    with pytest.raises(PluginError) as err:
+        reg.REGISTRIES[registry].spec(name)
+    text = str(err.value)
+    assert text.startswith(f"unknown {reg.REGISTRIES[registry].kind} {name!r}: install it with ")
+    assert hint in text and "\n" not in text
+    reg.refresh_all()
+
+
+def test_install_hints_match_the_installed_first_party_specs():
+    """The table answers for plugins that are not installed: it must say what their own
+    specs say when they are."""
+    from drivetrain.api.first_party import INSTALL_HINTS
+
+    reg.refresh_all()
+    checked = 0
+    for registry in reg.REGISTRIES.values():
+        for name, hint in INSTALL_HINTS[registry.group].items():
+            if name in registry.names():
+                own = registry.spec(name).install_hint
+                assert own.split()[:3] == hint.split()[:3], (name, own, hint)
+                checked += 1
+    assert checked  # the workspace has the first-party plugins installed
 
 
 def test_failed_import_names_reason_and_hint(install):
     install("broken-engine", "broken", engine="import acme_backend_never_installed.core\n")
-    with pytest.raises(
-        PluginError,
-        match=r"installed but failed to import.*No module named 'acme_backend_never_installed'.*"
-        r"pip install broken-",
-    ):
+    with pytest.raises(PluginError) as err:
         reg.engines.load("broken")
+    text = str(err.value)
+    assert text.startswith(
+        "engine 'broken' (broken-engine 1.2) is installed but failed to import: "
+        "ModuleNotFoundError: No module named 'acme_backend_never_installed' "
+        "(pip install broken-engine); other installed engines: "
+    )
+    assert text.count("failed to import") == 1 and "\n" not in text
     with pytest.raises(PluginError, match="failed to import"):  # stays failed, no re-import storm
         reg.engines.load("broken")
 
@@ -163,9 +205,24 @@ def test_same_name_from_two_distributions_is_a_conflict(install):
 
 
 def test_builtin_fake_plugins_are_discoverable():
-    reg.refresh_all()
+    reg.refresh_all()  # pytest runs with DRIVETRAIN_TEST_PLUGINS=1 (the api's pytest plugin)
     assert reg.engines.load("fake").__name__ == "FakeEngine"
     assert reg.rollouts.load("fake").__name__ == "FakeRollout"
+
+
+def test_fake_plugins_are_hidden_from_users(monkeypatch):
+    monkeypatch.delenv(reg.TEST_PLUGINS_VAR)
+    reg.refresh_all()
+    try:
+        for registry in reg.REGISTRIES.values():
+            assert "fake" not in registry.names()
+            with pytest.raises(PluginError, match=r"'fake': a test double, found only with "):
+                registry.load("fake")
+    finally:
+        monkeypatch.undo()
+        reg.refresh_all()
+    assert reg.is_test_double("drivetrain.api.testing.plugins:FAKE_ENGINE")
+    assert not reg.is_test_double("acme_testing_engine.plugin:SPEC")
 
 
 def test_plugin_spec_validates_its_fields():

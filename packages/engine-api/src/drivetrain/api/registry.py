@@ -3,22 +3,24 @@
 Discovery reads entry-point metadata only (no plugin code runs). ``spec(name)`` imports the
 plugin's light spec module; ``load(name)`` imports its code, after checking that the plugin is
 allowed, implements this engine-api version and declares the capabilities asked for. Every
-failure is remembered and shown with the installed alternatives, e.g.::
+failure is remembered and raised as one line that names the cause, the install command and
+the installed alternatives, e.g.::
 
-    unknown engine 'acmee'. Installed engines:
-      fsdp2     drivetrain-engine-fsdp 0.1.0   ok
-      megatron  drivetrain-engine-megatron 0.1.0   failed to import: No module named
-                'megatron.core' (pip install drivetrain-engine-megatron)
+    unknown engine 'fsdp2': install it with pip install drivetrain-engine-fsdp; installed
+    engines: megatron, megatron_fsdp (`drivetrain engines` shows their status)
 
 ``DRIVETRAIN_PLUGINS`` restricts what may load: a comma-separated list of names (``fsdp2``)
 or group-qualified names (``engines:fsdp2``); a leading ``-`` denies instead
 (``-megatron``); ``none`` denies everything. With any allowed name listed, only listed
-plugins load. Results are cached per process, so loading is idempotent and cheap to repeat in
-every worker (Ray actors included).
+plugins load. Test doubles (an entry point whose spec lives in a ``testing`` module, like the
+``fake`` engine) are found only when ``DRIVETRAIN_TEST_PLUGINS=1`` (drivetrain-engine-api's
+pytest plugin sets it). Results are cached per process, so loading is idempotent and cheap to
+repeat in every worker (Ray actors included).
 """
 
 from __future__ import annotations
 
+import difflib
 import enum
 import importlib
 import os
@@ -29,12 +31,14 @@ from typing import Any
 
 from drivetrain.api.engine import Engine
 from drivetrain.api.errors import PluginError
+from drivetrain.api.first_party import INSTALL_HINTS
 from drivetrain.api.plugin import PluginSpec
 from drivetrain.api.rollout import Rollout
 from drivetrain.api.version import API_VERSION, VersionRange
 from drivetrain.api.weight_sync import WeightTransport
 
 ENV_VAR = "DRIVETRAIN_PLUGINS"
+TEST_PLUGINS_VAR = "DRIVETRAIN_TEST_PLUGINS"
 GROUP_LABELS = ("engines", "rollouts", "ckpt_engines")
 
 
@@ -105,6 +109,12 @@ def _allowed(group_label: str, name: str, rules: str | None) -> tuple[bool, str]
     return True, ""
 
 
+def is_test_double(target: str) -> bool:
+    """Whether an entry point's spec lives in a ``testing`` module or package (the ``fake``
+    plugins): those exist for test suites, not for users' jobs."""
+    return "testing" in target.partition(":")[0].split(".")
+
+
 def _import_target(target: str) -> Any:
     module_name, _, attribute = target.partition(":")
     obj: Any = importlib.import_module(module_name)
@@ -121,6 +131,7 @@ class Registry:
         self.kind = kind  # singular noun for messages: "engine", "rollout", ...
         self.base = base
         self._records: dict[str, PluginRecord] | None = None
+        self._hidden: set[str] = set()  # test doubles left out (DRIVETRAIN_TEST_PLUGINS unset)
         self._loaded: dict[str, Any] = {}
 
     @property
@@ -132,15 +143,20 @@ class Registry:
     def refresh(self) -> None:
         """Forget everything; the next call re-reads entry points and the environment."""
         self._records = None
+        self._hidden.clear()
         self._loaded.clear()
 
     def _discover(self) -> dict[str, PluginRecord]:
         if self._records is not None:
             return self._records
         rules = os.environ.get(ENV_VAR)
+        with_doubles = os.environ.get(TEST_PLUGINS_VAR) == "1"
         records: dict[str, PluginRecord] = {}
         seen: dict[str, list[str]] = {}
         for ep in metadata.entry_points(group=self.group):
+            if is_test_double(ep.value) and not with_doubles:
+                self._hidden.add(ep.name)
+                continue
             dist = getattr(ep, "dist", None)
             dist_name = dist.metadata["Name"] if dist is not None else ""
             dist_version = dist.version if dist is not None else ""
@@ -215,16 +231,12 @@ class Registry:
         self, record: PluginRecord | None, name: str, *, ok: tuple[Status, ...]
     ) -> PluginSpec:
         if record is None:
-            raise PluginError(f"unknown {self.kind} {name!r}. {self.summary()}")
+            raise PluginError(f"unknown {self.kind} {name!r}: {self._find_hint(name)}")
         if record.status not in ok:
-            verb = (
-                "is installed but failed to import"
-                if record.status is Status.FAILED
-                else ("cannot be used")
-            )
+            verb = "is installed but" if record.status is Status.FAILED else "cannot be used:"
             raise PluginError(
-                f"{self.kind} {name!r} ({record.distribution} {record.version}) {verb}: "
-                f"{record.describe()}. {self.summary(exclude=name)}"
+                f"{self.kind} {name!r} ({record.distribution} {record.version}) {verb} "
+                f"{record.describe()}; {self._others(exclude=name)}"
             )
         assert record.spec is not None
         return record.spec
@@ -271,19 +283,31 @@ class Registry:
             r.name for r in self._discover().values() if r.spec and wanted <= r.spec.capabilities
         )
 
-    def summary(self, *, exclude: str | None = None) -> str:
-        records = [r for r in self.inspect() if r.name != exclude]
-        if not records:
-            return (
-                f"No other {self.kind}s are installed."
-                if exclude
-                else (f"No {self.kind}s are installed (entry-point group {self.group}).")
-            )
-        width = max(len(r.name) for r in records)
-        lines = [f"Installed {self.kind}s:"]
-        for r in records:
-            lines.append(f"  {r.name:<{width}}  {r.distribution} {r.version}  {r.describe()}")
-        return "\n".join(lines)
+    def _others(self, *, exclude: str = "") -> str:
+        """The installed names (from metadata: nothing is imported to say it)."""
+        names = [n for n in self.names() if n != exclude]
+        other = "other " if exclude else ""
+        if not names:
+            return f"no {other}{self.kind}s are installed (entry-point group {self.group})"
+        return (
+            f"{other}installed {self.kind}s: {', '.join(names)} "
+            f"(`drivetrain {self.kind}s` shows their status)"
+        )
+
+    def _find_hint(self, name: str) -> str:
+        """How to get ``name``: the install command of drivetrain's own plugins, else where
+        third-party ones register and what is installed."""
+        if name in self._hidden:
+            return f"a test double, found only with {TEST_PLUGINS_VAR}=1; {self._others()}"
+        install = INSTALL_HINTS.get(self.group, {}).get(name)
+        if install:
+            return f"install it with {install}; {self._others()}"
+        close = difflib.get_close_matches(name, self.names(), n=1)
+        guess = f"did you mean {close[0]!r}? " if close else ""
+        return (
+            f"{guess}{self._others()}; a third-party {self.kind} is found once the "
+            f"distribution that declares it in entry-point group {self.group} is installed"
+        )
 
 
 engines = Registry("drivetrain.engines", "engine", Engine)
