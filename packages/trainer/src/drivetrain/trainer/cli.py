@@ -53,22 +53,28 @@ def _root(
     """drivetrain: modular LLM post-training (SFT, GRPO, PPO, DPO) over pluggable engines."""
 
 
+Check = Annotated[
+    bool,
+    typer.Option("--check", help="Import each plugin's code and report whether it works."),
+]
+
+
 @app.command()
-def engines() -> None:
+def engines(check: Check = False) -> None:
     """List installed training engines (entry-point group drivetrain.engines)."""
-    console.print(plugin_table(registry.engines))
+    console.print(plugin_table(registry.engines, check=check))
 
 
 @app.command()
-def rollouts() -> None:
+def rollouts(check: Check = False) -> None:
     """List installed rollout backends (entry-point group drivetrain.rollouts)."""
-    console.print(plugin_table(registry.rollouts))
+    console.print(plugin_table(registry.rollouts, check=check))
 
 
 @app.command("ckpt-engines")
-def ckpt_engines() -> None:
+def ckpt_engines(check: Check = False) -> None:
     """List installed weight-sync transports (entry-point group drivetrain.ckpt_engines)."""
-    console.print(plugin_table(registry.ckpt_engines))
+    console.print(plugin_table(registry.ckpt_engines, check=check))
 
 
 app.command()(sft)
