@@ -1,9 +1,11 @@
 """Assemble an SFT job from the command line: config, validation, workers, training, report.
 
 Everything that can be checked without training is checked before the first output file is
-written: the engine is installed and compatible, the output directory can be written, the
-requested GPU exists, the model and tokenizer load, every data row tokenizes within the
-truncation policy and the model's context, the batch size fits the data.
+written: the engine is installed, compatible and declares what the config asks of it (an
+engine without ``packed`` or ``dynamic_batch`` gets padded batches or fixed micro-batches:
+:mod:`capabilities`), the output directory can be written, the requested GPU exists, the model
+and tokenizer load, every data row tokenizes within the truncation policy and the model's
+context, the batch size fits the data.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from rich.console import Console
 from drivetrain.api import EngineConfig, registry
 from drivetrain.api.errors import ConfigError
 from drivetrain.trainer.builtin import addition
+from drivetrain.trainer.capabilities import fit_single_engine
 from drivetrain.trainer.checkpoints import CheckpointManager
 from drivetrain.trainer.config_loader import load_config, to_yaml
 from drivetrain.trainer.console import plain_console
@@ -59,13 +62,13 @@ def load_sft_job(
     engine_name: str, *, files: Sequence[str | Path] = (), overrides: Sequence[str] = ()
 ) -> SFTJob:
     """Parse the config for ``engine_name``; with no data and no model, the built-in task."""
-    registry.engines.spec(engine_name)  # unknown or unusable engine: lists what is installed
+    spec = registry.engines.spec(engine_name)  # unknown or unusable: lists what is installed
     config_type = sft_config_type(registry.engines.load_config_class(engine_name, EngineConfig))
     config = load_config(config_type, files=files, overrides=overrides)
     if config.data.train_path:
         if not config.engine.model.path:
             raise ConfigError("engine.model.path is required when data.train_path is set")
-        return SFTJob(engine_name, config)
+        return SFTJob(engine_name, fit_single_engine(spec, config, load_config(config_type)))
     if config.engine.model.path:
         raise ConfigError("data.train_path is required when engine.model.path is set")
     assets = addition.ensure_assets()
@@ -80,7 +83,12 @@ def load_sft_job(
         logging=default.logging,
         workers=default.workers,
     )
-    return SFTJob(engine_name, config, assets, is_builtin_default=as_default == default)
+    return SFTJob(
+        engine_name,
+        fit_single_engine(spec, config, default),
+        assets,
+        is_builtin_default=as_default == default,
+    )
 
 
 @dataclass(frozen=True)

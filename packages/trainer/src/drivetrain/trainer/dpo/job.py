@@ -19,7 +19,9 @@ from rich.console import Console
 
 from drivetrain.api import EngineConfig, registry
 from drivetrain.api.errors import ConfigError
+from drivetrain.api.plugin import PluginSpec
 from drivetrain.trainer.builtin import addition
+from drivetrain.trainer.capabilities import fit_single_engine, require_adapter_reference
 from drivetrain.trainer.checkpoints import CheckpointManager
 from drivetrain.trainer.config_loader import load_config, to_yaml
 from drivetrain.trainer.console import plain_console
@@ -66,13 +68,13 @@ def load_dpo_job(
     """Parse the config; with no data and no model, the built-in task (its SFT model trained
     first when missing, unless ``train_prerequisites`` is off: then the config names where
     that model will be)."""
-    registry.engines.spec(engine_name)  # unknown or unusable engine: lists what is installed
+    spec = registry.engines.spec(engine_name)  # unknown or unusable: lists what is installed
     config_type = dpo_config_type(registry.engines.load_config_class(engine_name, EngineConfig))
     config = load_config(config_type, files=files, overrides=overrides)
     if config.data.train_path:
         if not config.engine.model.path:
             raise ConfigError("engine.model.path is required when data.train_path is set")
-        return DPOJob(engine_name, config)
+        return DPOJob(engine_name, fit_engine(spec, config, load_config(config_type)))
     if config.engine.model.path:
         raise ConfigError("data.train_path is required when engine.model.path is set")
     assets = addition.ensure_assets()
@@ -85,7 +87,15 @@ def load_dpo_job(
     config = load_config(
         config_type, files=[BUILTIN_CONFIG, *files], overrides=[*builtin, *overrides]
     )
-    return DPOJob(engine_name, config, assets)
+    default = load_config(config_type, files=[BUILTIN_CONFIG], overrides=builtin)
+    return DPOJob(engine_name, fit_engine(spec, config, default), assets)
+
+
+def fit_engine(spec: PluginSpec, config: DPOConfig, job_default: DPOConfig) -> DPOConfig:
+    """:func:`fit_single_engine`, and the adapter-disabled reference needs ``lora``."""
+    if config.reference_mode == "adapter":
+        require_adapter_reference(spec, config.reference.mode)
+    return fit_single_engine(spec, config, job_default)
 
 
 @dataclass(frozen=True)

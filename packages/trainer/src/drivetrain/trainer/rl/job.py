@@ -33,6 +33,7 @@ from drivetrain.trainer.preflight import (
     model_context,
 )
 from drivetrain.trainer.rl.advantages import ADVANTAGES, NEEDS_CRITIC
+from drivetrain.trainer.rl.capabilities import RLPlugins, fit_plugins
 from drivetrain.trainer.rl.config import RLConfig, rl_config_type, updates_per_step
 from drivetrain.trainer.rl.off_policy import CORRECTIONS
 from drivetrain.trainer.rl.placement import (
@@ -92,7 +93,6 @@ def load_rl_job(
     preset: str = "",
 ) -> RLJob:
     critic_engine = critic_engine or engine
-    files = [*preset_files(preset), *files]
     for reg, name in ((registry.engines, engine), (registry.engines, critic_engine)):
         reg.spec(name)  # unknown or unusable plugin: lists what is installed
     registry.rollouts.spec(rollout)
@@ -103,7 +103,9 @@ def load_rl_job(
         _transport_config(weight_sync),
     )
     defaults = tuple(ALGORITHM_DEFAULTS[algorithm])
-    config = load_config(config_type, files=[defaults, *files], overrides=overrides)
+    shipped: list[ConfigLayer] = [defaults, *preset_files(preset)]  # the job's, below the user's
+    shipped_overrides: list[str] = []
+    config = load_config(config_type, files=[*shipped, *files], overrides=overrides)
     builtin = None
     if not config.data.train_path:
         if config.actor.model.path:
@@ -118,10 +120,9 @@ def load_rl_job(
         if algorithm == "distill":  # the SFT model teaches a smaller student
             student = ensure_student_model(builtin, console)
             extra = [f"actor.model.path={student}", f"teacher.model_path={model}", *extra[1:]]
-            files = [DISTILL_CONFIG, *files]
-        config = load_config(
-            config_type, files=[BUILTIN_CONFIG, defaults, *files], overrides=[*extra, *overrides]
-        )
+            shipped.insert(1, DISTILL_CONFIG)
+        shipped, shipped_overrides = [BUILTIN_CONFIG, *shipped], extra
+        config = load_config(config_type, files=[*shipped, *files], overrides=[*extra, *overrides])
     elif not config.actor.model.path:
         raise ConfigError("actor.model.path is required when data.train_path is set")
     mode = resolve_mode(config.placement, config.workers)
@@ -137,6 +138,9 @@ def load_rl_job(
     )
     if weight_sync not in ("auto", transport):
         raise ConfigError(f"placement {mode} moves weights in-process; drop --weight-sync")
+    plugins = RLPlugins.find(engine, critic_engine, rollout, transport)
+    job_default = load_config(config_type, files=shipped, overrides=shipped_overrides)
+    config = fit_plugins(config, job_default, plugins, mode)
     return RLJob(algorithm, engine, critic_engine, rollout, transport, config, builtin)
 
 

@@ -1,0 +1,96 @@
+"""What an RL job asks of its engines, rollout and weight transport, checked against what they
+declare when the job loads (see :mod:`drivetrain.trainer.capabilities`).
+
+RL batches are always padded, so ``packed`` is never asked for; the actor's and the critic's
+token budgets become fixed micro-batches on engines without ``dynamic_batch``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from drivetrain.api import registry
+from drivetrain.api.plugin import PluginSpec
+from drivetrain.trainer.capabilities import (
+    check_device,
+    check_engine,
+    device_of,
+    fixed_micro_batch,
+    require,
+    require_adapter_reference,
+)
+from drivetrain.trainer.rl.advantages import NEEDS_CRITIC
+from drivetrain.trainer.rl.config import RLConfig
+
+
+def value_head_roles(c: RLConfig) -> list[str]:
+    """The config keys that start a value-head role on the critic's engine."""
+    roles = []
+    if c.algorithm.advantage in NEEDS_CRITIC:
+        roles.append(f"algorithm.advantage={c.algorithm.advantage} (a critic)")
+    if c.reward.model_path:
+        roles.append("reward.model_path (a reward model)")
+    return roles
+
+
+@dataclass(frozen=True)
+class RLPlugins:
+    """The specs of an RL job's plugins (``transport`` is ``None`` for the in-process
+    hand-over, which is always there and never loaded)."""
+
+    actor: PluginSpec
+    critic: PluginSpec
+    rollout: PluginSpec
+    transport: PluginSpec | None
+
+    @classmethod
+    def find(cls, engine: str, critic_engine: str, rollout: str, transport: str) -> RLPlugins:
+        """The specs by name (imports only the light spec modules)."""
+        return cls(
+            registry.engines.spec(engine),
+            registry.engines.spec(critic_engine),
+            registry.rollouts.spec(rollout),
+            None if transport == "direct" else registry.ckpt_engines.spec(transport),
+        )
+
+
+def fit_plugins(c: RLConfig, job_default: RLConfig, plugins: RLPlugins, placement: str) -> RLConfig:
+    """``c`` with fixed micro-batches where an engine lacks ``dynamic_batch``, after refusing
+    what a plugin does not declare. ``job_default``: the config without the user's layers;
+    ``placement``: the resolved placement mode."""
+    remote = bool(c.workers.ray_address)
+    longest = c.data.max_prompt_length + c.sampling.max_new_tokens
+    actor = plugins.actor
+    if c.reference_mode == "adapter":
+        require_adapter_reference(actor, c.reference.mode)
+    check_engine(actor, "actor", c.actor, remote=remote)
+    micro = fixed_micro_batch(
+        actor, "actor.micro_batch", c.actor.micro_batch, job_default.actor.micro_batch, longest
+    )
+    c = dataclasses.replace(c, actor=dataclasses.replace(c.actor, micro_batch=micro))
+    if roles := value_head_roles(c):
+        critic = plugins.critic
+        for asked_by in roles:
+            require("engine", critic, "value_head", asked_by)
+        check_engine(critic, "critic", c.critic, remote=remote)
+        micro = fixed_micro_batch(
+            critic, "critic.micro_batch", c.critic.micro_batch, job_default.critic.micro_batch,
+            longest,
+        )  # fmt: skip
+        c = dataclasses.replace(c, critic=dataclasses.replace(c.critic, micro_batch=micro))
+    backend = plugins.rollout
+    check_device("rollout", backend, "rollout.device", c.rollout.device, remote=remote)
+    # sharing an accelerator, the rollout hands its memory to the training step; on the CPU
+    # there is no device memory to hand back
+    device = device_of(backend, c.rollout.device, remote=remote)
+    if placement == "colocated" and device not in (None, "cpu"):
+        mode = c.placement.mode
+        shown = f"placement.mode={mode}" + (" (colocated)" if mode == "auto" else "")
+        require("rollout", backend, "sleep", f"{shown} on {device}")
+    if plugins.transport is not None:
+        check_device(
+            "ckpt-engine", plugins.transport, "weight_sync.device", c.weight_sync.device,
+            remote=remote,
+        )  # fmt: skip
+    return c
