@@ -1,12 +1,24 @@
 """The kit passes the fake engine and fails engines that break the contract."""
 
+import json
+import math
+import os
+import random
+import shutil
 from dataclasses import replace
 
 import pytest
 
-from drivetrain.api import Batch, LossContext, OutputSpec, merge_metrics
+from drivetrain.api import Batch, CheckpointInfo, LossContext, OutputSpec, merge_metrics
 from drivetrain.api.columns import SHARED_PREFIX_LEN
-from drivetrain.api.testing import EngineConformance, FakeEngine, FakeHarness, run_conformance
+from drivetrain.api.schedule import lr_multiplier
+from drivetrain.api.testing import (
+    EngineConformance,
+    FakeEngine,
+    FakeHarness,
+    fake_model,
+    run_conformance,
+)
 from drivetrain.api.testing import conformance as kit
 from drivetrain.api.testing.nested import flatten
 
@@ -51,6 +63,112 @@ class ForgetsOptimizerState(FakeEngine):
         return info
 
 
+class ForgetsSchedulePosition(FakeEngine):
+    def load_checkpoint(self, path):
+        info = super().load_checkpoint(path)
+        self.sched_steps = 0
+        return info
+
+
+class ForgetsWeights(FakeEngine):
+    def load_checkpoint(self, path):
+        info = super().load_checkpoint(path)
+        self.params = fake_model.init_weights(self.config.vocab_size, self.config.seed, 0.5)
+        return info
+
+
+class ForgetsRng(FakeEngine):
+    def load_checkpoint(self, path):
+        info = super().load_checkpoint(path)
+        self.rng = random.Random(self.config.seed)
+        return info
+
+
+class WritesCheckpointInPlace(FakeEngine):
+    """Writes straight under the final name: a crash leaves a partial checkpoint there."""
+
+    def save_checkpoint(self, path, *, step):
+        shutil.rmtree(path, ignore_errors=True)
+        os.makedirs(path)
+        with open(os.path.join(path, "state.json"), "w") as f:
+            json.dump(self._state(step), f)
+        return CheckpointInfo(path, step)
+
+
+class IgnoresClipGrad(FakeEngine):
+    def initialize(self):
+        super().initialize()
+        self.config = replace(self.config, optim=replace(self.config.optim, clip_grad=None))
+
+
+class ReportsClippedNorm(FakeEngine):
+    def optimizer_step(self):
+        return min(super().optimizer_step(), self.config.optim.clip_grad or math.inf)
+
+
+class ClipsEveryNorm(FakeEngine):
+    """Scales the gradient to clip_grad even when its norm is below: clipping as normalising."""
+
+    def optimizer_step(self):
+        norm = math.sqrt(sum(g * g for g in self._flat(self.grads)))
+        clip = self.config.optim.clip_grad
+        if clip is not None and 0 < norm < clip:
+            self.grads = {k: _scaled(v, clip / norm) for k, v in self.grads.items()}
+        super().optimizer_step()
+        return norm
+
+
+def _scaled(value, factor):
+    return [_scaled(v, factor) for v in value] if isinstance(value, list) else value * factor
+
+
+class AppliesNextLr(FakeEngine):
+    """The optimizer runs one schedule step ahead of lr_scheduler_step (skips a warm-up step)."""
+
+    def optimizer_step(self):
+        self.sched_steps += 1
+        try:
+            return super().optimizer_step()
+        finally:
+            self.sched_steps -= 1
+
+
+class ReportsPreviousLr(FakeEngine):
+    def lr_scheduler_step(self):
+        lr = self.config.optim.lr * lr_multiplier(self.sched_steps, self.config.optim)
+        super().lr_scheduler_step()
+        return lr
+
+
+class CountsSkippedSteps(FakeEngine):
+    """Skips the update on a non-finite norm but advances AdamW's step count."""
+
+    def optimizer_step(self):
+        norm = super().optimizer_step()
+        if not math.isfinite(norm):
+            self.optim_steps += 1
+        return norm
+
+
+class StepsOnNonFiniteGrads(FakeEngine):
+    """Zeroes non-finite gradients and steps anyway (momentum moves the weights)."""
+
+    def optimizer_step(self):
+        norm = math.sqrt(sum(g * g for g in self._flat(self.grads)))
+        if not math.isfinite(norm):
+            self.grads = self._zeros()
+            super().optimizer_step()
+            return norm
+        return super().optimizer_step()
+
+
+class OffloadDropsOptimizerState(FakeEngine):
+    def to(self, device, *, model=True, optimizer=True):
+        super().to(device, model=model, optimizer=optimizer)
+        if device == "cpu" and optimizer:
+            self.exp_avg, self.exp_avg_sq = self._zeros(), self._zeros()
+
+
 class NoModeChecks(FakeEngine):
     def _require(self, mode, what):
         pass
@@ -93,7 +211,23 @@ def test_fake_engine_passes_everything():
         (PerMicroBatchMean, "check_micro_batch_invariance", "loss with"),
         (UnorderedInfer, "check_order_restored", "order not restored"),
         (MissingWeight, "check_weight_export", "missing weights ['bigram.bias']"),
-        (ForgetsOptimizerState, "check_checkpoint_round_trip", "after resume"),
+        (ForgetsOptimizerState, "check_checkpoint_round_trip", "optimizer state not restored"),
+        (ForgetsSchedulePosition, "check_checkpoint_round_trip", "LR schedule position was not"),
+        (ForgetsWeights, "check_checkpoint_round_trip", "model weights not restored"),
+        (ForgetsRng, "check_rng_restored", "RNG state was not restored"),
+        (WritesCheckpointInPlace, "check_checkpoint_atomic", "that does not load"),
+        (IgnoresClipGrad, "check_gradient_clipping", "gradient clipping not applied"),
+        (ReportsClippedNorm, "check_gradient_clipping", "norm before clipping"),
+        (ClipsEveryNorm, "check_gradient_clipping", "only norms above clip_grad are clipped"),
+        (AppliesNextLr, "check_lr_schedule", "learning rate in effect at step 0"),
+        (ReportsPreviousLr, "check_lr_schedule", "lr_scheduler_step after step 0 returned"),
+        (CountsSkippedSteps, "check_nonfinite_step_skipped", "after a skipped one differs"),
+        (StepsOnNonFiniteGrads, "check_nonfinite_step_skipped", "non-finite gradient norm changed"),
+        (
+            OffloadDropsOptimizerState,
+            "check_offload_round_trip",
+            "optimizer state lost in to('cpu')",
+        ),
         (NoModeChecks, "check_contract_shapes", "must raise EngineStateError"),
         (InferChangesWeights, "check_modes", "deterministic"),
         (SumsEveryMetric, "check_micro_batch_invariance", "must be the largest"),
@@ -143,27 +277,27 @@ def test_forward_backward_reports_global_counts():
 class IgnoresPackedOffsets(FakeEngine):
     """Treats a packed row as one long sequence: attention leaks across samples."""
 
-    def _forward(self, batch, spec, weights):
+    def _forward(self, batch, spec, weights, **kw):
         if batch.layout.value != "packed":
-            return super()._forward(batch, spec, weights)
+            return super()._forward(batch, spec, weights, **kw)
         merged = batch.__class__.from_columns(
             dict(batch.columns), seq_lens=[batch.num_tokens], layout=batch.layout
         )
-        return super()._forward(merged, spec, weights)
+        return super()._forward(merged, spec, weights, **kw)
 
 
 class SharesPrefixesByLengthOnly(FakeEngine):
     """Trusts ``shared_prefix_len`` without checking that the prefixes hold the same tokens."""
 
-    def _forward(self, batch, spec, weights):
+    def _forward(self, batch, spec, weights, **kw):
         if SHARED_PREFIX_LEN not in batch:
-            return super()._forward(batch, spec, weights)
+            return super()._forward(batch, spec, weights, **kw)
         ids = [list(row) for row in batch["input_ids"]]
         first: dict[int, list[int]] = {}
         for row, n in zip(ids, batch[SHARED_PREFIX_LEN], strict=True):
             prefix = first.setdefault(n, row[:n])
             row[: len(prefix)] = prefix[: len(row)]
-        return super()._forward(batch.with_columns(input_ids=ids), spec, weights)
+        return super()._forward(batch.with_columns(input_ids=ids), spec, weights, **kw)
 
 
 def test_kit_fails_engine_that_shares_different_prefixes():
@@ -176,3 +310,36 @@ def test_kit_fails_engine_that_leaks_across_packed_sequences():
     found = failures(IgnoresPackedOffsets)
     assert "check_packed_matches_padded" in found
     assert "differ from padded" in found["check_packed_matches_padded"]
+
+
+def test_offload_is_checked_only_for_engines_declaring_it():
+    harness = FakeHarness(engine_class=OffloadDropsOptimizerState, capabilities=frozenset())
+    (result,) = run_conformance(harness, [kit.check_offload_round_trip])
+    assert result.passed and "skipped" in result.error and "'offload'" in result.error
+
+
+def test_a_harness_without_dropout_skips_the_rng_check():
+    class Deterministic(FakeHarness):
+        def make_engine(self, micro_batch, *, optim=None, offload=None):
+            return super().make_engine(micro_batch, optim=optim, offload=offload)
+
+    (result,) = run_conformance(Deterministic(), [kit.check_rng_restored])
+    assert result.passed and "skipped" in result.error
+
+
+def test_a_harness_that_cannot_set_the_optimizer_fails_the_checks_that_need_it():
+    class Fixed(FakeHarness):
+        def make_engine(self, micro_batch):
+            return super().make_engine(micro_batch)
+
+    (result,) = run_conformance(Fixed(), [kit.check_gradient_clipping])
+    assert not result.passed and "make_engine takes no optim= keyword" in result.error
+
+
+def test_a_dropout_harness_whose_engine_ignores_it_fails_the_rng_check():
+    class IgnoresDropout(FakeHarness):
+        def make_engine(self, micro_batch, *, optim=None, offload=None, dropout=0.0):
+            return super().make_engine(micro_batch, optim=optim, offload=offload)
+
+    (result,) = run_conformance(IgnoresDropout(), [kit.check_rng_restored])
+    assert not result.passed and "trains deterministically" in result.error

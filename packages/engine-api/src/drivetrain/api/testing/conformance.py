@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import random
-import tempfile
 import traceback
 import unittest
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -28,93 +27,33 @@ from drivetrain.api.config import MicroBatchConfig
 from drivetrain.api.engine import Engine, ParallelInfo, StepResult
 from drivetrain.api.errors import EngineStateError
 from drivetrain.api.loss import LossContext, OutputSpec
+from drivetrain.api.testing.atomic_check import check_checkpoint_atomic
 from drivetrain.api.testing.harness import EngineHarness
-from drivetrain.api.testing.nested import flatten, sample_rows, shape_of
-
-#: Lengths of the kit's sequences: varied, so token budgets regroup them.
-LENGTHS = (7, 3, 12, 5, 9, 4, 11, 6)
-
-
-def token_mean_nll(
-    outputs: Mapping[str, Any], micro_batch: Batch, ctx: LossContext
-) -> tuple[Any, dict]:
-    """The kit's loss: mean negative log-likelihood over the loss tokens of the mini-batch.
-    Its metrics are the micro-batch's loss tokens, summed (``loss_tokens``) and the largest
-    (``loss_tokens_max``: a ``*_max`` metric is reduced by max).
-
-    Written with ``*``, unary ``-``, ``.sum()`` and ``/`` only, which torch tensors, numpy
-    arrays and the fake engine's arrays all support."""
-    log_probs = outputs[LOG_PROBS]
-    detached = log_probs.detach() if hasattr(log_probs, "detach") else log_probs  # a count
-    ones = detached * 0.0 + 1.0  # the mask may be a plain list: count through this
-    tokens = float((ones * micro_batch[LOSS_MASK]).sum())
-    metrics = {"loss_tokens": tokens, "loss_tokens_max": tokens}
-    return -(outputs[LOG_PROBS] * micro_batch[LOSS_MASK]).sum() / ctx.global_tokens, metrics
-
-
-def sample_data(vocab_size: int, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
-    """Deterministic sequences and loss masks (first token of each sequence never counted)."""
-    rng = random.Random(seed)
-    sequences = [[rng.randrange(1, vocab_size) for _ in range(n)] for n in LENGTHS]
-    masks = [[0] + [1 if rng.random() < 0.8 else 0 for _ in range(n - 1)] for n in LENGTHS]
-    for mask in masks:
-        mask[-1] = 1  # at least one loss token per sample
-    return sequences, masks
-
-
-# ---- helpers ---------------------------------------------------------------------------
-def _gather(h: EngineHarness, obj: Any) -> list[Any]:
-    """``obj`` from every rank (the harness's collective), or ``[obj]`` in one process."""
-    gather = getattr(h, "all_gather_object", None)
-    return gather(obj) if gather is not None else [obj]
-
-
-def _close(h: EngineHarness, a: float, b: float) -> bool:
-    return math.isclose(a, b, rel_tol=h.rtol, abs_tol=h.atol)
-
-
-def _assert_close(h: EngineHarness, a: float, b: float, what: str) -> None:
-    assert _close(h, a, b), f"{what}: {a!r} != {b!r} (rtol={h.rtol}, atol={h.atol})"
-
-
-def _weights(h: EngineHarness, engine: Engine) -> dict[str, list[float]]:
-    return {name: flatten(h.to_list(value)) for name, value in engine.export_weights()}
-
-
-def _assert_weights_close(h: EngineHarness, a: Mapping, b: Mapping, what: str) -> None:
-    assert set(a) == set(b), f"{what}: weight names differ: {sorted(set(a) ^ set(b))}"
-    assert list(a) == list(b), f"{what}: weights exported in a different order"
-    for name in a:
-        worst = max((abs(x - y) for x, y in zip(a[name], b[name], strict=True)), default=0.0)
-        scale = max((abs(y) for y in b[name]), default=0.0)
-        assert worst <= h.atol + h.rtol * scale, f"{what}: weight {name!r} differs by {worst:.3g}"
-
-
-def _rows(h: EngineHarness, batch: Batch, column: str) -> list[list[float]]:
-    """Per-sample values of a token column without padding (padded or packed layout)."""
-    return sample_rows(batch, h.to_list(batch[column]))
-
-
-@dataclass
-class _Run:
-    loss: float
-    grad_norm: float
-    lr: float
-    result: StepResult
-    weights: dict[str, list[float]]
-
-
-def _train_step(h: EngineHarness, engine: Engine, batch: Batch) -> _Run:
-    with engine.train_mode():
-        engine.optimizer_zero_grad()
-        result = engine.forward_backward(engine.shard_data(batch), token_mean_nll)
-        grad_norm = engine.optimizer_step()
-        lr = engine.lr_scheduler_step()
-    return _Run(result.loss, grad_norm, lr, result, _weights(h, engine))
-
-
-def _data(h: EngineHarness) -> Batch:
-    return h.make_batch(*sample_data(h.vocab_size))
+from drivetrain.api.testing.nested import flatten, shape_of
+from drivetrain.api.testing.optim_checks import (
+    check_gradient_clipping,
+    check_lr_schedule,
+    check_nonfinite_step_skipped,
+)
+from drivetrain.api.testing.state_checks import (
+    check_checkpoint_round_trip,
+    check_offload_round_trip,
+    check_rng_restored,
+)
+from drivetrain.api.testing.steps import (
+    LENGTHS,
+    Run,
+    assert_close,
+    assert_weights_close,
+    close,
+    data,
+    gather,
+    rows,
+    sample_data,
+    token_mean_nll,
+    train_step,
+    weights,
+)
 
 
 def _infer_rows(
@@ -124,14 +63,14 @@ def _infer_rows(
         out = engine.infer(engine.shard_data(batch) if shard else batch, spec)
     if out is None:
         return None
-    return [_rows(h, out, name) for name in spec.names]
+    return [rows(h, out, name) for name in spec.names]
 
 
 def _assert_same_results(
     h: EngineHarness,
     spec: OutputSpec,
-    got: tuple[list[list[list[float]]] | None, _Run],
-    want: tuple[list[list[list[float]]] | None, _Run],
+    got: tuple[list[list[list[float]]] | None, Run],
+    want: tuple[list[list[list[float]]] | None, Run],
     got_name: str,
     want_name: str,
 ) -> None:
@@ -141,11 +80,11 @@ def _assert_same_results(
         assert got_rows is not None
         for k, name in enumerate(spec.names):
             for i, (a, b) in enumerate(zip(got_rows[k], want_rows[k], strict=True)):
-                assert all(_close(h, x, y) for x, y in zip(a, b, strict=True)), (
+                assert all(close(h, x, y) for x, y in zip(a, b, strict=True)), (
                     f"{got_name}: {name} of sample {i} differ from {want_name}: {a} != {b}"
                 )
-    _assert_close(h, got_run.loss, want_run.loss, f"loss {got_name} vs {want_name}")
-    _assert_weights_close(h, got_run.weights, want_run.weights, f"step {got_name} vs {want_name}")
+    assert_close(h, got_run.loss, want_run.loss, f"loss {got_name} vs {want_name}")
+    assert_weights_close(h, got_run.weights, want_run.weights, f"step {got_name} vs {want_name}")
 
 
 # ---- the checks ------------------------------------------------------------------------
@@ -155,7 +94,7 @@ def check_contract_shapes(h: EngineHarness) -> None:
     assert isinstance(engine, Engine), f"{type(engine).__name__} does not subclass Engine"
     info = engine.parallel
     assert isinstance(info, ParallelInfo), "parallel must be a ParallelInfo"
-    batch = _data(h)
+    batch = data(h)
     shard = engine.shard_data(batch)
     assert isinstance(shard, Batch) and len(shard) >= 1, "shard_data must return a non-empty Batch"
     try:
@@ -198,12 +137,12 @@ def check_contract_shapes(h: EngineHarness) -> None:
         f"infer returned {sorted(out.columns)}, asked {spec.names}"
     )
     assert out.layout == shard.layout, "infer output must keep the input layout"
-    for row in _rows(h, out, LOG_PROBS):
+    for row in rows(h, out, LOG_PROBS):
         assert row[0] == 0.0, "log_probs at the first token of a sequence must be 0"
         assert all(x <= 1e-6 for x in row), "log-probs must be <= 0"
-    for row in _rows(h, out, ENTROPY):
+    for row in rows(h, out, ENTROPY):
         assert all(x >= -1e-6 for x in row), "entropy must be >= 0"
-    assert hot is not None and _rows(h, hot, LOG_PROBS) != _rows(h, out, LOG_PROBS), (
+    assert hot is not None and rows(h, hot, LOG_PROBS) != rows(h, out, LOG_PROBS), (
         "log-probs must depend on OutputSpec.temperature"
     )
 
@@ -211,21 +150,19 @@ def check_contract_shapes(h: EngineHarness) -> None:
 def check_micro_batch_invariance(h: EngineHarness) -> None:
     """Loss, gradient norm and updated weights do not depend on how the batch is split, and
     the loss is the global token mean that ``infer``'s log-probs imply."""
-    batch = _data(h)
+    batch = data(h)
     splits = [
         MicroBatchConfig(micro_batch_size=len(batch)),
         MicroBatchConfig(micro_batch_size=1),
         MicroBatchConfig(micro_batch_size=3),
         MicroBatchConfig(max_tokens=max(LENGTHS) + 4),
     ]
-    runs = [(split, _train_step(h, h.make_engine(split), batch)) for split in splits]
+    runs = [(split, train_step(h, h.make_engine(split), batch)) for split in splits]
     _, base = runs[0]
     for split, run in runs[1:]:
-        _assert_close(h, run.loss, base.loss, f"loss with {split} vs one micro-batch")
-        _assert_close(
-            h, run.grad_norm, base.grad_norm, f"grad norm with {split} vs one micro-batch"
-        )
-        _assert_weights_close(h, run.weights, base.weights, f"weights after a step with {split}")
+        assert_close(h, run.loss, base.loss, f"loss with {split} vs one micro-batch")
+        assert_close(h, run.grad_norm, base.grad_norm, f"grad norm with {split} vs one micro-batch")
+        assert_weights_close(h, run.weights, base.weights, f"weights after a step with {split}")
     assert runs[1][1].result.num_micro_batches > runs[0][1].result.num_micro_batches, (
         "micro_batch_size=1 must run more micro-batches than one whole batch"
     )
@@ -244,20 +181,20 @@ def check_micro_batch_invariance(h: EngineHarness) -> None:
 
     engine = h.make_engine(splits[0])
     shard = engine.shard_data(batch)
-    rows = _infer_rows(h, engine, shard, OutputSpec(log_probs=True), shard=False)
+    logp = _infer_rows(h, engine, shard, OutputSpec(log_probs=True), shard=False)
     local = (0.0, 0)
-    if rows is not None:  # output ranks of each data-parallel group report their shard's sums
-        masks = _rows(h, shard, LOSS_MASK)
+    if logp is not None:  # output ranks of each data-parallel group report their shard's sums
+        masks = rows(h, shard, LOSS_MASK)
         nll = -sum(
             lp * m
-            for r, mk in zip(rows[0], masks, strict=True)
+            for r, mk in zip(logp[0], masks, strict=True)
             for lp, m in zip(r, mk, strict=True)
         )
         local = (nll, int(sum(map(sum, masks))))
-    reports = [r for r in _gather(h, (engine.parallel.dp_rank, rows is not None, local)) if r[1]]
+    reports = [r for r in gather(h, (engine.parallel.dp_rank, logp is not None, local)) if r[1]]
     per_dp = {dp: sums for dp, _, sums in reports}  # one report per dp rank
     total = sum(n for n, _ in per_dp.values()) / sum(t for _, t in per_dp.values())
-    _assert_close(h, base.loss, total, "loss vs global token-mean NLL from infer")
+    assert_close(h, base.loss, total, "loss vs global token-mean NLL from infer")
     engine.close()
 
 
@@ -270,7 +207,7 @@ PAIRS = (0, 1, 1, 2, 3, 0, 2, 4)
 def check_sample_groups_stay_together(h: EngineHarness) -> None:
     """Samples sharing a ``sample_group`` value reach the loss in one micro-batch, on one rank,
     whatever the split (a DPO loss needs chosen and rejected together)."""
-    batch = _data(h).with_columns(**{SAMPLE_GROUP: list(PAIRS)})
+    batch = data(h).with_columns(**{SAMPLE_GROUP: list(PAIRS)})
     seen: list[list[int]] = []
 
     def recording_loss(outputs: Mapping[str, Any], micro: Batch, ctx: LossContext) -> Any:
@@ -284,7 +221,7 @@ def check_sample_groups_stay_together(h: EngineHarness) -> None:
             engine.optimizer_zero_grad()
             engine.forward_backward(engine.shard_data(batch), recording_loss)
         engine.close()
-    micros = [micro for rank in _gather(h, seen) for micro in rank]
+    micros = [micro for rank in gather(h, seen) for micro in rank]
     assert micros, "the loss never ran"
     for micro in micros:
         for g in set(micro):
@@ -299,7 +236,7 @@ def check_order_restored(h: EngineHarness) -> None:
     """``infer`` returns samples in the caller's order, whatever its micro-batching."""
     regrouping = h.make_engine(MicroBatchConfig(max_tokens=max(LENGTHS) + 4))
     one_by_one = h.make_engine(MicroBatchConfig(micro_batch_size=1))
-    shard = regrouping.shard_data(_data(h))
+    shard = regrouping.shard_data(data(h))
     spec = OutputSpec(log_probs=True, entropy=True)
     got = _infer_rows(h, regrouping, shard, spec, shard=False)
     want = _infer_rows(h, one_by_one, shard, spec, shard=False)
@@ -312,13 +249,13 @@ def check_order_restored(h: EngineHarness) -> None:
     assert want is not None and flipped is not None
     for k, name in enumerate(spec.names):
         for i in range(len(shard)):
-            assert all(_close(h, a, b) for a, b in zip(got[k][i], want[k][i], strict=True)), (
+            assert all(close(h, a, b) for a, b in zip(got[k][i], want[k][i], strict=True)), (
                 f"infer row {i} ({name}) is not sample {i}'s output: order not restored"
             )
         for new, old in enumerate(order):
-            assert all(
-                _close(h, a, b) for a, b in zip(flipped[k][new], got[k][old], strict=True)
-            ), "infer on a reordered batch must return the reordered outputs"
+            assert all(close(h, a, b) for a, b in zip(flipped[k][new], got[k][old], strict=True)), (
+                "infer on a reordered batch must return the reordered outputs"
+            )
 
 
 def check_packed_matches_padded(h: EngineHarness) -> None:
@@ -326,12 +263,12 @@ def check_packed_matches_padded(h: EngineHarness) -> None:
     if not getattr(h, "packed", True):
         raise unittest.SkipTest("the harness says its engine does not take packed batches")
     engine = h.make_engine(MicroBatchConfig(micro_batch_size=3))
-    batch = _data(h)
+    batch = data(h)
     spec = OutputSpec(log_probs=True, entropy=True)
     padded = _infer_rows(h, engine, batch, spec)
     packed = _infer_rows(h, engine, batch.to_packed(), spec)
-    padded_run = _train_step(h, h.make_engine(MicroBatchConfig(micro_batch_size=3)), batch)
-    packed_run = _train_step(h, engine, batch.to_packed())
+    padded_run = train_step(h, h.make_engine(MicroBatchConfig(micro_batch_size=3)), batch)
+    packed_run = train_step(h, engine, batch.to_packed())
     engine.close()
     _assert_same_results(h, spec, (packed, packed_run), (padded, padded_run), "packed", "padded")
 
@@ -371,8 +308,8 @@ def check_shared_prefix_is_only_a_hint(h: EngineHarness) -> None:
     spec = OutputSpec(log_probs=True, entropy=True)
     want = _infer_rows(h, engine, plain, spec)
     got = _infer_rows(h, engine, hinted, spec)
-    want_run = _train_step(h, h.make_engine(config), plain)
-    got_run = _train_step(h, engine, hinted)
+    want_run = train_step(h, h.make_engine(config), plain)
+    got_run = train_step(h, engine, hinted)
     engine.close()
     _assert_same_results(
         h, spec, (got, got_run), (want, want_run), "with shared_prefix_len", "without"
@@ -382,44 +319,19 @@ def check_shared_prefix_is_only_a_hint(h: EngineHarness) -> None:
 def check_modes(h: EngineHarness) -> None:
     """eval is deterministic and leaves weights alone; a train step changes them."""
     engine = h.make_engine(MicroBatchConfig(micro_batch_size=4))
-    batch = _data(h)
-    before = _weights(h, engine)
+    batch = data(h)
+    before = weights(h, engine)
     spec = OutputSpec(log_probs=True)
     first = _infer_rows(h, engine, batch, spec)
     second = _infer_rows(h, engine, batch, spec)
     assert first == second, "infer in eval_mode must be deterministic"
-    assert _weights(h, engine) == before, "infer must not change the weights"
-    _train_step(h, engine, batch)
-    after = _weights(h, engine)
+    assert weights(h, engine) == before, "infer must not change the weights"
+    train_step(h, engine, batch)
+    after = weights(h, engine)
     assert any(a != b for name in before for a, b in zip(before[name], after[name], strict=True)), (
         "a train step must change the weights"
     )
     engine.close()
-
-
-def check_checkpoint_round_trip(h: EngineHarness) -> None:
-    """Save after one step, load into a fresh engine: the next step matches."""
-    batch = _data(h)
-    split = MicroBatchConfig(micro_batch_size=3)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = _gather(h, f"{tmp}/ckpt")[0]  # every rank uses rank 0's (shared) path
-        original = h.make_engine(split)
-        _train_step(h, original, batch)
-        info = original.save_checkpoint(path, step=1)
-        assert info.step == 1, f"save_checkpoint returned step {info.step}"
-        expected = _train_step(h, original, batch)
-
-        resumed = h.make_engine(split)
-        loaded = resumed.load_checkpoint(path)
-        assert loaded.step == 1, f"load_checkpoint returned step {loaded.step}, saved 1"
-        got = _train_step(h, resumed, batch)
-        _gather(h, None)  # nobody deletes the directory while another rank still reads it
-    original.close()
-    resumed.close()
-    _assert_close(h, got.loss, expected.loss, "loss after resume")
-    _assert_close(h, got.grad_norm, expected.grad_norm, "grad norm after resume")
-    _assert_close(h, got.lr, expected.lr, "learning rate after resume")
-    _assert_weights_close(h, got.weights, expected.weights, "weights after resume + one step")
 
 
 def check_weight_export(h: EngineHarness) -> None:
@@ -458,6 +370,12 @@ ENGINE_CHECKS: tuple[Callable[[EngineHarness], None], ...] = (
     check_shared_prefix_is_only_a_hint,
     check_modes,
     check_checkpoint_round_trip,
+    check_rng_restored,
+    check_checkpoint_atomic,
+    check_gradient_clipping,
+    check_lr_schedule,
+    check_nonfinite_step_skipped,
+    check_offload_round_trip,
     check_weight_export,
 )
 

@@ -1,8 +1,9 @@
 """A pure-Python training engine that honours the whole engine contract.
 
 It trains the bigram model of :mod:`fake_model` with real gradients (see :mod:`autodiff`),
-AdamW, gradient clipping, the shared LR schedule, fixed-size and token-budget micro-batching
-with order restoration, padded and packed layouts, atomic checkpoints and streamed export.
+AdamW, gradient clipping, the shared LR schedule, optional dropout on the logits (its RNG
+checkpointed), fixed-size and token-budget micro-batching with order restoration, padded and
+packed layouts, atomic checkpoints and streamed export.
 Use it to test orchestration (trainer, controller, Ray workers) without torch, and as the
 reference the conformance kit is proven against. Single process: its data-parallel world is 1.
 Columns are nested Python lists (``input_ids`` and ``loss_mask`` as ``[n][T]`` padded rows, or
@@ -16,6 +17,7 @@ import itertools
 import json
 import math
 import os
+import random
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,6 +42,8 @@ from drivetrain.api.testing.autodiff import Array, Scalar, lift, logsumexp
 class FakeEngineConfig(EngineConfig):
     vocab_size: int = 16
     init_scale: float = 0.5
+    #: Dropout on the logits while training: makes steps draw from the engine's RNG.
+    dropout: float = 0.0
 
 
 def _rows(batch: Batch, name: str) -> list[list[Any]]:
@@ -79,6 +83,7 @@ class FakeEngine(ModalEngine):
         self.exp_avg_sq = self._zeros()
         self.optim_steps = 0
         self.sched_steps = 0
+        self.rng = random.Random(cfg.seed)
         self._ready = True
 
     def _zeros(self) -> dict[str, Any]:
@@ -107,7 +112,13 @@ class FakeEngine(ModalEngine):
             return batch.token_budget_parts(spec.max_tokens)
         return batch.fixed_size_parts(spec.micro_batch_size or 1)
 
-    def _forward(self, batch: Batch, spec: OutputSpec, weights: dict[str, Any]) -> dict[str, Any]:
+    def _dropout(self, logits: list[Any]) -> list[Any]:
+        keep = 1.0 - self.config.dropout
+        return [x * (1.0 / keep if self.rng.random() < keep else 0.0) for x in logits]
+
+    def _forward(
+        self, batch: Batch, spec: OutputSpec, weights: dict[str, Any], *, train: bool = False
+    ) -> dict[str, Any]:
         """Per-token outputs as autodiff arrays laid out like ``batch[INPUT_IDS]``."""
         if spec.values:
             raise EngineStateError("the fake engine has no value head")
@@ -117,6 +128,8 @@ class FakeEngine(ModalEngine):
             entropy: list[Any] = list(log_probs)
             for prev, token in itertools.pairwise(tokens):
                 logits = fake_model.next_token_logits(weights, prev)
+                if train and self.config.dropout:
+                    logits = self._dropout(logits)
                 scaled = [lift(x) / spec.temperature for x in logits]
                 norm = logsumexp(scaled)
                 log_probs.append(scaled[token] - norm)
@@ -150,7 +163,7 @@ class FakeEngine(ModalEngine):
             micro = batch.select(indices)
             ctx = LossContext(global_tokens, len(batch), 1, k, len(parts))
             leaves = self._leaves()
-            loss, mb_metrics = loss_fn(self._forward(micro, spec, leaves), micro, ctx)
+            loss, mb_metrics = loss_fn(self._forward(micro, spec, leaves, train=True), micro, ctx)
             loss = lift(loss)
             loss.backward()
             self._accumulate(leaves)
@@ -259,6 +272,7 @@ class FakeEngine(ModalEngine):
             "exp_avg_sq": self.exp_avg_sq,
             "optim_steps": self.optim_steps,
             "sched_steps": self.sched_steps,
+            "rng": self.rng.getstate(),
         }
 
     def save_checkpoint(self, path: str, *, step: int) -> CheckpointInfo:
@@ -287,5 +301,7 @@ class FakeEngine(ModalEngine):
         self.exp_avg_sq = state["exp_avg_sq"]
         self.optim_steps = state["optim_steps"]
         self.sched_steps = state["sched_steps"]
+        version, internal, gauss = state["rng"]  # JSON turned the state's tuples into lists
+        self.rng.setstate((version, tuple(internal), gauss))
         self.grads = self._zeros()
         return CheckpointInfo(os.path.abspath(path), state["step"])

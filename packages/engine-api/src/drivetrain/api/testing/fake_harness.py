@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from drivetrain.api.batch import Batch
-from drivetrain.api.config import MicroBatchConfig, OptimConfig
+from drivetrain.api.config import MicroBatchConfig, OffloadConfig, OptimConfig
 from drivetrain.api.engine import Engine
 from drivetrain.api.testing import fake_model
 from drivetrain.api.testing.fake_engine import FakeEngine, FakeEngineConfig
+from drivetrain.api.testing.plugins import FAKE_ENGINE
 
 
 @dataclass
@@ -20,11 +21,23 @@ class FakeHarness:
     atol: float = 1e-9
     rtol: float = 1e-9
     packed: bool = True
+    capabilities: frozenset[str] = FAKE_ENGINE.capabilities
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-2, clip_grad=None))
 
-    def make_engine(self, micro_batch: MicroBatchConfig) -> Engine:
+    def make_engine(
+        self,
+        micro_batch: MicroBatchConfig,
+        *,
+        optim: OptimConfig | None = None,
+        offload: OffloadConfig | None = None,
+        dropout: float = 0.0,
+    ) -> Engine:
         config = FakeEngineConfig(
-            vocab_size=self.vocab_size, micro_batch=micro_batch, optim=self.optim
+            vocab_size=self.vocab_size,
+            micro_batch=micro_batch,
+            optim=optim or self.optim,
+            offload=offload or OffloadConfig(),
+            dropout=dropout,
         )
         engine = self.engine_class(config)
         engine.initialize()

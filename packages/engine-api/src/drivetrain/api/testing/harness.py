@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from drivetrain.api.batch import Batch
-from drivetrain.api.config import MicroBatchConfig
+from drivetrain.api.config import MicroBatchConfig, OffloadConfig, OptimConfig
 from drivetrain.api.engine import Engine
 
 
@@ -26,9 +26,25 @@ class EngineHarness(Protocol):
     rtol: float
     #: Whether the engine takes ``Layout.PACKED`` batches (the "packed" capability).
     packed: bool
+    #: The capabilities its plugin declares (``PluginSpec.capabilities``); checks of optional
+    #: features (``offload``) run only for engines that declare them.
+    capabilities: frozenset[str]
 
-    def make_engine(self, micro_batch: MicroBatchConfig) -> Engine:
-        """A fresh, initialized engine using ``micro_batch`` as its micro-batching config."""
+    def make_engine(
+        self,
+        micro_batch: MicroBatchConfig,
+        *,
+        optim: OptimConfig | None = None,
+        offload: OffloadConfig | None = None,
+        dropout: float = 0.0,
+    ) -> Engine:
+        """A fresh, initialized engine using ``micro_batch`` as its micro-batching config.
+
+        ``optim`` replaces the harness's optimizer config (the kit's clipping, schedule and
+        checkpoint checks set their own), ``offload`` its offload config. ``dropout`` > 0 asks
+        for a model whose training forward draws from the engine's RNG (e.g. attention
+        dropout), for the RNG-restore check; a harness that cannot make one leaves the keyword
+        out and that check is skipped."""
         ...
 
     def make_batch(

@@ -42,5 +42,23 @@ class EngineConformance:
     def test_checkpoint_round_trip(self) -> None:
         conformance.check_checkpoint_round_trip(self.harness())
 
+    def test_rng_restored(self) -> None:
+        conformance.check_rng_restored(self.harness())
+
+    def test_checkpoint_atomic(self) -> None:
+        conformance.check_checkpoint_atomic(self.harness())
+
+    def test_gradient_clipping(self) -> None:
+        conformance.check_gradient_clipping(self.harness())
+
+    def test_lr_schedule(self) -> None:
+        conformance.check_lr_schedule(self.harness())
+
+    def test_nonfinite_step_skipped(self) -> None:
+        conformance.check_nonfinite_step_skipped(self.harness())
+
+    def test_offload_round_trip(self) -> None:
+        conformance.check_offload_round_trip(self.harness())
+
     def test_weight_export(self) -> None:
         conformance.check_weight_export(self.harness())
