@@ -1,12 +1,19 @@
-"""Names of the columns every drivetrain component agrees on.
+"""Names and dtypes of the columns every drivetrain component agrees on.
 
 A batch may carry any other column too; these are the ones engines, rollouts and the trainer
 read without being told. Token columns are aligned with ``input_ids``: position ``t`` describes
 token ``t`` of the sequence (for ``log_probs``: log p(token t | tokens < t); the first token of
 each sequence has no prediction, so its value is 0 and its ``loss_mask`` must be 0).
+
+Devices: the trainer sends CPU tensors (engines move each micro-batch to their device), and
+``infer`` returns CPU tensors, in the layout of the batch it was given. :data:`DTYPES` says
+each column's dtype; the engine-api README lists which columns each job sends.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
 
 INPUT_IDS = "input_ids"  # token ids (prompt + response)
 POSITION_IDS = "position_ids"  # restart at 0 for every sequence; engines derive them if absent
@@ -52,5 +59,31 @@ TOKEN_COLUMNS = frozenset(
         RETURNS,
         REWARDS,
         TOKEN_WEIGHT_VERSION,
+    }
+)
+
+#: Each column's dtype, as torch names it (``str(tensor.dtype)`` without ``torch.``), in every
+#: batch the trainer sends and every output an engine returns. ``loss_mask`` is a float (0.0 or
+#: 1.0) because losses multiply by it; ids, counts and versions are int64; log-probs, entropies,
+#: values, advantages, returns and rewards are float32 whatever the model's dtype.
+DTYPES: Mapping[str, str] = MappingProxyType(
+    {
+        INPUT_IDS: "int64",
+        POSITION_IDS: "int64",
+        LOSS_MASK: "float32",
+        RESPONSE_MASK: "int64",
+        LOG_PROBS: "float32",
+        ENTROPY: "float32",
+        VALUES: "float32",
+        OLD_LOG_PROBS: "float32",
+        REF_LOG_PROBS: "float32",
+        ROLLOUT_LOG_PROBS: "float32",
+        ADVANTAGES: "float32",
+        RETURNS: "float32",
+        REWARDS: "float32",
+        WEIGHT_VERSION: "int64",
+        TOKEN_WEIGHT_VERSION: "int64",
+        SHARED_PREFIX_LEN: "int64",
+        SAMPLE_GROUP: "int64",
     }
 )

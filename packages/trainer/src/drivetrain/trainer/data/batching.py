@@ -14,6 +14,7 @@ import torch
 
 from drivetrain.api import Batch, BatchMeta
 from drivetrain.api.columns import INPUT_IDS, LOSS_MASK
+from drivetrain.trainer.column_contract import check_columns
 from drivetrain.trainer.data.tokenize import Example
 
 
@@ -65,7 +66,7 @@ def make_batch(
         seq_lens=[len(e) for e in examples],
         meta=BatchMeta(pad_token_id=pad_token_id, step=step),
     )
-    return batch.to_packed() if packed else batch
+    return check_columns(batch.to_packed() if packed else batch)
 
 
 def eval_batches(examples: Sequence[Example], size: int) -> list[Sequence[Example]]:

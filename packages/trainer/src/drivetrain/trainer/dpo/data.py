@@ -21,6 +21,7 @@ import torch
 
 from drivetrain.api import Batch
 from drivetrain.api.columns import SAMPLE_GROUP
+from drivetrain.trainer.column_contract import check_columns
 from drivetrain.trainer.data.batching import make_batch
 from drivetrain.trainer.data.files import iter_rows
 from drivetrain.trainer.data.tokenize import (
@@ -126,4 +127,4 @@ def pair_batch(
         columns[REF_LOGPS] = torch.tensor(
             [v for p in pairs for v in p.ref_logps or (0.0, 0.0)], dtype=torch.float64
         )
-    return batch.with_columns(**columns)
+    return check_columns(batch.with_columns(**columns))

@@ -19,6 +19,7 @@ from drivetrain.api.columns import (
     TOKEN_WEIGHT_VERSION,
 )
 from drivetrain.api.rollout_batch import PROMPT_INDEX, PROMPT_LENGTH, completions_to_batch
+from drivetrain.trainer.column_contract import check_columns
 from drivetrain.trainer.rl.group_stream import Taken
 from drivetrain.trainer.workers.group import WorkerGroup
 
@@ -31,7 +32,7 @@ def completions_batch(completions: Sequence[Completion], pad_token_id: int) -> B
     batch = completions_to_batch(completions, pad_token_id=pad_token_id, as_tensor=torch.tensor)
     return batch.with_columns(
         rollout_log_probs=batch[ROLLOUT_LOG_PROBS].to(torch.float32),
-        loss_mask=batch[LOSS_MASK].to(torch.long),
+        loss_mask=batch[LOSS_MASK].to(torch.float32),
         **{SHARED_PREFIX_LEN: torch.as_tensor(batch[PROMPT_LENGTH], dtype=torch.long)},
     )
 
@@ -39,7 +40,7 @@ def completions_batch(completions: Sequence[Completion], pad_token_id: int) -> B
 def engine_view(batch: Batch, *extra: str) -> Batch:
     """Only the columns engines read (lists of strings and ids stay on the controller)."""
     keep = set(ENGINE_COLUMNS) | set(extra)
-    return batch.drop(*[name for name in batch.columns if name not in keep])
+    return check_columns(batch.drop(*[name for name in batch.columns if name not in keep]))
 
 
 def gather_outputs(group: WorkerGroup, batch: Batch, *args: Any) -> dict[str, torch.Tensor]:
