@@ -18,8 +18,10 @@ from drivetrain.api import (
     OffloadConfig,
     OptimConfig,
 )
+from drivetrain.api.testing.model_dirs import hf_variant
 from drivetrain.engine.fsdp.config import FSDPConfig
 from drivetrain.engine.fsdp.engine import FSDP1Engine, FSDP2Engine
+from drivetrain.engine.fsdp.plugin import FSDP2
 
 ENGINES = {"fsdp2": FSDP2Engine, "fsdp": FSDP1Engine}
 VOCAB = 64
@@ -73,25 +75,42 @@ class FSDPHarness:
     rtol: float = 1e-5
     packed: bool = True
     device: str = "cpu"
+    capabilities: frozenset[str] = FSDP2.capabilities  # fsdp declares the same
 
-    def config(self, micro_batch: MicroBatchConfig) -> FSDPConfig:
+    def config(
+        self,
+        micro_batch: MicroBatchConfig,
+        *,
+        optim: OptimConfig | None = None,
+        offload: OffloadConfig | None = None,
+        dropout: float = 0.0,
+    ) -> FSDPConfig:
         rest = dict(self.overrides)
         model = dict(rest.pop("model", {}))
         if "lora" in model:
             model["lora"] = LoraConfig(**model["lora"])
-        optim = {"lr": 1e-2, "weight_decay": 0.0, "clip_grad": None, **rest.pop("optim", {})}
-        offload = OffloadConfig(**rest.pop("offload", {}))
+        path = hf_variant(self.model_dir, attention_dropout=dropout) if dropout else self.model_dir
+        optim_keys = {"lr": 1e-2, "weight_decay": 0.0, "clip_grad": None, **rest.pop("optim", {})}
+        offload_keys = rest.pop("offload", {})
         return FSDPConfig(
-            model=ModelConfig(path=self.model_dir, **model),
-            optim=OptimConfig(**optim),
-            offload=offload,
+            model=ModelConfig(path=path, **model),
+            optim=optim or OptimConfig(**optim_keys),
+            offload=offload or OffloadConfig(**offload_keys),
             micro_batch=micro_batch,
             device=self.device,
             **rest,
         )
 
-    def make_engine(self, micro_batch: MicroBatchConfig) -> Any:
-        engine = ENGINES[self.engine](self.config(micro_batch))
+    def make_engine(
+        self,
+        micro_batch: MicroBatchConfig,
+        *,
+        optim: OptimConfig | None = None,
+        offload: OffloadConfig | None = None,
+        dropout: float = 0.0,
+    ) -> Any:
+        config = self.config(micro_batch, optim=optim, offload=offload, dropout=dropout)
+        engine = ENGINES[self.engine](config)
         engine.initialize()
         return engine
 

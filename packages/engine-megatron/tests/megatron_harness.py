@@ -9,9 +9,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from drivetrain.api import Batch, MicroBatchConfig, ModelConfig, OptimConfig
+from drivetrain.api import Batch, MicroBatchConfig, ModelConfig, OffloadConfig, OptimConfig
+from drivetrain.api.testing.model_dirs import hf_variant
 from drivetrain.engine.megatron.config import MegatronConfig
 from drivetrain.engine.megatron.engine import MegatronEngine
+from drivetrain.engine.megatron.plugin import MEGATRON
 
 VOCAB = 64
 
@@ -42,7 +44,7 @@ def build_tiny_model(
     return path
 
 
-def optim(lr: float = 1e-2, eps: float = 1e-8) -> OptimConfig:
+def default_optim(lr: float = 1e-2, eps: float = 1e-8) -> OptimConfig:
     return OptimConfig(lr=lr, eps=eps, weight_decay=0.0, clip_grad=None)
 
 
@@ -58,23 +60,36 @@ class MegatronHarness:
     atol: float = 1e-5
     rtol: float = 1e-5
     packed: bool = True
+    capabilities: frozenset[str] = MEGATRON.capabilities
 
-    def config(self, micro_batch: MicroBatchConfig) -> MegatronConfig:
+    def config(
+        self,
+        micro_batch: MicroBatchConfig,
+        *,
+        optim: OptimConfig | None = None,
+        offload: OffloadConfig | None = None,
+        dropout: float = 0.0,
+    ) -> MegatronConfig:
+        """The kit's ``optim``/``offload``/``dropout`` (attention dropout in the model's
+        config.json) replace the defaults below; ``overrides`` apply last."""
+        path = hf_variant(self.model_dir, attention_dropout=dropout) if dropout else self.model_dir
         return MegatronConfig(
-            model=ModelConfig(path=self.model_dir),
+            model=ModelConfig(path=path),
             # Adam's first step moves every weight by lr * g / (|g| + eps), so a weight whose
             # gradient is ~0 moves by up to lr/eps times the gradient's fp32 rounding noise.
             # That noise depends on the reduction order (micro-batches, tensor-parallel
             # all-reduces): measured here, 1 vs 4 micro-batches differ by <= 5e-8 in the
             # gradients (max 0.24), which eps 1e-8 would amplify to 5e-2 in a weight. eps 1e-4
             # bounds it below the kit's 1e-5; losses and gradient norms are unaffected.
-            optim=optim(eps=1e-4),
+            optim=optim or default_optim(eps=1e-4),
+            offload=offload or OffloadConfig(),
             micro_batch=micro_batch,
             **{"device": "cpu", **self.overrides},
         )
 
-    def make_engine(self, micro_batch: MicroBatchConfig) -> MegatronEngine:
-        engine = MegatronEngine(self.config(micro_batch))
+    def make_engine(self, micro_batch: MicroBatchConfig, **kit: Any) -> MegatronEngine:
+        """``kit``: the optim/offload/dropout keywords of :meth:`config`."""
+        engine = MegatronEngine(self.config(micro_batch, **kit))
         engine.initialize()
         return engine
 

@@ -54,9 +54,9 @@ class _Resume:
 def _round_trip(h: EngineHarness, new: Callable[[], Engine]) -> _Resume:
     """Step, save, step (expected); a fresh engine loads and steps (got)."""
     batch = data(h)
+    original = new()  # first: a distributed engine may set up the harness's collectives
     with tempfile.TemporaryDirectory() as tmp:
         path = gather(h, f"{tmp}/ckpt")[0]  # every rank uses rank 0's (shared) path
-        original = new()
         saved = train_step(h, original, batch).weights
         info = original.save_checkpoint(path, step=1)
         assert info.step == 1, f"save_checkpoint returned step {info.step}"
