@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import typer
 
-from drivetrain.api.errors import DrivetrainError
+from drivetrain.api.config import EngineConfig
+from drivetrain.api.errors import DrivetrainError, PluginError
 from drivetrain.trainer.checkpoints import verify_checkpoint
 from drivetrain.trainer.console import plain_console, print_error, print_ok
 from drivetrain.trainer.run_options import (
@@ -22,6 +24,21 @@ from drivetrain.trainer.run_options import (
 )
 
 console = plain_console()  # errors stay whole lines (greppable)
+
+
+def _config_yaml(engine: str, files: Sequence[Path], overrides: Sequence[str]) -> str:
+    """The config ``engine`` runs with; when that engine cannot be used (not installed,
+    disabled) the keys every engine shares, and a line on stderr saying so."""
+    from drivetrain.trainer.config_loader import load_config, to_yaml
+    from drivetrain.trainer.sft_config import sft_config_type
+    from drivetrain.trainer.sft_job import load_sft_job
+
+    try:
+        return load_sft_job(engine, files=files, overrides=overrides).to_yaml()
+    except PluginError as exc:
+        console.print(f"note: {exc}; showing the keys every engine shares")
+        base = sft_config_type(EngineConfig)
+        return to_yaml(load_config(base, files=files, overrides=overrides))
 
 
 def sft(
@@ -41,10 +58,10 @@ def sft(
     from drivetrain.trainer.sft_job import builtin_report, describe, load_sft_job, prepare, run_sft
 
     try:
-        job = load_sft_job(engine, files=config or (), overrides=overrides or ())
         if print_config:
-            typer.echo(job.to_yaml(), nl=False)
+            typer.echo(_config_yaml(engine, config or (), overrides or ()), nl=False)
             return
+        job = load_sft_job(engine, files=config or (), overrides=overrides or ())
         prepared = prepare(job)
         if resume not in ("auto", "none"):
             verify_checkpoint(Path(resume))  # fail before any worker starts

@@ -102,10 +102,16 @@ def _write_jsonl(path: Path, rows: list[dict[str, object]]) -> None:
             f.write(json.dumps(row) + "\n")
 
 
+def assets_at(root: Path | None = None) -> AdditionAssets:
+    """Where the built-in model, tokenizer and data are, built or not (``--print-config``
+    names them without building them)."""
+    return AdditionAssets((root or cache_dir()) / ASSETS_VERSION)
+
+
 def ensure_assets(root: Path | None = None) -> AdditionAssets:
     """Build the model, tokenizer and data once; later calls reuse them."""
-    target = (root or cache_dir()) / ASSETS_VERSION
-    assets = AdditionAssets(target)
+    assets = assets_at(root)
+    target = assets.root
     if target.is_dir():
         return assets
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -29,11 +29,23 @@ STUDENT_SHAPE = {
 STUDENT_SFT_STEPS = 400
 
 
-def ensure_student_model(assets: addition.AdditionAssets, console: Console | None) -> Path:
-    """The cached student, built and briefly SFT-trained (``drivetrain sft`` on the built-in
-    data, fsdp2) when missing."""
+def cached_student_model(assets: addition.AdditionAssets) -> Path | None:
+    """The student, if it has been trained."""
     target = assets.root / STUDENT
-    if (target / "config.json").is_file():
+    return target if (target / "config.json").is_file() else None
+
+
+def ensure_student_model(
+    assets: addition.AdditionAssets,
+    console: Console | None,
+    *,
+    engine: str = "fsdp2",
+    train: bool = True,
+) -> Path:
+    """The cached student, built and briefly SFT-trained (``drivetrain sft`` on the built-in
+    data, on ``engine``) when missing; without ``train``, only where it will be."""
+    target = assets.root / STUDENT
+    if cached_student_model(assets) is not None or not train:
         return target
     from drivetrain.trainer.sft_job import load_sft_job, prepare, run_sft
 
@@ -42,7 +54,7 @@ def ensure_student_model(assets: addition.AdditionAssets, console: Console | Non
     work = staging_path(target)
     base = build_llama_model(work / "base", tokenizer_dir=assets.model_dir, **STUDENT_SHAPE)
     job = load_sft_job(
-        "fsdp2",
+        engine,
         overrides=[
             f"engine.model.path={base}",
             f"data.train_path={assets.train_path}",

@@ -35,6 +35,7 @@ def dpo(
 ) -> None:
     """Preference optimisation. With no data and no model: the built-in addition pairs."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from drivetrain.trainer.builtin.prerequisites import untrained_prerequisites
     from drivetrain.trainer.dpo.job import builtin_report, describe, load_dpo_job, prepare, run_dpo
 
     try:
@@ -43,10 +44,16 @@ def dpo(
             files=config or (),
             overrides=overrides or (),
             console=console,
-            train_prerequisites=not print_config,
+            train_prerequisites=not (print_config or dry_run),
         )
+        untrained = untrained_prerequisites(job.builtin, engine=engine) if job.builtin else []
+        for line in untrained:
+            console.print(line)
         if print_config:
             typer.echo(job.to_yaml(), nl=False)
+            return
+        if dry_run and untrained:  # no model to check yet: nothing more to validate here
+            print_ok(console, "dry run: config and engine are valid (no model checked)")
             return
         prepared = prepare(job)
         if resume not in ("auto", "none"):

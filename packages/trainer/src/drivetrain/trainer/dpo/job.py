@@ -79,10 +79,7 @@ def load_dpo_job(
         raise ConfigError("data.train_path is required when engine.model.path is set")
     assets = addition.ensure_assets()
     train, test = addition.ensure_preference_pairs(assets)
-    if train_prerequisites:
-        model = ensure_sft_model(assets, console)
-    else:
-        model = addition.cached_sft_model() or assets.root / addition.SFT_MODEL
+    model = ensure_sft_model(assets, console, engine=engine_name, train=train_prerequisites)
     builtin = [f"engine.model.path={model}", f"data.train_path={train}", f"data.val_path={test}"]
     config = load_config(
         config_type, files=[BUILTIN_CONFIG, *files], overrides=[*builtin, *overrides]

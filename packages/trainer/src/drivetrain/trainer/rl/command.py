@@ -33,6 +33,7 @@ def _run(
     preset: str,
 ) -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from drivetrain.trainer.builtin.prerequisites import untrained_prerequisites
     from drivetrain.trainer.checkpoints import verify_checkpoint
     from drivetrain.trainer.rl.job import describe, load_rl_job, prepare, start
     from drivetrain.trainer.rl.trainer import RLTrainer
@@ -48,9 +49,19 @@ def _run(
             overrides=overrides or (),
             console=console,
             preset=preset,
+            train_prerequisites=not (print_config or dry_run),
         )
+        untrained = []
+        if job.builtin is not None:
+            student = algorithm == "distill"
+            untrained = untrained_prerequisites(job.builtin, engine=engine, student=student)
+        for line in untrained:
+            console.print(line)
         if print_config:
             typer.echo(job.to_yaml(), nl=False)
+            return
+        if dry_run and untrained:  # no model to check yet: nothing more to validate here
+            print_ok(console, "dry run: config and plugins are valid (no model checked)")
             return
         prepared = prepare(job)
         if resume not in ("auto", "none"):

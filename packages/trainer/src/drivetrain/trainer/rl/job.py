@@ -91,7 +91,11 @@ def load_rl_job(
     overrides: Sequence[str] = (),
     console: Console | None = None,
     preset: str = "",
+    train_prerequisites: bool = True,
 ) -> RLJob:
+    """Parse the config; with no data and no model, the built-in task, its models trained
+    first on ``engine`` when missing, unless ``train_prerequisites`` is off (--print-config,
+    --dry-run): then the config names where they will be."""
     critic_engine = critic_engine or engine
     for reg, name in ((registry.engines, engine), (registry.engines, critic_engine)):
         reg.spec(name)  # unknown or unusable plugin: lists what is installed
@@ -110,15 +114,18 @@ def load_rl_job(
     if not config.data.train_path:
         if config.actor.model.path:
             raise ConfigError("data.train_path is required when actor.model.path is set")
-        builtin = addition.ensure_assets()
-        model = ensure_sft_model(builtin, console)
+        # nothing is built for a config that is only shown: it names where the files will be
+        builtin = addition.ensure_assets() if train_prerequisites else addition.assets_at()
+        model = ensure_sft_model(builtin, console, engine=engine, train=train_prerequisites)
         extra = [
             f"actor.model.path={model}",
             f"data.train_path={builtin.rl_path}",
             f"data.val_path={builtin.test_path}",
         ]
         if algorithm == "distill":  # the SFT model teaches a smaller student
-            student = ensure_student_model(builtin, console)
+            student = ensure_student_model(
+                builtin, console, engine=engine, train=train_prerequisites
+            )
             extra = [f"actor.model.path={student}", f"teacher.model_path={model}", *extra[1:]]
             shipped.insert(1, DISTILL_CONFIG)
         shipped, shipped_overrides = [BUILTIN_CONFIG, *shipped], extra
@@ -166,22 +173,34 @@ def _transport_config(name: str) -> type[WeightSyncConfig]:
     return registry.ckpt_engines.load_config_class(name, WeightSyncConfig)
 
 
-def ensure_sft_model(assets: addition.AdditionAssets, console: Console | None) -> Path:
-    """The built-in SFT model, training it with the SFT default first when it is not cached."""
+def ensure_sft_model(
+    assets: addition.AdditionAssets,
+    console: Console | None,
+    *,
+    engine: str = "fsdp2",
+    train: bool = True,
+) -> Path:
+    """The built-in SFT model, training it with the SFT default on ``engine`` first when it is
+    not cached; without ``train``, only where it will be."""
     cached = addition.cached_sft_model(assets.root.parent)
     if cached is not None:
         return cached
+    if not train:
+        return assets.root / addition.SFT_MODEL
     from drivetrain.trainer.sft_job import builtin_report, load_sft_job, prepare, run_sft
 
     console = console or plain_console()
-    console.print("no cached built-in SFT model: running the SFT default first (`drivetrain sft`)")
-    job = load_sft_job("fsdp2")
+    console.print(
+        "no cached built-in SFT model: running the SFT default first "
+        f"(`drivetrain sft --engine {engine}`)"
+    )
+    job = load_sft_job(engine)
     try:  # "auto": an interrupted default SFT run continues
         result = run_sft(prepare(job), resume="auto", console=console)
     except (CheckpointError, RunDirectoryError) as exc:  # another model's run (older release)
         out = f"{job.config.run.output_dir}-{addition.ASSETS_VERSION}"
         console.print(f"{exc}: training the SFT default in {out} instead")
-        job = load_sft_job("fsdp2", overrides=[f"run.output_dir={out}"])
+        job = load_sft_job(engine, overrides=[f"run.output_dir={out}"])
         result = run_sft(prepare(job), resume="auto", console=console)
     assert result is not None
     builtin_report(job, result)

@@ -1,0 +1,26 @@
+"""What a built-in job trains before it starts, told instead of done: ``--print-config`` and
+``--dry-run`` never train, they say which cached model is missing and how the run makes it."""
+
+from __future__ import annotations
+
+from drivetrain.trainer.builtin import addition
+from drivetrain.trainer.builtin.student import STUDENT_SFT_STEPS, cached_student_model
+
+
+def untrained_prerequisites(
+    assets: addition.AdditionAssets, *, engine: str, student: bool = False
+) -> list[str]:
+    """One line per model the built-in job (on ``engine``) would train first; none when every
+    one is cached. ``student``: the distillation demo's student too."""
+    lines = []
+    if addition.cached_sft_model(assets.root.parent) is None:
+        lines.append(
+            f"the built-in SFT model {assets.root / addition.SFT_MODEL} does not exist yet: the "
+            f"run trains it first with the SFT default (`drivetrain sft --engine {engine}`)"
+        )
+    if student and cached_student_model(assets) is None:
+        lines.append(
+            f"the distillation student does not exist yet: the run trains it first "
+            f"({STUDENT_SFT_STEPS} SFT steps on --engine {engine})"
+        )
+    return lines
