@@ -1,7 +1,8 @@
 """The checkpoint directory protocol shared by the Megatron engines (engine-megatron and
-engine-megatron-fsdp): every rank writes into one staging directory, each rank its RNG state
-beside the tensors, and rank 0 writes the marker last and renames the directory into place, so
-a killed save never looks complete."""
+engine-megatron-fsdp): every rank writes into one staging directory, each rank its RNG states
+(Python, torch, CUDA and megatron's tensor-parallel tracker) beside the tensors, and rank 0
+writes the marker last and renames the directory into place, so a killed save never looks
+complete."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core import tensor_parallel
 
 from drivetrain.api import CheckpointInfo
 from drivetrain.api.atomic_dir import publish, staging_path
@@ -42,7 +44,12 @@ def finish_save(
 ) -> CheckpointInfo:
     """After the tensors are written: each rank's RNG state, then rank 0's marker and rename."""
     rank = dist.get_rank()
-    rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    rng = {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        # the tensor-parallel regions' generators (attention dropout runs on one of them)
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
     torch.save({"rng": rng, "step": engine_step}, staging / f"extra_rank{rank}.pt")
@@ -81,6 +88,8 @@ def restore_rank_extra(path: str) -> int | None:
         extra = torch.load(extra_file, weights_only=True)
     random.setstate(extra["rng"]["python"])
     torch.set_rng_state(extra["rng"]["torch"])
+    if "tracker" in extra["rng"]:  # absent in checkpoints saved before it was kept
+        tensor_parallel.get_cuda_rng_tracker().set_states(extra["rng"]["tracker"])
     if "cuda" in extra["rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state(extra["rng"]["cuda"])
     return int(extra["step"])
