@@ -24,7 +24,7 @@ from drivetrain.trainer.errors import CheckpointError
 from drivetrain.trainer.metrics import METRICS_FILE, MetricsLogger, plot_loss_curve
 from drivetrain.trainer.progress import TrainingProgress
 from drivetrain.trainer.sft_config import SFTConfig
-from drivetrain.trainer.workers.engine_worker import StepStats
+from drivetrain.trainer.workers.engine_worker import EngineWorker, StepStats
 from drivetrain.trainer.workers.group import WorkerGroup
 
 
@@ -98,7 +98,7 @@ class SFTTrainer:
         batch = make_batch(
             examples, pad_token_id=self.pad_token_id, packed=self.config.data.packing, step=step
         )
-        return self.group.run_sharded("train_step", batch, "sft"), batch.num_tokens
+        return self.group.run_sharded(EngineWorker.train_step, batch, "sft"), batch.num_tokens
 
     def step_metrics(self, step: int) -> dict[str, float]:
         """Train 0-based ``step``; its metrics, with the validation loss when one is due."""
@@ -131,12 +131,14 @@ class SFTTrainer:
             batch = make_batch(
                 chunk, pad_token_id=self.pad_token_id, packed=self.config.data.packing
             )
-            chunk_nll, chunk_tokens = self.group.run_sharded("eval_nll", batch)
+            chunk_nll, chunk_tokens = self.group.run_sharded(EngineWorker.eval_nll, batch)
             nll, tokens = nll + chunk_nll, tokens + chunk_tokens
         return nll / max(tokens, 1)
 
     def save(self, step: int) -> None:
-        self.group.run_all("save_checkpoint", self.checkpoints.engine_staging_path(step), step)
+        self.group.run_all(
+            EngineWorker.save_checkpoint, self.checkpoints.engine_staging_path(step), step
+        )
         self.checkpoints.publish(step, self._state())
 
     # ---- the loop -----------------------------------------------------------------------
@@ -146,7 +148,7 @@ class SFTTrainer:
         start = 0
         if start_from is not None:
             self._check_resumable(start_from)
-            start = self.group.run_all("load_checkpoint", start_from.engine_path)
+            start = self.group.run_all(EngineWorker.load_checkpoint, start_from.engine_path)
             self.console.print(f"resumed from {start_from.path} at step {start}")
         result = SFTResult(self.out, final_step=start)
         logger = (
@@ -182,7 +184,7 @@ class SFTTrainer:
                 self.save(self.total)
             if run.export_hf:
                 result.hf_dir = self.out / "hf"
-                self.group.run_all("export_hf", str(result.hf_dir))
+                self.group.run_all(EngineWorker.export_hf, str(result.hf_dir))
         finally:
             if logger is not None:
                 logger.close()

@@ -23,8 +23,11 @@ from drivetrain.trainer.data.batching import StepPlan, eval_batches
 from drivetrain.trainer.dpo.config import DPOConfig
 from drivetrain.trainer.dpo.data import Pair, pair_batch
 from drivetrain.trainer.dpo.loss import PreferenceLoss
+from drivetrain.trainer.dpo.worker import PreferenceWorker
 from drivetrain.trainer.metrics import METRICS_FILE, MetricsLogger, plot_loss_curve
 from drivetrain.trainer.progress import TrainingProgress
+from drivetrain.trainer.rl.reference import Reference
+from drivetrain.trainer.rl.worker import ACTOR
 from drivetrain.trainer.run_dir import adopt_checkpoint
 from drivetrain.trainer.workers.group import WorkerGroup
 
@@ -65,7 +68,7 @@ class DPOTrainer:
         self.console = console or plain_console()
         a = config.algorithm
         self.loss = PreferenceLoss(a.loss, a.beta, a.simpo_gamma)
-        self.reference = config.reference_mode
+        self.reference = Reference(config.reference_mode)
         self.plan = StepPlan(
             len(data.train), config.run.batch_size, config.seed, config.data.shuffle
         )
@@ -83,7 +86,7 @@ class DPOTrainer:
             "engine": self.engine_name,
             "model_path": c.engine.model.path,
             "loss": c.algorithm.loss,
-            "reference": self.reference,
+            "reference": self.reference.mode,
             "seed": c.seed,
             "batch_size": c.run.batch_size,
             "total_steps": self.total,
@@ -98,7 +101,9 @@ class DPOTrainer:
         began = time.perf_counter()
         pairs = [self.data.train[i] for i in self.plan.indices(step)]
         batch = self.batch(pairs, step)
-        stats = self.group.run_sharded("train_pairs", batch, self.loss, self.reference)
+        stats = self.group.run_sharded(
+            PreferenceWorker.train_pairs, batch, self.loss, self.reference
+        )
         elapsed = time.perf_counter() - began
         if not math.isfinite(stats.loss):
             raise FloatingPointError(f"loss is {stats.loss} at step {step + 1}")
@@ -121,7 +126,9 @@ class DPOTrainer:
             return {}
         sums: dict[str, float] = {}
         for chunk in eval_batches(self.data.val, self.config.run.eval_batch_size):
-            got = self.group.run_sharded("eval_pairs", self.batch(chunk), self.loss, self.reference)
+            got = self.group.run_sharded(
+                PreferenceWorker.eval_pairs, self.batch(chunk), self.loss, self.reference
+            )
             for name, value in got.items():
                 sums[name] = sums.get(name, 0.0) + value
         pairs = max(sums.pop("pairs", 0.0), 1.0)
@@ -129,7 +136,7 @@ class DPOTrainer:
 
     def save(self, step: int) -> None:
         path = self.checkpoints.engine_staging_path(step)
-        self.group.run_all("save_checkpoint", path, step, ("actor",))
+        self.group.run_all(PreferenceWorker.save_checkpoint, path, step, (ACTOR,))
         self.checkpoints.publish(step, {**self.state(), "time": time.time()})
 
     def fit(self, *, start_from: Checkpoint | None = None) -> DPOResult:
@@ -137,7 +144,9 @@ class DPOTrainer:
         start = 0
         if start_from is not None:
             adopt_checkpoint(start_from, self.state(), self.checkpoints)
-            start = self.group.run_all("load_checkpoint", start_from.engine_path, ("actor",))
+            start = self.group.run_all(
+                PreferenceWorker.load_checkpoint, start_from.engine_path, (ACTOR,)
+            )
             self.console.print(f"resumed from {start_from.path} at step {start}")
         result = DPOResult(self.out, final_step=start)
         result.val_before = self.validate()
@@ -175,7 +184,7 @@ class DPOTrainer:
                     logger.log(self.total, result.val_after)
             if self.config.run.export_hf:
                 result.hf_dir = self.out / "hf"
-                self.group.run_all("export_hf", str(result.hf_dir))
+                self.group.run_all(PreferenceWorker.export_hf, str(result.hf_dir))
         finally:
             if logger is not None:
                 logger.close()

@@ -13,20 +13,20 @@ from drivetrain.api.columns import LOG_PROBS, LOSS_MASK
 from drivetrain.trainer.dpo.data import REF_LOGPS
 from drivetrain.trainer.dpo.loss import PreferenceLoss
 from drivetrain.trainer.rl.aggregation import sequence_sums
-from drivetrain.trainer.rl.worker import ACTOR, REFERENCE, RLWorker
+from drivetrain.trainer.rl.reference import Reference
+from drivetrain.trainer.rl.worker import ACTOR, RLWorker
 from drivetrain.trainer.workers.engine_worker import StepStats
 
 
 class PreferenceWorker(RLWorker):
-    def with_reference(self, shard: Batch, reference: str) -> Batch:
-        """``shard`` with each sample's reference log-prob (``engine``: the frozen reference;
-        ``adapter``: the actor with its adapter off). Off output ranks (pipeline stages that
+    def with_reference(self, shard: Batch, reference: Reference) -> Batch:
+        """``shard`` with each sample's reference log-prob when a role computes it (the frozen
+        reference, or the actor with its adapter off). Off output ranks (pipeline stages that
         compute no loss) the column is zeros."""
-        if reference not in ("engine", "adapter"):
+        if not reference.computed:
             return shard  # precomputed (already a column) or none
-        role = REFERENCE if reference == "engine" else ACTOR
         out = self.infer(
-            shard, role, OutputSpec(log_probs=True), adapter_off=reference == "adapter"
+            shard, reference.role, OutputSpec(log_probs=True), adapter_off=reference.adapter_off
         )
         if out is None:
             return shard.with_columns(**{REF_LOGPS: torch.zeros(len(shard), dtype=torch.float64)})
@@ -34,10 +34,12 @@ class PreferenceWorker(RLWorker):
         logps = sequence_sums(out[LOG_PROBS].to(torch.float64) * mask, shard.seq_lens)
         return shard.with_columns(**{REF_LOGPS: logps})
 
-    def train_pairs(self, shard: Batch, loss: PreferenceLoss, reference: str) -> StepStats:
+    def train_pairs(self, shard: Batch, loss: PreferenceLoss, reference: Reference) -> StepStats:
         return self.train(self.with_reference(shard, reference), ACTOR, loss)
 
-    def eval_pairs(self, shard: Batch, loss: PreferenceLoss, reference: str) -> dict[str, float]:
+    def eval_pairs(
+        self, shard: Batch, loss: PreferenceLoss, reference: Reference
+    ) -> dict[str, float]:
         """Each logged quantity summed over the pairs of the whole batch (all ranks), and
         ``pairs``: the count."""
         shard = self.with_reference(shard, reference)

@@ -44,6 +44,7 @@ from drivetrain.trainer.rl.placement import (
 )
 from drivetrain.trainer.rl.policy_losses import POLICY_LOSSES
 from drivetrain.trainer.rl.prompts import load_prompts
+from drivetrain.trainer.rl.reference import Reference
 from drivetrain.trainer.rl.registry import import_plugins
 from drivetrain.trainer.rl.rewards import RewardScorer
 from drivetrain.trainer.rl.trainer import RLSetup
@@ -209,13 +210,13 @@ def ensure_sft_model(
     return cached
 
 
-def role_specs(job: RLJob, total_updates: int) -> tuple[dict[str, RoleSpec], str]:
-    """Engines per role, and the reference mode actually used."""
+def role_specs(job: RLJob, total_updates: int) -> tuple[dict[str, RoleSpec], Reference]:
+    """Engines per role, and where the reference log-probs come from."""
     c = job.config
     actor = _for_run(c.actor, total_updates, c.seed)
     roles = {ACTOR: RoleSpec(job.engine, actor)}
-    reference = c.reference_mode
-    if reference == "engine":
+    reference = Reference(c.reference_mode)
+    if reference.needs_engine:
         roles[REFERENCE] = RoleSpec(job.engine, actor)
     if c.algorithm.advantage in NEEDS_CRITIC:
         critic = c.critic

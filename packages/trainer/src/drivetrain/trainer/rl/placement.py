@@ -86,13 +86,13 @@ def connect_weights(
 ) -> WeightSyncManager:
     """Join the actor's rank 0 and every rollout into the placement's transport once; the
     returned manager (the weight path's one owner) runs every sync over it."""
-    endpoint = group.run_all("sync_prepare", transport, config)
+    endpoint = group.run_all(RLWorker.sync_prepare, transport, config)
 
     def sender(topology: Topology, endpoint: Any) -> None:
-        group.run_all("sync_connect", topology, endpoint)
+        group.run_all(RLWorker.sync_connect, topology, endpoint)
 
     receivers = connect_rollouts(sender, endpoint, transport, config, pool.rollouts)
-    send = functools.partial(group.run_all, "sync_send")
+    send = functools.partial(group.run_all, RLWorker.sync_send)
     return WeightSyncManager(send, pool.rollouts, receivers, colocated=colocated)
 
 

@@ -76,10 +76,6 @@ class RolloutPool:
             )
         return out
 
-    def each(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        jobs = [self._threads.submit(getattr(r, method), *args, **kwargs) for r in self.rollouts]
-        return [job.result() for job in jobs]
-
     def shutdown(self) -> None:
         for rollout in self.rollouts:
             with contextlib.suppress(Exception):

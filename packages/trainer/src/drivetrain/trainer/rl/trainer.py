@@ -65,8 +65,9 @@ from drivetrain.trainer.rl.off_policy import CorrectionConfig
 from drivetrain.trainer.rl.placement import Placement
 from drivetrain.trainer.rl.policy_losses import ClipConfig
 from drivetrain.trainer.rl.prompts import PromptSampler, RLPrompt
+from drivetrain.trainer.rl.reference import Reference
 from drivetrain.trainer.rl.rewards import RewardScorer
-from drivetrain.trainer.rl.worker import ACTOR, CRITIC, REFERENCE, REWARD_MODEL, TEACHER
+from drivetrain.trainer.rl.worker import ACTOR, CRITIC, REWARD_MODEL, TEACHER, RLWorker
 from drivetrain.trainer.run_dir import adopt_checkpoint, start_point
 from drivetrain.trainer.workers.engine_worker import StepStats
 
@@ -83,7 +84,7 @@ class RLSetup:
     val: Sequence[RLPrompt]
     pad_token_id: int
     tokenizer: Any
-    reference: str  # "none" | "engine" | "adapter"
+    reference: Reference
     critic: bool
     reward_model: bool
     teacher: bool = False  # on-policy distillation
@@ -128,7 +129,7 @@ class RLTrainer:
         # the KL in the reward (and the teacher's reverse KL) needs the old log-probs here; the
         # off-policy correction takes
         # them from the update's own forward when it is the only one (the actor loss's)
-        needs_old = (alg.kl_in_reward and setup.reference != "none") or setup.teacher
+        needs_old = (alg.kl_in_reward and setup.reference.enabled) or setup.teacher
         self.on_policy = alg.on_policy_shortcut and updates_per_step(c) == 1 and not needs_old
         self.actor_loss = ActorLoss(
             policy_loss=alg.policy_loss,
@@ -136,7 +137,7 @@ class RLTrainer:
             aggregation=alg.aggregation,
             max_length=c.sampling.max_new_tokens,
             entropy_coef=alg.entropy_coef,
-            kl_loss_coef=0.0 if alg.kl_in_reward or setup.reference == "none" else alg.kl_coef,
+            kl_loss_coef=alg.kl_coef if setup.reference.enabled and not alg.kl_in_reward else 0.0,
             kl_estimator=alg.kl_estimator,
             temperature=c.sampling.temperature,
             on_policy=self.on_policy,
@@ -204,13 +205,14 @@ class RLTrainer:
                 with timer("old_log_probs"):
                     old = self.infer(batch, ACTOR, OutputSpec(entropy=True, temperature=self.temp))
                     batch = batch.with_columns(old_log_probs=old[LOG_PROBS])
-            if self.setup.reference != "none":
+            reference = self.setup.reference
+            if reference.enabled:
                 with timer("ref_log_probs"):
                     ref = self.infer(
                         batch,
-                        REFERENCE if self.setup.reference == "engine" else ACTOR,
+                        reference.role,
                         OutputSpec(temperature=self.temp),
-                        adapter_off=self.setup.reference == "adapter",
+                        adapter_off=reference.adapter_off,
                     )
                     batch = batch.with_columns(ref_log_probs=ref[LOG_PROBS])
             if self.setup.teacher:
@@ -396,7 +398,7 @@ class RLTrainer:
                 random.Random(self.config.seed * 7919 + step * 131 + epoch).shuffle(order)
             for start in range(0, len(order), size):
                 mini = view.select(order[start : start + size])
-                stats.append(self.group.run_sharded("train", mini, role, loss))
+                stats.append(self.group.run_sharded(RLWorker.train, mini, role, loss))
         return _mean_stats(stats)
 
     # ---- validation, checkpoints, the run -----------------------------------------------
@@ -437,7 +439,7 @@ class RLTrainer:
 
     def save(self, step: int) -> None:
         path = self.checkpoints.engine_staging_path(step)
-        self.group.run_all("save_checkpoint", path, step, self.trainable)
+        self.group.run_all(RLWorker.save_checkpoint, path, step, self.trainable)
         self.checkpoints.publish(step, {**self.setup.state, "step": step, "time": time.time()})
 
     def resume(self, how: str, overwrite: bool) -> int:
@@ -447,7 +449,7 @@ class RLTrainer:
         if found is None:
             return 0
         adopt_checkpoint(found, self.setup.state, self.checkpoints)
-        step = self.group.run_all("load_checkpoint", found.engine_path, self.trainable)
+        step = self.group.run_all(RLWorker.load_checkpoint, found.engine_path, self.trainable)
         self.weights.sync(step)  # the rollouts generate with the checkpoint's weights
         self.console.print(f"resumed from {found.path} at step {step}")
         return step
@@ -499,7 +501,7 @@ class RLTrainer:
                 self.console.print(f"validation after: {_fmt(result.val_after)}")
             if c.run.export_hf:
                 result.hf_dir = self.out / "hf"
-                self.group.run_all("export_hf", str(result.hf_dir))
+                self.group.run_all(RLWorker.export_hf, str(result.hf_dir))
         finally:
             with contextlib.suppress(Exception):  # a failed run's own error is the one to see
                 self.close_stream()

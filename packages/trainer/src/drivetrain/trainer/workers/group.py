@@ -5,9 +5,14 @@ in-process, or one rank of an SPMD job under torchrun (every process runs the sa
 code on the same data and keeps its own data-parallel shard). ``RayWorkerGroup`` holds N Ray
 actors driven from one controller. Both expose the same two calls:
 
-- ``run_all(method, *args)``: the same call on every rank;
-- ``run_sharded(method, batch, *args)``: each rank gets its data-parallel shard of ``batch``
-  (ranks that share a ``dp_rank`` — tensor/pipeline peers — get the same shard).
+- ``run_all(Worker.method, *args)``: the same call on every rank;
+- ``run_sharded(Worker.method, batch, *args)``: each rank gets its data-parallel shard of
+  ``batch`` (ranks that share a ``dp_rank`` — tensor/pipeline peers — get the same shard).
+
+``method`` is the worker class's function (``RLWorker.train``), never its name as a string: a
+typo fails where the controller names it, before any Ray actor runs, and a type checker checks
+the arguments against the method's signature. Ranks call it by name on their own worker, so a
+subclass's override runs (``PreferenceWorker`` is an ``RLWorker``).
 
 Worker methods return the same value on every rank (they reduce what they need), so the
 controller reads one result and parallel layouts with non-output ranks work unchanged. The one
@@ -25,11 +30,29 @@ from __future__ import annotations
 import abc
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from drivetrain.api import Batch, ParallelInfo
 
 WorkerFactory = Callable[[], Any]
+P = ParamSpec("P")
+R = TypeVar("R")
+#: A worker method as the controller names it: ``RLWorker.save_checkpoint``.
+WorkerCall = Callable[Concatenate[Any, P], R]
+#: A worker method taking the rank's data-parallel shard first: ``RLWorker.train``.
+ShardCall = Callable[Concatenate[Any, Batch, P], R]
+
+
+def method_name(method: Callable[..., Any]) -> str:
+    """The name a rank calls ``method`` by; refuses anything but a class's function."""
+    if isinstance(method, str) or not callable(method):
+        raise TypeError(
+            f"worker calls take the worker class's method (e.g. RLWorker.train), not {method!r}"
+        )
+    qualified = getattr(method, "__qualname__", "")
+    if "." not in qualified or "<locals>" in qualified.rpartition(".")[0].rpartition(".")[2]:
+        raise TypeError(f"{qualified or method!r} is not a method of a worker class")
+    return method.__name__
 
 
 class WorkerGroup(abc.ABC):
@@ -41,16 +64,34 @@ class WorkerGroup(abc.ABC):
     def parallel(self) -> ParallelInfo:
         """The layout of rank 0 (world size, data-parallel size)."""
 
-    @abc.abstractmethod
-    def run_all(self, method: str, *args: Any) -> Any: ...
+    def run_all(self, method: WorkerCall[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """``method`` on every rank; rank 0's result (every rank returns the same)."""
+        assert not kwargs, "worker calls take positional arguments"
+        return self._run_all(method_name(method), args)
 
-    @abc.abstractmethod
-    def run_sharded(self, method: str, batch: Batch, *args: Any) -> Any: ...
+    def run_sharded(
+        self, method: ShardCall[P, R], batch: Batch, *args: P.args, **kwargs: P.kwargs
+    ) -> R:
+        """``method`` on each rank's data-parallel shard of ``batch``; rank 0's result."""
+        assert not kwargs, "worker calls take positional arguments"
+        return self._run_sharded(method_name(method), batch, args)
 
-    @abc.abstractmethod
-    def gather_sharded(self, method: str, batch: Batch, *args: Any) -> list[Any]:
+    def gather_sharded(
+        self, method: ShardCall[P, R], batch: Batch, *args: P.args, **kwargs: P.kwargs
+    ) -> list[R]:
         """``method`` on each rank's data-parallel shard; the results of one output rank per
         shard, in ``Batch.dp_shards`` order."""
+        assert not kwargs, "worker calls take positional arguments"
+        return self._gather_sharded(method_name(method), batch, args)
+
+    @abc.abstractmethod
+    def _run_all(self, name: str, args: tuple[Any, ...]) -> Any: ...
+
+    @abc.abstractmethod
+    def _run_sharded(self, name: str, batch: Batch, args: tuple[Any, ...]) -> Any: ...
+
+    @abc.abstractmethod
+    def _gather_sharded(self, name: str, batch: Batch, args: tuple[Any, ...]) -> list[Any]: ...
 
     @abc.abstractmethod
     def close(self) -> None: ...
@@ -68,16 +109,16 @@ class LocalWorkerGroup(WorkerGroup):
     def parallel(self) -> ParallelInfo:
         return self._parallel
 
-    def run_all(self, method: str, *args: Any) -> Any:
-        return getattr(self.worker, method)(*args)
+    def _run_all(self, name: str, args: tuple[Any, ...]) -> Any:
+        return getattr(self.worker, name)(*args)
 
-    def run_sharded(self, method: str, batch: Batch, *args: Any) -> Any:
-        return getattr(self.worker, method)(self.worker.shard(batch), *args)
+    def _run_sharded(self, name: str, batch: Batch, args: tuple[Any, ...]) -> Any:
+        return getattr(self.worker, name)(self.worker.shard(batch), *args)
 
-    def gather_sharded(self, method: str, batch: Batch, *args: Any) -> list[Any]:
+    def _gather_sharded(self, name: str, batch: Batch, args: tuple[Any, ...]) -> list[Any]:
         if self._parallel.dp_size != 1:  # torchrun SPMD: every rank holds only its own shard
             raise NotImplementedError("gather_sharded needs the whole group (Ray or in-process)")
-        return [self.run_sharded(method, batch, *args)]
+        return [self._run_sharded(name, batch, args)]
 
     def close(self) -> None:
         self.worker.close()

@@ -150,9 +150,9 @@ class RayWorkerGroup(WorkerGroup):
     def parallel(self) -> ParallelInfo:
         return self._infos[0]
 
-    def run_all(self, method: str, *args: Any) -> Any:
-        refs = [a.call.remote(method, *args) for a in self._actors]
-        return self._wait(refs, None, f"running {method}")[0]
+    def _run_all(self, name: str, args: tuple[Any, ...]) -> Any:
+        refs = [a.call.remote(name, *args) for a in self._actors]
+        return self._wait(refs, None, f"running {name}")[0]
 
     def _sharded_refs(self, method: str, batch: Batch, args: tuple) -> tuple[list, list]:
         shards = batch.dp_shards(self.parallel.dp_size)
@@ -163,13 +163,13 @@ class RayWorkerGroup(WorkerGroup):
         ]
         return shards, refs
 
-    def run_sharded(self, method: str, batch: Batch, *args: Any) -> Any:
-        _, refs = self._sharded_refs(method, batch, args)
-        return self._wait(refs, None, f"running {method}")[0]
+    def _run_sharded(self, name: str, batch: Batch, args: tuple[Any, ...]) -> Any:
+        _, refs = self._sharded_refs(name, batch, args)
+        return self._wait(refs, None, f"running {name}")[0]
 
-    def gather_sharded(self, method: str, batch: Batch, *args: Any) -> list[Any]:
-        shards, refs = self._sharded_refs(method, batch, args)
-        results = self._wait(refs, None, f"running {method}")
+    def _gather_sharded(self, name: str, batch: Batch, args: tuple[Any, ...]) -> list[Any]:
+        shards, refs = self._sharded_refs(name, batch, args)
+        results = self._wait(refs, None, f"running {name}")
         first_output = {}
         for info, result in zip(self._infos, results, strict=True):
             if info.is_output_rank:
