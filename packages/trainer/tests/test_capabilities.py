@@ -2,6 +2,8 @@
 micro-batching, and refuses the rest in one line naming the plugin, the capability and the
 config key."""
 
+from dataclasses import dataclass
+
 import pytest
 
 from drivetrain.api.config import EngineConfig, MicroBatchConfig, RolloutConfig, WeightSyncConfig
@@ -171,3 +173,15 @@ def test_rollout_and_transport_devices():
     assert message.startswith(
         "weight_sync.device=cpu needs the 'device:cpu' capability, which ckpt"
     )
+
+
+@dataclass(frozen=True)
+class ProcessRolloutConfig(RolloutConfig):
+    python: str = ""  # as the first-party backends': the interpreter of its own environment
+
+
+def test_a_rollout_process_of_its_own_needs_separate_process():
+    own = rl_config_type(EngineConfig, EngineConfig, ProcessRolloutConfig, WeightSyncConfig)
+    user = load_config(own, overrides=["rollout.python=/venv/bin/python"])
+    message = refused("separate_process", fit_plugins, user, rl(), plugins(rollout=CPU_ONLY), "x")
+    assert message.startswith("rollout.python=/venv/bin/python needs the 'separate_process'")

@@ -25,24 +25,28 @@ from dataclasses import dataclass
 
 from drivetrain.api.version import VersionRange
 
-#: Capabilities drivetrain's own components look for. Plugins may declare others.
+#: Capabilities drivetrain's own components look for. Plugins may declare others. When a job
+#: loads, the trainer gives a plugin only what it declares: it adapts where it can (padded
+#: batches, fixed micro-batches) and refuses the rest in one line naming the config key. A
+#: plugin declaring nothing gets padded batches and fixed-size micro-batches (engine-api
+#: README, "Capabilities", says which key asks for which).
 KNOWN_CAPABILITIES = frozenset(
     {
-        "lora",  # LoRA adapters, disable_adapter()
-        "value_head",  # critics / reward models
-        "packed",  # accepts Layout.PACKED batches
-        "dynamic_batch",  # token-budget micro-batching
-        "data_parallel",
+        "lora",  # model.lora adapters, disable_adapter(), export_weights(adapter_only=True)
+        "value_head",  # model.value_head: a per-token `values` output (critics, reward models)
+        "packed",  # accepts Layout.PACKED batches, outputs as for the same batch padded
+        "dynamic_batch",  # honours micro_batch.max_tokens (token-budget micro-batches)
+        "data_parallel",  # the parallelisms are informational: set by the plugin's own keys
         "tensor_parallel",
         "pipeline_parallel",
         "context_parallel",
         "sequence_parallel",
         "expert_parallel",
-        "offload",  # params/optimizer offload between modes
+        "offload",  # honours offload.params / offload.optimizer between modes
         "resharding_checkpoint",  # load a checkpoint saved at another world size/layout
-        "sleep",  # rollouts: frees memory on sleep()
-        "separate_process",  # rollouts: can run in another process/environment
-        "device:cpu",
+        "sleep",  # rollouts: sleep() frees accelerator memory (colocated placement needs it)
+        "separate_process",  # rollouts: runs in a process/environment of its own
+        "device:cpu",  # runs on that device; a plugin listing no device:* makes no claim
         "device:cuda",
         "device:npu",
     }

@@ -33,7 +33,7 @@ class DataConfig:
     messages_key: str = "messages"
     max_length: int = 1024
     truncation: str = "error"  # error | left (keep the end) | right (keep the start)
-    packing: bool = True  # hand the engine packed (padding-free) batches
+    packing: bool = True  # packed (padding-free) batches, to an engine declaring `packed`
     shuffle: bool = True
 
     def __post_init__(self) -> None:

@@ -16,6 +16,7 @@ MEGATRON = PluginSpec(
             "context_parallel",
             "expert_parallel",
             "offload",
+            "value_head",  # model.value_head: a per-token scalar head (tests/test_model_parity)
             "packed",
             "dynamic_batch",
             "resharding_checkpoint",

@@ -36,7 +36,7 @@ class PreferenceDataConfig:
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
     max_length: int = 1024  # tokens of prompt + answer; longer pairs are an error
-    packing: bool = True  # chosen and rejected packed into one padding-free row
+    packing: bool = True  # pairs in one padding-free row, to an engine declaring `packed`
     shuffle: bool = True
 
     def __post_init__(self) -> None:

@@ -81,6 +81,8 @@ def fit_plugins(c: RLConfig, job_default: RLConfig, plugins: RLPlugins, placemen
         c = dataclasses.replace(c, critic=dataclasses.replace(c.critic, micro_batch=micro))
     backend = plugins.rollout
     check_device("rollout", backend, "rollout.device", c.rollout.device, remote=remote)
+    if python := getattr(c.rollout, "python", ""):  # only some backends have the key
+        require("rollout", backend, "separate_process", f"rollout.python={python}")
     # sharing an accelerator, the rollout hands its memory to the training step; on the CPU
     # there is no device memory to hand back
     device = device_of(backend, c.rollout.device, remote=remote)
