@@ -113,3 +113,25 @@ def test_ppo_defaults_yield_to_the_users_file(tmp_path):
         overrides=["data.train_path=x.jsonl", "actor.model.path=m"],
     )  # fmt: skip
     assert job.config.sampling.n == 4 and job.config.algorithm.advantage == "gae"
+
+
+def test_a_key_of_another_installed_rollout_says_whose_it_is():
+    from drivetrain.api import RolloutConfig, WeightSyncConfig, registry
+    from drivetrain.trainer.rl.config import rl_config_type
+
+    vllm = registry.rollouts.load_config_class("vllm", RolloutConfig)
+    config_type = rl_config_type(EngineConfig, EngineConfig, vllm, WeightSyncConfig)
+    with pytest.raises(ConfigError) as err:
+        load_config(config_type, overrides=["rollout.max_batch_size=8"])
+    assert str(err.value).startswith(
+        "rollout.max_batch_size is an option of the hf rollout; the vllm rollout has "
+        "max_num_seqs; valid keys at 'rollout': "
+    )
+
+
+def test_a_key_of_other_installed_engines_names_them():
+    with pytest.raises(ConfigError) as err:
+        load_config(FakeEngineConfig, overrides=["tensor_parallel=2"])
+    assert str(err.value).startswith(
+        "tensor_parallel is an option of the megatron and megatron_fsdp engines; valid keys at "
+    )  # no counterpart among the fake engine's own knobs: none suggested

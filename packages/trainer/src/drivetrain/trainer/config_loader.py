@@ -19,13 +19,14 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from drivetrain.api.errors import ConfigError
+from drivetrain.trainer.plugin_keys import other_plugin_hint
 from drivetrain.trainer.utf8 import decode_utf8
 
 T = TypeVar("T")
 
 
-def _valid_keys(config_type: type, dotted: str) -> tuple[str, list[str]]:
-    """The dataclass level that ``dotted`` points into, and that level's field names."""
+def _owner(config_type: type, dotted: str) -> tuple[str, type]:
+    """The dataclass level that ``dotted`` points into, and that level's dataclass."""
     owner, parts = config_type, dotted.split(".")
     prefix: list[str] = []
     for part in parts[:-1]:
@@ -34,15 +35,18 @@ def _valid_keys(config_type: type, dotted: str) -> tuple[str, list[str]]:
             break
         owner = hints[part]
         prefix.append(part)
-    return ".".join(prefix), [f.name for f in dataclasses.fields(owner)]
+    return ".".join(prefix), owner
 
 
 def _explain(config_type: type, exc: OmegaConfBaseException) -> ConfigError:
     key = getattr(exc, "full_key", None) or ""
     if isinstance(exc, ConfigKeyError) and key:
-        where, valid = _valid_keys(config_type, key)
+        where, owner = _owner(config_type, key)
         level = f"'{where}'" if where else "the top level"
-        return ConfigError(f"unknown config key '{key}'; valid keys at {level}: {', '.join(valid)}")
+        valid = ", ".join(f.name for f in dataclasses.fields(owner))
+        elsewhere = other_plugin_hint(owner, where, key.removeprefix(where).lstrip("."))
+        cause = f"{elsewhere}" if elsewhere else f"unknown config key '{key}'"
+        return ConfigError(f"{cause}; valid keys at {level}: {valid}")
     first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return ConfigError(f"invalid config value for '{key}': {first_line}" if key else first_line)
 
