@@ -40,6 +40,16 @@ class PerMicroBatchMean(FakeEngine):
         return replace(result, loss=result.loss / result.num_micro_batches)
 
 
+class OverlongSampleAlone(FakeEngine):
+    """Puts a sample over the token budget in a micro-batch of its own instead of failing: on a
+    peer rank that cut its shard, the two would disagree on the micro-batch count."""
+
+    def _micro_batches(self, batch):
+        if self.config.micro_batch.max_tokens is None:
+            return super()._micro_batches(batch)
+        return [[i] for i in range(len(batch))]
+
+
 class UnorderedInfer(FakeEngine):
     """Returns infer outputs in micro-batch order instead of the caller's."""
 
@@ -210,6 +220,11 @@ def test_fake_engine_passes_everything():
     [
         (PerMicroBatchMean, "check_micro_batch_invariance", "loss with"),
         (UnorderedInfer, "check_order_restored", "order not restored"),
+        (
+            OverlongSampleAlone,
+            "check_split_failure_reaches_every_rank",
+            "must fail every rank with a BatchError",
+        ),
         (MissingWeight, "check_weight_export", "missing weights ['bigram.bias']"),
         (ForgetsOptimizerState, "check_checkpoint_round_trip", "optimizer state not restored"),
         (ForgetsSchedulePosition, "check_checkpoint_round_trip", "LR schedule position was not"),

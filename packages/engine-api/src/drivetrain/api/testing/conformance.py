@@ -28,6 +28,7 @@ from drivetrain.api.engine import Engine, ParallelInfo, StepResult
 from drivetrain.api.errors import EngineStateError
 from drivetrain.api.loss import LossContext, OutputSpec
 from drivetrain.api.testing.atomic_check import check_checkpoint_atomic
+from drivetrain.api.testing.failure_checks import check_split_failure_reaches_every_rank
 from drivetrain.api.testing.harness import EngineHarness
 from drivetrain.api.testing.nested import flatten, shape_of
 from drivetrain.api.testing.optim_checks import (
@@ -366,6 +367,7 @@ ENGINE_CHECKS: tuple[Callable[[EngineHarness], None], ...] = (
     check_micro_batch_invariance,
     check_order_restored,
     check_sample_groups_stay_together,
+    check_split_failure_reaches_every_rank,
     check_packed_matches_padded,
     check_shared_prefix_is_only_a_hint,
     check_modes,

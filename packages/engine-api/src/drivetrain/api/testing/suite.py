@@ -48,6 +48,9 @@ class EngineConformance:
     def test_checkpoint_atomic(self) -> None:
         conformance.check_checkpoint_atomic(self.harness())
 
+    def test_split_failure_reaches_every_rank(self) -> None:
+        conformance.check_split_failure_reaches_every_rank(self.harness())
+
     def test_gradient_clipping(self) -> None:
         conformance.check_gradient_clipping(self.harness())
 
