@@ -7,7 +7,7 @@ import pytest
 from drivetrain.api.testing import EngineConformance
 from drivetrain.api.testing.conformance import ENGINE_CHECKS
 from fsdp_harness import FSDPHarness, build_tiny_model, single_thread
-from launch import torchrun
+from launch import launch
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ CASES = [
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
 def test_conformance_world_two(model_dir, tmp_path):
-    ranks = torchrun("worker_conformance.py", tmp_path, model_dir, json.dumps(CASES), timeout=850)
+    ranks = launch("worker_conformance.py", tmp_path, model_dir, json.dumps(CASES), timeout=850)
     failures = [r for rank in ranks for r in rank if not r["passed"]]
     assert not failures, json.dumps(failures, indent=1)[:4000]
     assert len(ranks[0]) == len(CASES) * len(ENGINE_CHECKS)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fsdp_harness import VOCAB, build_tiny_model, single_thread
-from launch import torchrun
+from launch import launch
 from reference import reference_run
 
 STEPS = 3
@@ -46,7 +46,7 @@ def runs(tmp_path_factory):
     reference = reference_run(model_dir, data["sequences"], data["masks"], steps=STEPS)
     out = tmp / "out"
     out.mkdir()
-    ranks = torchrun(
+    ranks = launch(
         "worker_parity.py", out, model_dir, json.dumps(data), json.dumps(CASES), timeout=850
     )
     return reference, ranks, out

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from drivetrain.engine.fsdp.checkpoint import is_complete
 from fsdp_harness import build_tiny_model, build_tiny_tokenizer, single_thread
-from launch import torchrun
+from launch import launch
 from test_parity import make_data
 
 
@@ -21,7 +21,7 @@ def trained(tmp_path_factory):
     data = json.dumps(make_data())
     ckpt = str(tmp / "ckpt")
     (tmp / "train").mkdir()
-    train = torchrun("worker_resume.py", tmp / "train", model_dir, data, "train", ckpt)
+    train = launch("worker_resume.py", tmp / "train", model_dir, data, "train", ckpt)
     return tmp, model_dir, data, ckpt, train
 
 
@@ -31,7 +31,7 @@ def test_resume_same_world_size_is_bit_exact(trained):
     tmp, model_dir, data, ckpt, train = trained
     assert is_complete(ckpt)
     (tmp / "resume2").mkdir()
-    resumed = torchrun("worker_resume.py", tmp / "resume2", model_dir, data, "resume", ckpt)
+    resumed = launch("worker_resume.py", tmp / "resume2", model_dir, data, "resume", ckpt)
     for rank_train, rank_resumed in zip(train, resumed, strict=True):
         assert rank_resumed["loaded_step"] == 1
         assert rank_resumed["losses"] == rank_train["losses"][1:]  # exact equality
@@ -43,7 +43,7 @@ def test_resume_same_world_size_is_bit_exact(trained):
 def test_resume_at_world_size_one(trained):
     tmp, model_dir, data, ckpt, train = trained
     (tmp / "resume1").mkdir()
-    [resumed] = torchrun(
+    [resumed] = launch(
         "worker_resume.py", tmp / "resume1", model_dir, data, "resume", ckpt, nproc=1
     )
     assert resumed["losses"] == pytest.approx(train[0]["losses"][1:], abs=1e-5, rel=1e-5)

@@ -4,8 +4,9 @@ Each rank is a plain ``python script OUT_DIR ARGS...`` process with torchrun's e
 (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` on a free loopback port), one torch
 thread and its own session, so a hung run (and anything it spawned) is killed as a group at the
 deadline, and a rank that dies stops the others at once. Workers report with
-:func:`write_result` (JSON: nothing is unpickled); :func:`launch_ranks` returns the reports in
-rank order.
+:func:`write_result` (JSON) or their own writer read back by ``read`` (e.g. ``torch.load`` with
+``weights_only=True``: nothing is unpickled); :func:`launch_ranks` returns the reports in rank
+order.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +40,11 @@ def launch_ranks(
     nproc: int = 2,
     timeout: float = 300,
     pythonpath: Sequence[Path] = (),
+    read: Callable[[Path, int], Any] | None = None,
 ) -> list[Any]:
     """Run ``script`` on ``nproc`` ranks; raise ``AssertionError`` with every rank's log tail
-    when one fails or the deadline passes."""
+    when one fails or the deadline passes. ``read(out_dir, rank)`` loads a rank's report
+    (default: what :func:`write_result` wrote)."""
     port = str(free_port())
     path = os.pathsep.join([*map(str, pythonpath), os.environ.get("PYTHONPATH", "")])
     procs = []
@@ -80,7 +83,11 @@ def launch_ranks(
     if failed:
         logs = "\n".join(f"--- rank {r}\n{_tail(out_dir / f'rank{r}.log')}" for r in range(nproc))
         raise AssertionError(f"{Path(script).name} failed: {failed}\n{logs}")
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nproc)]
+    return [(read or read_result)(out_dir, r) for r in range(nproc)]
+
+
+def read_result(out_dir: Path, rank: int) -> Any:
+    return json.loads((out_dir / f"rank{rank}.json").read_text())
 
 
 def write_result(out_dir: str, value: Any) -> None:
