@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 from typing import Any, ClassVar
 
+from drivetrain.api.config import coerce_config
 from drivetrain.api.rollout import Rollout
 from drivetrain.rollout import plugin
 from drivetrain.rollout.config import (
@@ -63,8 +64,7 @@ class RolloutFrontend(Rollout):
     config_class: ClassVar[type[BackendConfig]]
 
     def __new__(cls, config: Any) -> Any:
-        if not isinstance(config, cls.config_class):
-            config = cls.config_class(**{k: getattr(config, k) for k in vars(config)})
+        config = coerce_config(config, cls.config_class)
         if config.python:
             from drivetrain.rollout.process.client import start_server_rollout
 

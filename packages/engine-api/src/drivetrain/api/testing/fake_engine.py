@@ -27,7 +27,7 @@ from typing import Any
 from drivetrain.api.atomic_dir import publish, staging_path
 from drivetrain.api.batch import Batch, Layout
 from drivetrain.api.columns import ENTROPY, INPUT_IDS, LOG_PROBS, LOSS_MASK
-from drivetrain.api.config import EngineConfig
+from drivetrain.api.config import EngineConfig, coerce_config
 from drivetrain.api.engine import CheckpointInfo, NamedTensor, ParallelInfo, StepResult
 from drivetrain.api.errors import EngineStateError
 from drivetrain.api.loss import LossContext, LossFn, OutputSpec, merge_metrics
@@ -69,9 +69,7 @@ class FakeEngine(ModalEngine):
     config: FakeEngineConfig
 
     def __init__(self, config: EngineConfig) -> None:
-        if not isinstance(config, FakeEngineConfig):
-            config = FakeEngineConfig(**{k: getattr(config, k) for k in vars(config)})
-        super().__init__(config)
+        super().__init__(coerce_config(config, FakeEngineConfig))
         self._ready = False
 
     # ---- life cycle ---------------------------------------------------------------------

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from drivetrain.api.config import RolloutConfig
+from drivetrain.api.config import RolloutConfig, coerce_config
 from drivetrain.api.engine import NamedTensor
 from drivetrain.api.request_queue import QueuedRollout, RequestQueue, TokenEvent
 from drivetrain.api.requests import Request, call_requests, generate_with_requests
@@ -88,8 +88,7 @@ class FakeRollout(QueuedRollout):
     config: FakeRolloutConfig
 
     def __init__(self, config: RolloutConfig) -> None:
-        if not isinstance(config, FakeRolloutConfig):
-            config = FakeRolloutConfig(**{k: getattr(config, k) for k in vars(config)})
+        config = coerce_config(config, FakeRolloutConfig)
         super().__init__(config)
         self.weights = fake_model.init_weights(config.vocab_size, config.seed, config.init_scale)
         self._version = 0
