@@ -131,7 +131,10 @@ def row(table: str, name: str) -> str:
 
 
 def test_cli_lists_every_plugin_with_its_status(env):
-    table = env.script("drivetrain", "engines").stdout
+    listed = env.script("drivetrain", "engines").stdout  # metadata and specs: no plugin code
+    assert row(listed, "broken").rstrip(" │").endswith("installed")
+    assert "incompatible: implements engine-api >=0.2,<0.3" in row(listed, "future")
+    table = env.script("drivetrain", "engines", "--check").stdout
     acme = row(table, "acme")
     assert "acme-engine 2.0.1" in acme and ">=0.1,<0.2" in acme and "dynamic_batch" in acme
     assert acme.rstrip(" │").endswith("ok")
@@ -171,7 +174,7 @@ def test_broken_plugin_is_rejected_with_reason_and_hint(env):
         "ERROR engine 'broken' (broken-engine 2.0.1) is installed but failed to import"
     )
     assert "No module named 'megatron'" in out and "pip install broken-engine" in out
-    assert "acme-engine 2.0.1  ok" in out  # lists the alternatives
+    assert "other installed engines: acme, " in out  # lists the alternatives
 
 
 def test_incompatible_plugin_is_rejected_before_import(env):
@@ -184,9 +187,10 @@ def test_incompatible_plugin_is_rejected_before_import(env):
 
 def test_unknown_name_lists_what_is_installed(env):
     out = env.run("-c", LOAD, "acmee").stdout
-    assert out.startswith("ERROR unknown engine 'acmee'. Installed engines:")
+    assert out.startswith("ERROR unknown engine 'acmee': did you mean 'acme'? installed engines:")
     for name in ("acme", "broken", "future", "fake"):
-        assert f"\n  {name} " in out
+        assert f" {name}," in out or f" {name} " in out
+    assert "entry-point group drivetrain.engines" in out  # how a third-party one is found
 
 
 def test_env_var_disables_a_plugin(env):
