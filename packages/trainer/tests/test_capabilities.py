@@ -91,8 +91,12 @@ def test_auto_device_and_an_engine_without_device_claims(monkeypatch):
     fit_single_engine(cuda_only, sft("workers.ray_address=auto"), sft())
     fit_single_engine(BARE, sft("engine.device=cuda"), sft())  # it claims no device
     monkeypatch.setattr(capabilities, "_cuda_available", lambda: True)
-    fit_single_engine(cuda_only, sft(), sft())
-    fit_single_engine(CPU_ONLY, sft(), sft())  # auto: the CPU it lists
+    assert fit_single_engine(cuda_only, sft(), sft()).engine.device == "auto"
+    # auto: the CPU it lists, pinned, or the engine would resolve auto to this machine's GPU
+    assert fit_single_engine(CPU_ONLY, sft(), sft()).engine.device == "cpu"
+    assert fit_single_engine(BARE, sft(), sft()).engine.device == "auto"
+    fitted = fit_plugins(rl(), rl(), plugins(CPU_ONLY, rollout=CPU_ONLY), "colocated")
+    assert fitted.actor.device == fitted.rollout.device == "cpu"  # no sleep asked on the CPU
 
 
 def test_dpo_adapter_reference_needs_lora():

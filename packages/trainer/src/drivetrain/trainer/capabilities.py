@@ -19,6 +19,7 @@ from drivetrain.api.errors import ConfigError
 from drivetrain.api.plugin import PluginSpec
 
 T = TypeVar("T")
+E = TypeVar("E", bound=EngineConfig)
 DEVICE = "device:"
 
 
@@ -84,34 +85,48 @@ def fixed_micro_batch(
     return MicroBatchConfig(micro_batch_size=max(1, micro.max_tokens // longest))
 
 
-def check_engine(spec: PluginSpec, key: str, engine: EngineConfig, *, remote: bool) -> None:
-    """What an engine config under ``key`` (``engine``, ``actor``...) asks of the engine
-    itself, whatever the role: LoRA, offload, its device."""
+def pinned_device(spec: PluginSpec, requested: str, *, remote: bool) -> str:
+    """``requested``, but the CPU where ``auto`` would give an engine or rollout (which resolve
+    ``auto`` themselves) an accelerator of this machine that the plugin does not list."""
+    listed = any(c.startswith(DEVICE) for c in spec.capabilities)
+    if requested != "auto" or remote or not listed or DEVICE + "cuda" in spec.capabilities:
+        return requested
+    return "cpu" if _cuda_available() else requested
+
+
+def fit_engine_config(
+    spec: PluginSpec, key: str, engine: E, job_engine: EngineConfig, *, longest: int, remote: bool
+) -> E:
+    """The engine config under ``key`` (``engine``, ``actor``...) fitted to the engine: LoRA,
+    offload and its device checked, ``auto`` pinned to a device it lists, fixed micro-batches
+    unless it declares ``dynamic_batch`` (``job_engine``: the job's own config, for telling
+    the job's token budget from the user's)."""
     if engine.model.lora.enabled:
         require("engine", spec, "lora", f"{key}.model.lora.rank={engine.model.lora.rank}")
     for part in ("params", "optimizer"):
         if getattr(engine.offload, part):
             require("engine", spec, "offload", f"{key}.offload.{part}=true")
     check_device("engine", spec, f"{key}.device", engine.device, remote=remote)
+    micro = fixed_micro_batch(
+        spec, f"{key}.micro_batch", engine.micro_batch, job_engine.micro_batch, longest
+    )
+    device = pinned_device(spec, engine.device, remote=remote)
+    return dataclasses.replace(engine, micro_batch=micro, device=device)
 
 
 def fit_single_engine(spec: PluginSpec, config: T, job_default: Any) -> T:
     """An SFT or DPO config (``engine``, ``data.packing``, ``data.max_length``, ``workers``)
-    adapted to the engine: checked, padded batches unless it declares ``packed``, fixed
-    micro-batches unless it declares ``dynamic_batch``. ``job_default`` is the config the job
-    gives without the user's files and overrides."""
+    fitted to the engine (:func:`fit_engine_config`), with padded batches unless it declares
+    ``packed``. ``job_default`` is the config the job gives without the user's files and
+    overrides."""
     c: Any = config
-    check_engine(spec, "engine", c.engine, remote=bool(c.workers.ray_address))
-    micro = fixed_micro_batch(
+    engine = fit_engine_config(
         spec,
-        "engine.micro_batch",
-        c.engine.micro_batch,
-        job_default.engine.micro_batch,
+        "engine",
+        c.engine,
+        job_default.engine,
         longest=c.data.max_length,
+        remote=bool(c.workers.ray_address),
     )
     packing = c.data.packing and "packed" in spec.capabilities
-    return dataclasses.replace(
-        c,
-        engine=dataclasses.replace(c.engine, micro_batch=micro),
-        data=dataclasses.replace(c.data, packing=packing),
-    )
+    return dataclasses.replace(c, engine=engine, data=dataclasses.replace(c.data, packing=packing))

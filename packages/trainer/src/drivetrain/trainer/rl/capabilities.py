@@ -14,9 +14,9 @@ from drivetrain.api import registry
 from drivetrain.api.plugin import PluginSpec
 from drivetrain.trainer.capabilities import (
     check_device,
-    check_engine,
     device_of,
-    fixed_micro_batch,
+    fit_engine_config,
+    pinned_device,
     require,
     require_adapter_reference,
 )
@@ -56,31 +56,31 @@ class RLPlugins:
 
 
 def fit_plugins(c: RLConfig, job_default: RLConfig, plugins: RLPlugins, placement: str) -> RLConfig:
-    """``c`` with fixed micro-batches where an engine lacks ``dynamic_batch``, after refusing
-    what a plugin does not declare. ``job_default``: the config without the user's layers;
-    ``placement``: the resolved placement mode."""
+    """``c`` with fixed micro-batches where an engine lacks ``dynamic_batch`` and ``auto``
+    devices pinned to one the plugin lists, after refusing what a plugin does not declare.
+    ``job_default``: the config without the user's layers; ``placement``: the resolved
+    placement mode."""
     remote = bool(c.workers.ray_address)
     longest = c.data.max_prompt_length + c.sampling.max_new_tokens
     actor = plugins.actor
     if c.reference_mode == "adapter":
         require_adapter_reference(actor, c.reference.mode)
-    check_engine(actor, "actor", c.actor, remote=remote)
-    micro = fixed_micro_batch(
-        actor, "actor.micro_batch", c.actor.micro_batch, job_default.actor.micro_batch, longest
+    fitted = fit_engine_config(
+        actor, "actor", c.actor, job_default.actor, longest=longest, remote=remote
     )
-    c = dataclasses.replace(c, actor=dataclasses.replace(c.actor, micro_batch=micro))
+    c = dataclasses.replace(c, actor=fitted)
     if roles := value_head_roles(c):
         critic = plugins.critic
         for asked_by in roles:
             require("engine", critic, "value_head", asked_by)
-        check_engine(critic, "critic", c.critic, remote=remote)
-        micro = fixed_micro_batch(
-            critic, "critic.micro_batch", c.critic.micro_batch, job_default.critic.micro_batch,
-            longest,
-        )  # fmt: skip
-        c = dataclasses.replace(c, critic=dataclasses.replace(c.critic, micro_batch=micro))
+        fitted = fit_engine_config(
+            critic, "critic", c.critic, job_default.critic, longest=longest, remote=remote
+        )
+        c = dataclasses.replace(c, critic=fitted)
     backend = plugins.rollout
     check_device("rollout", backend, "rollout.device", c.rollout.device, remote=remote)
+    rollout = pinned_device(backend, c.rollout.device, remote=remote)
+    c = dataclasses.replace(c, rollout=dataclasses.replace(c.rollout, device=rollout))
     if python := getattr(c.rollout, "python", ""):  # only some backends have the key
         require("rollout", backend, "separate_process", f"rollout.python={python}")
     # sharing an accelerator, the rollout hands its memory to the training step; on the CPU
