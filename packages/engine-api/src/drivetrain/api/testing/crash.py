@@ -1,13 +1,15 @@
 """Simulate a process dying part-way through writing a directory, without killing anything.
 
 An audit hook (:func:`sys.addaudithook`) sees every file the process opens for writing
-through Python (``open``, ``os.open``) and every rename, removal and directory creation. Files
-a C library opens itself (``torch.save`` to a path) and system calls made through ctypes are
-not seen, but the renames that publish them are. While :func:`crash_at` is armed it lets the
-first ``n - 1`` such operations under ``root`` happen and refuses the ``n``-th and every later
-one with :class:`Crashed`: what is on disk afterwards is what a crash at that point leaves
-(cleanup code in ``except``/``finally`` blocks cannot touch the disk either). Audit hooks
-cannot be removed: this one is installed on first use and does nothing while disarmed.
+through Python (``open``, ``os.open``) and every rename, removal and directory creation. Not
+seen: files a C library opens itself (``torch.save`` to a path), system calls made through
+ctypes, and writes of forked worker processes (a simulated crash there would leave the parent
+waiting for its worker, not dead); the renames that publish such files are seen. While
+:func:`crash_at` is armed it lets the first ``n - 1`` operations under ``root`` happen and
+refuses the ``n``-th and every later one with :class:`Crashed`: what is on disk afterwards is
+what a crash at that point leaves (cleanup code in ``except``/``finally`` blocks cannot touch
+the disk either). Audit hooks cannot be removed: this one is installed on first use and does
+nothing while disarmed.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Crashed(BaseException):
 class _Plan:
     root: str
     at: int
+    pid: int
     seen: int = 0
     crashed_at: str = ""
 
@@ -75,6 +78,8 @@ def _hook(event: str, args: tuple[Any, ...]) -> None:
     if not _armed:
         return
     plan = _armed[-1]
+    if os.getpid() != plan.pid:
+        return  # a forked writer (a pool worker): a crash in it would hang its parent, not kill it
     touched = [p for p in _writes(event, args) if p.startswith(plan.root)]
     if not touched:
         return
@@ -95,7 +100,7 @@ def crash_at(n: int, root: str | os.PathLike[str]) -> Iterator[_Plan]:
     if not _installed:
         sys.addaudithook(_hook)
         _installed = True
-    plan = _Plan(str(Path(root).absolute()), n)
+    plan = _Plan(str(Path(root).absolute()), n, os.getpid())
     _armed.append(plan)
     try:
         yield plan
