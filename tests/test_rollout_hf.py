@@ -213,3 +213,31 @@ def test_64_streaming_requests_half_aborted(model_dir):
     the others equal an undisturbed greedy run bitwise."""
     harness = TransformersRolloutHarness(model_dir, lambda: hf(model_dir))
     check_64_streams_half_aborted(lambda: hf(model_dir), lambda r: r.shutdown(), harness)
+
+
+# ---- sleep (colocated placement on an accelerator) ---------------------------------------
+def test_sleep_frees_nothing_on_the_cpu_and_serving_goes_on(model_dir):
+    rollout = hf(model_dir)
+    before = rollout.generate(CHAT_PROMPTS, GREEDY)
+    assert rollout.sleep(1) is False
+    rollout.wake_up(("weights",))
+    rollout.wake_up(("kv_cache",))
+    assert rollout.generate(CHAT_PROMPTS, GREEDY) == before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sleep_moves_weights_off_the_gpu_and_the_colocated_order_serves_new_weights(model_dir):
+    rollout = hf(model_dir, device="cuda")
+    before = rollout.generate(CHAT_PROMPTS, GREEDY)
+    resident = torch.cuda.memory_allocated()
+    engine = fsdp_engine(model_dir)
+    train_step(engine, rollout.generate(CHAT_PROMPTS, SAMPLED))
+    assert rollout.sleep(1) is True
+    assert torch.cuda.memory_allocated() < resident  # the weights left the device
+    rollout.wake_up(("weights",))  # the sync manager's colocated order
+    rollout.update_weights(engine.export_weights(), version=1)
+    rollout.wake_up(("kv_cache",))
+    after = rollout.generate(CHAT_PROMPTS, GREEDY)
+    assert after != before and all(c.weight_version == 1 for c in after)
+    assert next(rollout.model.parameters()).device.type == "cuda"

@@ -9,7 +9,7 @@ HF = PluginSpec(
     factory="drivetrain.rollout.frontends:HFFrontend",
     config="drivetrain.rollout.config:HFRolloutConfig",
     api=API,
-    capabilities=frozenset({"separate_process", "device:cpu", "device:cuda"}),
+    capabilities=frozenset({"sleep", "separate_process", "device:cpu", "device:cuda"}),
     install_hint="pip install drivetrain-rollout",
     description="transformers generate (batched, sampled log-probs)",
 )

@@ -3,7 +3,7 @@ continuous batching (:mod:`drivetrain.rollout.hf.batcher`), driven by whoever po
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from drivetrain.api.engine import NamedTensor
 from drivetrain.api.request_queue import RequestQueue
+from drivetrain.api.rollout import MEMORY_TAGS
 from drivetrain.rollout.config import HFRolloutConfig
 from drivetrain.rollout.devices import model_dir, resolve_device
 from drivetrain.rollout.hf.batcher import ContinuousBatcher
@@ -41,6 +42,7 @@ class HFRollout(TokenizedRollout):
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else next(iter(sorted(self.eos_ids)), 0)
         self._version = 0
+        self._woken: set[str] | None = None  # asleep: the memory tags woken so far
         # seeds of unseeded requests: from the config's seed, moving on request after request
         self._seeds = torch.Generator().manual_seed(config.seed)
         self.batcher = ContinuousBatcher(
@@ -71,6 +73,38 @@ class HFRollout(TokenizedRollout):
 
     def weight_destination(self, name: str, shape: tuple[int, ...], dtype: str) -> Any:
         return destination(self.model.state_dict(), self.weight_update, name, shape, dtype)
+
+    # ---- memory -------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> bool:
+        """On CUDA: abort what runs (its KV cache goes with it) and move the weights to host
+        memory, for both levels (a level-2 sleeper may keep its weights; they are re-sent
+        anyway). On the CPU nothing would be freed."""
+        super().sleep(level)
+        if self.device.type != "cuda":
+            return False
+        with self.requests.lock:  # nothing runs on a sleeping rollout
+            self.requests.pause(abort=True)
+            self.batcher.reset()
+            self.model.to("cpu")
+        torch.cuda.empty_cache()
+        self._woken = set()
+        return True
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """``("weights",)`` brings the weights back (a colocated update then writes into them on
+        the device); the KV cache grows again as requests run; requests resume once both are
+        awake."""
+        super().wake_up(tags)
+        if self._woken is None:
+            return  # not asleep
+        wanted = set(MEMORY_TAGS if tags is None else tags)
+        if "weights" in wanted - self._woken:
+            with self.requests.lock:
+                self.model.to(self.device)
+        self._woken |= wanted
+        if self._woken >= MEMORY_TAGS:
+            self._woken = None
+            self.requests.resume()
 
     def shutdown(self) -> None:
         self.model = None  # type: ignore[assignment]
