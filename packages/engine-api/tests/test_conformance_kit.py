@@ -179,6 +179,18 @@ class OffloadDropsOptimizerState(FakeEngine):
             self.exp_avg, self.exp_avg_sq = self._zeros(), self._zeros()
 
 
+class Float64(list):
+    dtype = "float64"
+
+
+class InfersInDoublePrecision(FakeEngine):
+    """Returns log-probs and entropy as float64 (e.g. upcast past the contract's float32)."""
+
+    def infer(self, batch, outputs):
+        out = super().infer(batch, outputs)
+        return out.with_columns(**{name: Float64(out[name]) for name in outputs.names})
+
+
 class NoModeChecks(FakeEngine):
     def _require(self, mode, what):
         pass
@@ -243,6 +255,7 @@ def test_fake_engine_passes_everything():
             "check_offload_round_trip",
             "optimizer state lost in to('cpu')",
         ),
+        (InfersInDoublePrecision, "check_output_dtypes", "log_probs are float64"),
         (NoModeChecks, "check_contract_shapes", "must raise EngineStateError"),
         (InferChangesWeights, "check_modes", "deterministic"),
         (SumsEveryMetric, "check_micro_batch_invariance", "must be the largest"),

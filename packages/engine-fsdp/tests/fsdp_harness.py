@@ -76,6 +76,7 @@ class FSDPHarness:
     packed: bool = True
     device: str = "cpu"
     capabilities: frozenset[str] = FSDP2.capabilities  # fsdp declares the same
+    model_dtypes: tuple[str, ...] = ("float32", "bfloat16")
 
     def config(
         self,
@@ -84,9 +85,12 @@ class FSDPHarness:
         optim: OptimConfig | None = None,
         offload: OffloadConfig | None = None,
         dropout: float = 0.0,
+        dtype: str | None = None,
     ) -> FSDPConfig:
         rest = dict(self.overrides)
         model = dict(rest.pop("model", {}))
+        if dtype:
+            model["dtype"] = dtype
         if "lora" in model:
             model["lora"] = LoraConfig(**model["lora"])
         path = hf_variant(self.model_dir, attention_dropout=dropout) if dropout else self.model_dir
@@ -108,8 +112,11 @@ class FSDPHarness:
         optim: OptimConfig | None = None,
         offload: OffloadConfig | None = None,
         dropout: float = 0.0,
+        dtype: str | None = None,
     ) -> Any:
-        config = self.config(micro_batch, optim=optim, offload=offload, dropout=dropout)
+        config = self.config(
+            micro_batch, optim=optim, offload=offload, dropout=dropout, dtype=dtype
+        )
         engine = ENGINES[self.engine](config)
         engine.initialize()
         return engine
@@ -121,6 +128,12 @@ class FSDPHarness:
 
     def to_list(self, value: Any) -> Any:
         return value.tolist() if isinstance(value, torch.Tensor) else value
+
+    def dtype_of(self, value: Any) -> str:
+        return str(value.dtype).removeprefix("torch.")
+
+    def device_of(self, value: Any) -> str:
+        return str(value.device)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * dist.get_world_size()

@@ -61,6 +61,7 @@ class MegatronHarness:
     rtol: float = 1e-5
     packed: bool = True
     capabilities: frozenset[str] = MEGATRON.capabilities
+    model_dtypes: tuple[str, ...] = ("float32", "bfloat16")
 
     def config(
         self,
@@ -69,12 +70,13 @@ class MegatronHarness:
         optim: OptimConfig | None = None,
         offload: OffloadConfig | None = None,
         dropout: float = 0.0,
+        dtype: str = "float32",
     ) -> MegatronConfig:
         """The kit's ``optim``/``offload``/``dropout`` (attention dropout in the model's
-        config.json) replace the defaults below; ``overrides`` apply last."""
+        config.json)/``dtype`` replace the defaults below; ``overrides`` apply last."""
         path = hf_variant(self.model_dir, attention_dropout=dropout) if dropout else self.model_dir
         return MegatronConfig(
-            model=ModelConfig(path=path),
+            model=ModelConfig(path=path, dtype=dtype),
             # Adam's first step moves every weight by lr * g / (|g| + eps), so a weight whose
             # gradient is ~0 moves by up to lr/eps times the gradient's fp32 rounding noise.
             # That noise depends on the reduction order (micro-batches, tensor-parallel
@@ -88,7 +90,7 @@ class MegatronHarness:
         )
 
     def make_engine(self, micro_batch: MicroBatchConfig, **kit: Any) -> MegatronEngine:
-        """``kit``: the optim/offload/dropout keywords of :meth:`config`."""
+        """``kit``: the optim/offload/dropout/dtype keywords of :meth:`config`."""
         engine = MegatronEngine(self.config(micro_batch, **kit))
         engine.initialize()
         return engine
@@ -108,6 +110,12 @@ class MegatronHarness:
 
     def to_list(self, value: Any) -> Any:
         return value.tolist() if isinstance(value, torch.Tensor) else value
+
+    def dtype_of(self, value: Any) -> str:
+        return str(value.dtype).removeprefix("torch.")
+
+    def device_of(self, value: Any) -> str:
+        return str(value.device)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * dist.get_world_size()

@@ -28,6 +28,7 @@ from drivetrain.api.engine import Engine, ParallelInfo, StepResult
 from drivetrain.api.errors import EngineStateError
 from drivetrain.api.loss import LossContext, OutputSpec
 from drivetrain.api.testing.atomic_check import check_checkpoint_atomic
+from drivetrain.api.testing.dtype_check import check_output_dtypes
 from drivetrain.api.testing.failure_checks import check_split_failure_reaches_every_rank
 from drivetrain.api.testing.harness import EngineHarness
 from drivetrain.api.testing.nested import flatten, shape_of
@@ -378,6 +379,7 @@ ENGINE_CHECKS: tuple[Callable[[EngineHarness], None], ...] = (
     check_lr_schedule,
     check_nonfinite_step_skipped,
     check_offload_round_trip,
+    check_output_dtypes,
     check_weight_export,
 )
 

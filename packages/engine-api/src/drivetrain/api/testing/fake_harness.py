@@ -60,6 +60,11 @@ class FakeHarness:
     def to_list(self, value: Any) -> Any:
         return value
 
+    def dtype_of(self, value: Any) -> str:
+        # the fake's columns are lists of Python numbers, standing for the contract's dtypes;
+        # a typed container (a test's) says its own
+        return getattr(value, "dtype", "float32")
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         return [obj]  # the fake engine is single-process
 

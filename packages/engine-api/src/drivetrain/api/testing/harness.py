@@ -37,6 +37,7 @@ class EngineHarness(Protocol):
         optim: OptimConfig | None = None,
         offload: OffloadConfig | None = None,
         dropout: float = 0.0,
+        dtype: str | None = None,
     ) -> Engine:
         """A fresh, initialized engine using ``micro_batch`` as its micro-batching config.
 
@@ -44,8 +45,13 @@ class EngineHarness(Protocol):
         checkpoint checks set their own), ``offload`` its offload config. ``dropout`` > 0 asks
         for a model whose training forward draws from the engine's RNG (e.g. attention
         dropout), for the RNG-restore check; a harness that cannot make one leaves the keyword
-        out and that check is skipped."""
+        out and that check is skipped. ``dtype`` sets ``model.dtype`` (for ``model_dtypes``)."""
         ...
+
+    #: Optional: the model dtypes to check outputs under (``make_engine(dtype=)``, e.g.
+    #: ``("float32", "bfloat16")``), with ``dtype_of(value)`` (a column's dtype as torch names
+    #: it, e.g. ``"float32"``) and ``device_of(value)`` (``"cpu"``, ``"cuda:0"``). Without
+    #: ``dtype_of`` the dtype check is skipped.
 
     def make_batch(
         self, sequences: Sequence[Sequence[int]], loss_mask: Sequence[Sequence[int]]

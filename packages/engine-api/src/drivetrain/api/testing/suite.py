@@ -63,5 +63,8 @@ class EngineConformance:
     def test_offload_round_trip(self) -> None:
         conformance.check_offload_round_trip(self.harness())
 
+    def test_output_dtypes(self) -> None:
+        conformance.check_output_dtypes(self.harness())
+
     def test_weight_export(self) -> None:
         conformance.check_weight_export(self.harness())
