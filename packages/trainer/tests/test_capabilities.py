@@ -16,7 +16,7 @@ from drivetrain.trainer.dpo.config import dpo_config_type
 from drivetrain.trainer.dpo.job import fit_engine as fit_dpo_engine
 from drivetrain.trainer.rl.capabilities import RLPlugins, fit_plugins
 from drivetrain.trainer.rl.config import rl_config_type
-from drivetrain.trainer.sft_config import sft_config_type
+from drivetrain.trainer.sft.config import sft_config_type
 
 
 def spec(name: str, *capabilities: str) -> PluginSpec:

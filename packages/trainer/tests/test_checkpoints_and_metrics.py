@@ -1,8 +1,8 @@
 import json
 
 from drivetrain.trainer.checkpoints import CheckpointManager
+from drivetrain.trainer.job_config import LoggingConfig
 from drivetrain.trainer.metrics import METRICS_FILE, MetricsLogger, plot_loss_curve
-from drivetrain.trainer.sft_config import LoggingConfig
 
 
 def fake_save(manager, step):

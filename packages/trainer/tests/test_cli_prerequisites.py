@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 
 from drivetrain.api import registry
 from drivetrain.api.errors import DrivetrainError
-from drivetrain.trainer import sft_job
 from drivetrain.trainer.cli import app
+from drivetrain.trainer.sft import job as sft_job
 
 runner = CliRunner()
 PLUGINS = ["--engine", "fake"]

@@ -13,7 +13,7 @@ from drivetrain.trainer.data.tokenize import (
     truncate,
 )
 from drivetrain.trainer.errors import DataError
-from drivetrain.trainer.sft_config import DataConfig
+from drivetrain.trainer.sft.config import DataConfig
 from trainer_fixtures import write_jsonl
 
 #: long enough for every row here: no characters or tokens are cut

@@ -13,9 +13,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from drivetrain.trainer import sft_job
 from drivetrain.trainer.cli import app
 from drivetrain.trainer.rl import job as rl_job
+from drivetrain.trainer.sft import job as sft_job
 from trainer_fixtures import write_jsonl
 
 pytestmark = pytest.mark.fault

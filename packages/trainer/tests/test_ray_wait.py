@@ -6,7 +6,7 @@ import os
 import pytest
 
 from drivetrain.trainer.errors import DataError, WorkerError
-from drivetrain.trainer.sft_config import WorkersConfig
+from drivetrain.trainer.job_config import WorkersConfig
 from drivetrain.trainer.workers.ray_runtime import ensure_ray, wait_all
 
 ray = pytest.importorskip("ray")

@@ -13,7 +13,7 @@ from drivetrain.trainer.console import plain_console, print_error
 from drivetrain.trainer.dpo.command import dpo
 from drivetrain.trainer.plugin_table import plugin_table
 from drivetrain.trainer.rl.command import distill, grpo, ppo
-from drivetrain.trainer.sft_command import sft
+from drivetrain.trainer.sft.command import sft
 
 app = typer.Typer(
     help="drivetrain: modular LLM post-training (SFT, GRPO, PPO, DPO) over pluggable engines.",

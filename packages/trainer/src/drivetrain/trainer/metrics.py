@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from drivetrain.trainer.sft_config import LoggingConfig
+from drivetrain.trainer.job_config import LoggingConfig
 
 METRICS_FILE = "metrics.jsonl"
 

@@ -47,7 +47,7 @@ def ensure_student_model(
     target = assets.root / STUDENT
     if cached_student_model(assets) is not None or not train:
         return target
-    from drivetrain.trainer.sft_job import load_sft_job, prepare, run_sft
+    from drivetrain.trainer.sft.job import load_sft_job, prepare, run_sft
 
     console = console or plain_console()
     console.print(f"no cached student: a {STUDENT_SFT_STEPS}-step SFT of a smaller model first")

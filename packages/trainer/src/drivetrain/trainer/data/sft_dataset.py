@@ -18,7 +18,7 @@ from drivetrain.trainer.data.tokenize import (
 )
 from drivetrain.trainer.errors import DataError
 from drivetrain.trainer.preflight import Context
-from drivetrain.trainer.sft_config import DataConfig
+from drivetrain.trainer.sft.config import DataConfig
 
 
 @dataclass(frozen=True)

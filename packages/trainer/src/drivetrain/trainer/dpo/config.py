@@ -10,12 +10,8 @@ from dataclasses import dataclass, field
 
 from drivetrain.api.config import EngineConfig, MicroBatchConfig, ModelConfig, OptimConfig
 from drivetrain.api.errors import ConfigError
-from drivetrain.trainer.sft_config import (
-    LoggingConfig,
-    RunConfig,
-    WorkersConfig,
-    with_engine_config,
-)
+from drivetrain.trainer.job_config import LoggingConfig, WorkersConfig, with_engine_config
+from drivetrain.trainer.sft.config import RunConfig
 
 LOSSES = ("sigmoid", "ipo", "simpo")
 #: losses that compare with a reference model, and the one that does not

@@ -21,9 +21,9 @@ from drivetrain.api.config import (
     WeightSyncConfig,
 )
 from drivetrain.api.errors import ConfigError
+from drivetrain.trainer.job_config import LoggingConfig, WorkersConfig
 from drivetrain.trainer.rl.aggregation import AGGREGATIONS
 from drivetrain.trainer.rl.kl import KL_ESTIMATORS
-from drivetrain.trainer.sft_config import LoggingConfig, WorkersConfig
 
 REFERENCE_MODES = ("auto", "none", "engine", "adapter")
 MODES = ("sync", "one_step_off", "async")

@@ -188,7 +188,7 @@ def ensure_sft_model(
         return cached
     if not train:
         return assets.root / addition.SFT_MODEL
-    from drivetrain.trainer.sft_job import builtin_report, load_sft_job, prepare, run_sft
+    from drivetrain.trainer.sft.job import builtin_report, load_sft_job, prepare, run_sft
 
     console = console or plain_console()
     console.print(

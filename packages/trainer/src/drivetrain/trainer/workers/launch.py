@@ -7,7 +7,7 @@ import os
 
 from drivetrain.api import EngineConfig
 from drivetrain.api.errors import ConfigError
-from drivetrain.trainer.sft_config import WorkersConfig
+from drivetrain.trainer.job_config import WorkersConfig
 from drivetrain.trainer.workers.engine_worker import EngineWorker
 from drivetrain.trainer.workers.group import (
     LocalWorkerGroup,

@@ -16,7 +16,7 @@ import socket
 from typing import Any
 
 from drivetrain.api import Batch, ParallelInfo
-from drivetrain.trainer.sft_config import WorkersConfig
+from drivetrain.trainer.job_config import WorkersConfig
 from drivetrain.trainer.workers.group import WorkerFactory, WorkerGroup
 from drivetrain.trainer.workers.ray_runtime import ensure_ray, wait_all
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from drivetrain.api.errors import DrivetrainError
 from drivetrain.trainer.errors import WorkerError
-from drivetrain.trainer.sft_config import WorkersConfig
+from drivetrain.trainer.job_config import WorkersConfig
 
 #: Driver environment variables every actor inherits (Ray does not forward the environment).
 FORWARDED_ENV_PREFIXES = ("DRIVETRAIN_", "HF_", "TRANSFORMERS_", "TORCH_", "NCCL_", "GLOO_")

@@ -38,11 +38,11 @@ from drivetrain.trainer.preflight import (
     model_context,
 )
 from drivetrain.trainer.run_dir import start_point
-from drivetrain.trainer.sft_config import SFTConfig, sft_config_type
-from drivetrain.trainer.sft_trainer import SFTResult, SFTTrainer, total_steps
+from drivetrain.trainer.sft.config import SFTConfig, sft_config_type
+from drivetrain.trainer.sft.trainer import SFTResult, SFTTrainer, total_steps
 from drivetrain.trainer.workers.launch import make_group, writes_files
 
-BUILTIN_CONFIG = Path(__file__).parent / "builtin" / "addition_sft.yaml"
+BUILTIN_CONFIG = Path(__file__).parents[1] / "builtin" / "addition_sft.yaml"
 
 
 @dataclass(frozen=True)

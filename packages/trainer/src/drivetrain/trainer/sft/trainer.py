@@ -23,7 +23,7 @@ from drivetrain.trainer.data.sft_dataset import SFTData
 from drivetrain.trainer.errors import CheckpointError
 from drivetrain.trainer.metrics import METRICS_FILE, MetricsLogger, plot_loss_curve
 from drivetrain.trainer.progress import TrainingProgress
-from drivetrain.trainer.sft_config import SFTConfig
+from drivetrain.trainer.sft.config import SFTConfig
 from drivetrain.trainer.workers.engine_worker import EngineWorker, StepStats
 from drivetrain.trainer.workers.group import WorkerGroup
 

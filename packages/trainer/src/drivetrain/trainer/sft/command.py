@@ -30,8 +30,8 @@ def _config_yaml(engine: str, files: Sequence[Path], overrides: Sequence[str]) -
     """The config ``engine`` runs with; when that engine cannot be used (not installed,
     disabled) the keys every engine shares, and a line on stderr saying so."""
     from drivetrain.trainer.config_loader import load_config, to_yaml
-    from drivetrain.trainer.sft_config import sft_config_type
-    from drivetrain.trainer.sft_job import load_sft_job
+    from drivetrain.trainer.sft.config import sft_config_type
+    from drivetrain.trainer.sft.job import load_sft_job
 
     try:
         return load_sft_job(engine, files=files, overrides=overrides).to_yaml()
@@ -55,7 +55,7 @@ def sft(
     # (here, in torchrun ranks and in Ray actors, which get HF_* variables forwarded).
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     # Here, not at module level: it imports torch, which `drivetrain engines` does not need.
-    from drivetrain.trainer.sft_job import builtin_report, describe, load_sft_job, prepare, run_sft
+    from drivetrain.trainer.sft.job import builtin_report, describe, load_sft_job, prepare, run_sft
 
     try:
         if print_config:

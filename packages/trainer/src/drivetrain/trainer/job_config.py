@@ -1,0 +1,63 @@
+"""What every job's configuration shares: logging and where the workers run, and plugging the
+chosen engine's config class into a job's ``engine`` field."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from drivetrain.api.config import EngineConfig
+from drivetrain.api.errors import ConfigError
+
+LAUNCHERS = ("auto", "inprocess", "torchrun", "ray")
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    tensorboard: bool = True
+    wandb: bool = True  # when wandb is installed; offline unless WANDB_MODE says otherwise
+    wandb_project: str = "drivetrain"
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class WorkersConfig:
+    """Where the engine's ranks run. ``auto``: torchrun's ranks when launched by torchrun, else
+    Ray actors when ``num > 1``, else this process."""
+
+    num: int = 1
+    launcher: str = "auto"
+    ray_address: str = ""  # join an existing cluster ("auto" or "host:port"); empty: start one
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = -1.0  # -1: one GPU each when the cluster has GPUs, else none
+    start_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.launcher not in LAUNCHERS:
+            raise ConfigError(
+                f"workers.launcher={self.launcher!r} is not one of {', '.join(LAUNCHERS)}"
+            )
+        if self.num < 1:
+            raise ConfigError(f"workers.num={self.num} must be >= 1")
+
+
+def with_engine_config(
+    config: type[Any], engine_config: type[EngineConfig], default: Callable[[], EngineConfig]
+) -> type[Any]:
+    """``config`` (a frozen dataclass with an ``engine`` field) whose ``engine`` has the chosen
+    engine's config class, keeping ``default()``'s values for the fields the base class
+    shares (a job's own defaults: lr, token budget)."""
+    base = default()
+    shared = {f.name: getattr(base, f.name) for f in dataclasses.fields(EngineConfig)}
+
+    def plugged() -> Any:
+        return engine_config(**shared)
+
+    return dataclasses.make_dataclass(
+        f"{config.__name__}[{engine_config.__name__}]",
+        [("engine", engine_config, field(default_factory=plugged))],
+        bases=(config,),
+        frozen=True,
+    )
