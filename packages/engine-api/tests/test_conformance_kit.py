@@ -223,6 +223,11 @@ def failures(engine_class):
     }
 
 
+def test_the_pytest_suite_runs_every_check():
+    tests = {name for name in dir(EngineConformance) if name.startswith("test_")}
+    assert tests == {check.__name__.replace("check_", "test_", 1) for check in kit.ENGINE_CHECKS}
+
+
 def test_fake_engine_passes_everything():
     assert failures(FakeEngine) == {}
 

@@ -30,6 +30,9 @@ class EngineConformance:
     def test_order_restored(self) -> None:
         conformance.check_order_restored(self.harness())
 
+    def test_sample_groups_stay_together(self) -> None:
+        conformance.check_sample_groups_stay_together(self.harness())
+
     def test_packed_matches_padded(self) -> None:
         conformance.check_packed_matches_padded(self.harness())
 
