@@ -15,7 +15,7 @@ from drivetrain.trainer.sft import job as sft_job
 
 runner = CliRunner()
 PLUGINS = ["--engine", "fake"]
-ROLLOUT = ["--rollout", "hf"]  # the built-in job's config sets hf knobs
+ROLLOUT = ["--rollout", "hf"]
 
 
 @pytest.fixture
@@ -61,6 +61,17 @@ def test_show_and_check_describe_the_missing_sft_model(empty_cache, args, mode):
         assert "dry run: config and" in result.output and "(no model checked)" in result.output
     if args[0] != "dpo":  # grpo's paths are named, not built (dpo derives its pairs from them)
         assert not empty_cache.exists()
+
+
+@pytest.mark.parametrize(
+    ("rollout", "line"), [("hf", "max_batch_size: 256"), ("fake", "vocab_size: 16")]
+)
+def test_the_builtin_job_takes_any_rollout(empty_cache, rollout, line):
+    """The built-in job's hf-only settings come from their own file, merged for hf only."""
+    result = invoke("grpo", *PLUGINS, "--rollout", rollout, "--print-config")
+    assert result.exit_code == 0, result.output
+    assert line in result.output and "max_model_len: 128" in result.output
+    assert ("max_batch_size" in result.output) == (rollout == "hf")
 
 
 def test_the_chained_sft_runs_on_the_chosen_engine(empty_cache, monkeypatch):

@@ -129,7 +129,7 @@ def load_rl_job(
             )
             extra = [f"actor.model.path={student}", f"teacher.model_path={model}", *extra[1:]]
             shipped.insert(1, DISTILL_CONFIG)
-        shipped, shipped_overrides = [BUILTIN_CONFIG, *shipped], extra
+        shipped, shipped_overrides = [*builtin_files(rollout), *shipped], extra
         config = load_config(config_type, files=[*shipped, *files], overrides=[*extra, *overrides])
     elif not config.actor.model.path:
         raise ConfigError("actor.model.path is required when data.train_path is set")
@@ -150,6 +150,13 @@ def load_rl_job(
     job_default = load_config(config_type, files=shipped, overrides=shipped_overrides)
     config = fit_plugins(config, job_default, plugins, mode)
     return RLJob(algorithm, engine, critic_engine, rollout, transport, config, builtin)
+
+
+def builtin_files(rollout: str) -> list[Path]:
+    """The built-in job's YAML, then its settings for this rollout backend when it has some
+    (``addition_grpo.hf.yaml``: keys only that backend's config has)."""
+    for_rollout = BUILTIN_CONFIG.with_suffix(f".{rollout}.yaml")
+    return [BUILTIN_CONFIG, *([for_rollout] if for_rollout.exists() else [])]
 
 
 def preset_names() -> list[str]:
