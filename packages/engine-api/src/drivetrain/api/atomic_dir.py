@@ -9,7 +9,9 @@ Replacing an existing directory swaps the two in one ``renameat2(RENAME_EXCHANGE
 leave, after a crash between the two, no directory under the final name and the previous one
 under a staging name that the next clean-up deletes (the conformance kit's
 ``check_checkpoint_atomic`` found this). Where the call is missing or the file system refuses
-it, publishing falls back to the two renames.
+it (macOS, old kernels), publishing falls back to two renames with the previous directory
+moved aside to ``.<name>.previous``, a name clean-up does not delete but puts back when the
+final name is missing (a crash between the renames).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import uuid
 from pathlib import Path
 
 STAGING_SUFFIX = ".partial"
+PREVIOUS_SUFFIX = ".previous"
 
 
 def staging_path(target: Path) -> Path:
@@ -66,7 +69,9 @@ def publish(staging: Path, target: Path) -> None:
     if _exchange(staging, target):
         old = staging  # the swap left the previous directory under the staging name
     else:
-        old = staging_path(target)
+        old = target.parent / f".{target.name}{PREVIOUS_SUFFIX}"
+        if old.exists():  # an earlier replacement's leftover: the target is the newer one
+            shutil.rmtree(old)
         os.replace(target, old)
         os.replace(staging, target)
     fsync_dir(target.parent)  # the new directory is durable before the old one goes
@@ -74,8 +79,17 @@ def publish(staging: Path, target: Path) -> None:
 
 
 def remove_stale_staging(parent: Path) -> list[Path]:
-    """Delete staging directories a crashed run left in ``parent``; returns what was removed."""
-    stale = [p for p in parent.glob(f".*{STAGING_SUFFIX}") if p.is_dir()] if parent.is_dir() else []
+    """Delete staging directories a crashed run left in ``parent``, and put back a previous
+    directory a crash between the fallback's two renames left aside; returns what was removed."""
+    if not parent.is_dir():
+        return []
+    for previous in [p for p in parent.glob(f".*{PREVIOUS_SUFFIX}") if p.is_dir()]:
+        final = parent / previous.name[1 : -len(PREVIOUS_SUFFIX)]
+        if final.exists():  # the new one landed; removing the old one was cut short
+            shutil.rmtree(previous, ignore_errors=True)
+        else:
+            os.replace(previous, final)
+    stale = [p for p in parent.glob(f".*{STAGING_SUFFIX}") if p.is_dir()]
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)
     return stale
