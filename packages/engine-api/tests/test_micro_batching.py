@@ -92,6 +92,10 @@ def test_loss_totals_count_real_tokens_only_and_fail_together():
     assert [(t.tokens, t.sequences) for t in totals] == [(6, 3), (6, 3)]  # padding's 7 ignored
     empty = on_two_ranks(lambda b, c: loss_totals(b, c), [batch([3], loss=0), batch([2], loss=0)])
     assert empty == ["BatchError: the mini-batch has no tokens with loss_mask == 1"] * 2
+    unmasked = batch([2]).drop("loss_mask")  # rank 1 cannot count: rank 0 must not wait
+    failed = on_two_ranks(lambda b, c: loss_totals(b, c), [batch([3]), unmasked])
+    assert failed[0] == failed[1]
+    assert failed[0].startswith("BatchError: rank 1 could not count its shard's loss tokens: ")
 
 
 @pytest.mark.parametrize("extra", [{}, {"micro_batch": MicroBatchConfig(max_tokens=9)}])

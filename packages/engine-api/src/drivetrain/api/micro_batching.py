@@ -72,13 +72,35 @@ def local_loss_tokens(batch: Batch) -> float:
 
 def loss_totals(batch: Batch, collectives: Collectives) -> LossTotals:
     """Global loss-token and sequence counts; the same :class:`BatchError` on every rank when
-    no token of the whole mini-batch has ``loss_mask`` set."""
-    tokens, sequences = collectives.sum_over_data_parallel(
-        [local_loss_tokens(batch), float(len(batch))]
+    no token of the whole mini-batch has ``loss_mask`` set, or when one rank cannot count its
+    shard's (no ``loss_mask`` column, a type that cannot change layout)."""
+    error: Exception | None = None
+    local = 0.0
+    try:
+        local = local_loss_tokens(batch)
+    except (BatchError, KeyError, TypeError, ValueError) as exc:  # the peers are told below
+        error = exc
+    # the failure flag rides along: every data-parallel group holds a copy of every shard,
+    # so a failing shard raises its flag in every group
+    tokens, sequences, failed = collectives.sum_over_data_parallel(
+        [local, float(len(batch)), float(error is not None)]
     )
+    if failed:
+        _raise_everywhere(collectives, error, "could not count its shard's loss tokens")
     if tokens == 0:
         raise BatchError("the mini-batch has no tokens with loss_mask == 1")
     return LossTotals(int(tokens), int(sequences))
+
+
+def _raise_everywhere(collectives: Collectives, error: Exception | None, what: str) -> None:
+    """Raise, on every rank, the same BatchError naming the first failed rank and its cause."""
+    mine = ""
+    if error is not None:
+        mine = str(error) if isinstance(error, BatchError) else f"{type(error).__name__}: {error}"
+        mine = mine or type(error).__name__
+    texts = collectives.gather_texts(mine)
+    rank, text = next((r, t) for r, t in enumerate(texts) if t)
+    raise BatchError(f"rank {rank} {what}: {text}") from error
 
 
 def _cut(batch: Batch, spec: MicroBatchConfig) -> list[list[int]]:
@@ -101,9 +123,7 @@ def plan_micro_batches(
         error = exc
     count, failed = collectives.max_ints([len(parts), int(error is not None)])
     if failed:
-        texts = collectives.gather_texts("" if error is None else str(error) or "BatchError")
-        rank, text = next((r, t) for r, t in enumerate(texts) if t)
-        raise BatchError(f"rank {rank} could not cut its shard into micro-batches: {text}")
+        _raise_everywhere(collectives, error, "could not cut its shard into micro-batches")
     # units, not samples: a sample_group is never split, so a shard of fewer groups than the
     # agreed count cannot be spread over it (it pads with empty micro-batches)
     if spec.max_tokens is not None and len(parts) < count <= len(batch.units()):
