@@ -351,6 +351,18 @@ def test_offload_is_checked_only_for_engines_declaring_it():
     assert result.passed and "skipped" in result.error and "'offload'" in result.error
 
 
+def test_a_harness_that_declares_no_capabilities_fails_the_checks_that_depend_on_them():
+    class Undeclared(FakeHarness):
+        def __getattribute__(self, name):
+            if name == "capabilities":
+                raise AttributeError(name)
+            return super().__getattribute__(name)
+
+    found = {r.name: r.error for r in run_conformance(Undeclared()) if not r.passed}
+    for check in ("check_split_failure_reaches_every_rank", "check_offload_round_trip"):
+        assert "the harness declares no capabilities" in found[check]
+
+
 def test_a_harness_without_dropout_skips_the_rng_check():
     class Deterministic(FakeHarness):
         def make_engine(self, micro_batch, *, optim=None, offload=None):

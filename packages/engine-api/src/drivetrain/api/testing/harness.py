@@ -27,7 +27,8 @@ class EngineHarness(Protocol):
     #: Whether the engine takes ``Layout.PACKED`` batches (the "packed" capability).
     packed: bool
     #: The capabilities its plugin declares (``PluginSpec.capabilities``); checks of optional
-    #: features (``offload``) run only for engines that declare them.
+    #: features (``offload``, ``dynamic_batch``) run only for engines that declare them, and
+    #: fail for a harness that does not say.
     capabilities: frozenset[str]
 
     def make_engine(

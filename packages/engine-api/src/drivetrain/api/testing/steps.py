@@ -139,7 +139,14 @@ def world_size(h: EngineHarness) -> int:
 
 
 def capabilities(h: EngineHarness) -> frozenset[str]:
-    return frozenset(getattr(h, "capabilities", frozenset()))
+    """What the harness's plugin declares; a harness that does not say fails the check (the
+    kit must not skip a check its engine owes because the harness is older than it)."""
+    declared = getattr(h, "capabilities", None)
+    assert declared is not None, (
+        "the harness declares no capabilities (EngineHarness.capabilities: its plugin's "
+        "PluginSpec.capabilities); the kit cannot tell which checks apply"
+    )
+    return frozenset(declared)
 
 
 def delta(after: Mapping[str, list[float]], before: Mapping[str, list[float]]) -> list[float]:
