@@ -167,6 +167,17 @@ def test_colocated_on_an_accelerator_needs_the_rollouts_sleep():
     fit_plugins(rl("rollout.device=cpu"), rl(), plugins(rollout=awake), "colocated")  # no VRAM
 
 
+def test_colocated_auto_on_a_gpu_machine_needs_sleep_from_a_rollout_claiming_no_device(
+    monkeypatch,
+):
+    """A rollout listing no device resolves auto to this machine's GPU itself."""
+    monkeypatch.setattr(capabilities, "_cuda_available", lambda: True)
+    message = refused("sleep", fit_plugins, rl(), rl(), plugins(rollout=BARE), "colocated")
+    assert "on cuda needs the 'sleep' capability, which rollout 'bare'" in message
+    monkeypatch.setattr(capabilities, "_cuda_available", lambda: False)
+    fit_plugins(rl(), rl(), plugins(rollout=BARE), "colocated")
+
+
 def test_rollout_and_transport_devices():
     cpu = rl("rollout.device=cpu", "weight_sync.device=cpu")
     cuda_only = spec("cuda_only", "device:cuda")

@@ -48,6 +48,8 @@ def test_a_method_name_as_a_string_is_refused_before_any_rank_runs():
         group.run_all("save", "/ckpt", 3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="is not a method of a worker class"):
         method_name(len)
+    with pytest.raises(TypeError, match=r"positional arguments, not \['step'\]"):
+        group.run_all(BaseWorker.save, "/ckpt", step=3)
     with pytest.raises(AttributeError):
         BaseWorker.svae  # noqa: B018 (a typo fails where the controller names the method)
 

@@ -50,13 +50,16 @@ def require_adapter_reference(spec: PluginSpec, mode: str) -> None:
 
 def device_of(spec: PluginSpec, requested: str, *, remote: bool) -> str | None:
     """The device kind ``requested`` means for this plugin: ``auto`` is CUDA when this machine
-    has it and the plugin lists it, else the CPU; ``None`` when the ranks run on a Ray
-    cluster this process cannot see (``remote``) and only they can tell."""
+    has it and the plugin lists it (or lists no device at all: it then resolves ``auto`` to
+    the GPU itself), else the CPU; ``None`` when the ranks run on a Ray cluster this process
+    cannot see (``remote``) and only they can tell."""
     if requested != "auto":
         return requested.partition(":")[0]
     if remote:
         return None
-    return "cuda" if DEVICE + "cuda" in spec.capabilities and _cuda_available() else "cpu"
+    listed = any(c.startswith(DEVICE) for c in spec.capabilities)
+    takes_cuda = DEVICE + "cuda" in spec.capabilities or not listed
+    return "cuda" if takes_cuda and _cuda_available() else "cpu"
 
 
 def check_device(kind: str, spec: PluginSpec, key: str, requested: str, *, remote: bool) -> None:

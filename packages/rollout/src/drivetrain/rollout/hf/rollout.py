@@ -106,6 +106,10 @@ class HFRollout(TokenizedRollout):
             self._woken = None
             self.requests.resume()
 
+    def resume_generation(self) -> None:
+        if self._woken is None:  # asleep, requests resume once weights and KV cache are awake
+            super().resume_generation()
+
     def shutdown(self) -> None:
         self.model = None  # type: ignore[assignment]
         if self.device.type == "cuda":

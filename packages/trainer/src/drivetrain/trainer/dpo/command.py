@@ -8,6 +8,7 @@ from pathlib import Path
 
 import typer
 
+from drivetrain.api import registry
 from drivetrain.api.errors import DrivetrainError
 from drivetrain.trainer.checkpoints import verify_checkpoint
 from drivetrain.trainer.console import plain_console, print_error, print_ok
@@ -52,7 +53,8 @@ def dpo(
         if print_config:
             typer.echo(job.to_yaml(), nl=False)
             return
-        if dry_run and untrained:  # no model to check yet: nothing more to validate here
+        if dry_run and untrained:  # no model to check yet: the engine's code is all left
+            registry.engines.load(job.engine_name)
             print_ok(console, "dry run: config and engine are valid (no model checked)")
             return
         prepared = prepare(job)

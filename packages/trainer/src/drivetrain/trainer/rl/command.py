@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 
+from drivetrain.api import registry
 from drivetrain.api.errors import DrivetrainError
 from drivetrain.trainer.console import plain_console, print_error, print_ok
 from drivetrain.trainer.run_options import ConfigFiles, Overwrite, Resume
@@ -60,7 +61,12 @@ def _run(
         if print_config:
             typer.echo(job.to_yaml(), nl=False)
             return
-        if dry_run and untrained:  # no model to check yet: nothing more to validate here
+        if dry_run and untrained:  # no model to check yet: the plugins' code is all left
+            for plugins, name in (
+                (registry.engines, job.engine), (registry.engines, job.critic_engine),
+                (registry.rollouts, job.rollout), (registry.ckpt_engines, job.transport),
+            ):  # fmt: skip
+                plugins.load(name)
             print_ok(console, "dry run: config and plugins are valid (no model checked)")
             return
         prepared = prepare(job)

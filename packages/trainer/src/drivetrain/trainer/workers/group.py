@@ -43,6 +43,11 @@ WorkerCall = Callable[Concatenate[Any, P], R]
 ShardCall = Callable[Concatenate[Any, Batch, P], R]
 
 
+def _positional_only(kwargs: dict[str, Any]) -> None:
+    if kwargs:  # Ray's remote call and the name dispatch pass positional arguments only
+        raise TypeError(f"worker calls take positional arguments, not {sorted(kwargs)}")
+
+
 def method_name(method: Callable[..., Any]) -> str:
     """The name a rank calls ``method`` by; refuses anything but a class's function."""
     if isinstance(method, str) or not callable(method):
@@ -66,14 +71,14 @@ class WorkerGroup(abc.ABC):
 
     def run_all(self, method: WorkerCall[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """``method`` on every rank; rank 0's result (every rank returns the same)."""
-        assert not kwargs, "worker calls take positional arguments"
+        _positional_only(kwargs)
         return self._run_all(method_name(method), args)
 
     def run_sharded(
         self, method: ShardCall[P, R], batch: Batch, *args: P.args, **kwargs: P.kwargs
     ) -> R:
         """``method`` on each rank's data-parallel shard of ``batch``; rank 0's result."""
-        assert not kwargs, "worker calls take positional arguments"
+        _positional_only(kwargs)
         return self._run_sharded(method_name(method), batch, args)
 
     def gather_sharded(
@@ -81,7 +86,7 @@ class WorkerGroup(abc.ABC):
     ) -> list[R]:
         """``method`` on each rank's data-parallel shard; the results of one output rank per
         shard, in ``Batch.dp_shards`` order."""
-        assert not kwargs, "worker calls take positional arguments"
+        _positional_only(kwargs)
         return self._gather_sharded(method_name(method), batch, args)
 
     @abc.abstractmethod
