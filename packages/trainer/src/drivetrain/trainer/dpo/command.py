@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import typer
 
 from drivetrain.api import registry
 from drivetrain.api.errors import DrivetrainError
-from drivetrain.trainer.checkpoints import verify_checkpoint
-from drivetrain.trainer.console import plain_console, print_error, print_ok
+from drivetrain.trainer.command_flow import prepared_for_training, settled_before_preparing
+from drivetrain.trainer.console import plain_console, print_error
 from drivetrain.trainer.run_options import (
     ConfigFiles,
     DryRun,
@@ -48,21 +47,15 @@ def dpo(
             train_prerequisites=not (print_config or dry_run),
         )
         untrained = untrained_prerequisites(job.builtin, engine=engine) if job.builtin else []
-        for line in untrained:
-            console.print(line)
-        if print_config:
-            typer.echo(job.to_yaml(), nl=False)
+        if settled_before_preparing(
+            job, untrained, print_config=print_config, dry_run=dry_run,
+            plugins=[(registry.engines, job.engine_name)], what="engine", console=console,
+        ):  # fmt: skip
             return
-        if dry_run and untrained:  # no model to check yet: the engine's code is all left
-            registry.engines.load(job.engine_name)
-            print_ok(console, "dry run: config and engine are valid (no model checked)")
-            return
-        prepared = prepare(job)
-        if resume not in ("auto", "none"):
-            verify_checkpoint(Path(resume))  # fail before any worker starts
-        console.print(describe(prepared))
-        if dry_run:
-            print_ok(console, "dry run: config, engine, model and data are valid")
+        prepared = prepared_for_training(
+            prepare, describe, job, resume=resume, dry_run=dry_run, what="engine", console=console
+        )
+        if prepared is None:
             return
         result = run_dpo(prepared, resume=resume, overwrite=overwrite, console=console)
     except DrivetrainError as exc:

@@ -13,7 +13,8 @@ import typer
 
 from drivetrain.api import registry
 from drivetrain.api.errors import DrivetrainError
-from drivetrain.trainer.console import plain_console, print_error, print_ok
+from drivetrain.trainer.command_flow import prepared_for_training, settled_before_preparing
+from drivetrain.trainer.console import plain_console, print_error
 from drivetrain.trainer.run_options import ConfigFiles, Overwrite, Resume
 
 console = plain_console()
@@ -35,7 +36,6 @@ def _run(
 ) -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     from drivetrain.trainer.builtin.prerequisites import untrained_prerequisites
-    from drivetrain.trainer.checkpoints import verify_checkpoint
     from drivetrain.trainer.rl.job import describe, load_rl_job, prepare, start
     from drivetrain.trainer.rl.trainer import RLTrainer
 
@@ -56,25 +56,19 @@ def _run(
         if job.builtin is not None:
             student = algorithm == "distill"
             untrained = untrained_prerequisites(job.builtin, engine=engine, student=student)
-        for line in untrained:
-            console.print(line)
-        if print_config:
-            typer.echo(job.to_yaml(), nl=False)
+        plugins = [
+            (registry.engines, job.engine), (registry.engines, job.critic_engine),
+            (registry.rollouts, job.rollout), (registry.ckpt_engines, job.transport),
+        ]  # fmt: skip
+        if settled_before_preparing(
+            job, untrained, print_config=print_config, dry_run=dry_run,
+            plugins=plugins, what="plugins", console=console,
+        ):  # fmt: skip
             return
-        if dry_run and untrained:  # no model to check yet: the plugins' code is all left
-            for plugins, name in (
-                (registry.engines, job.engine), (registry.engines, job.critic_engine),
-                (registry.rollouts, job.rollout), (registry.ckpt_engines, job.transport),
-            ):  # fmt: skip
-                plugins.load(name)
-            print_ok(console, "dry run: config and plugins are valid (no model checked)")
-            return
-        prepared = prepare(job)
-        if resume not in ("auto", "none"):
-            verify_checkpoint(Path(resume))  # fail before any worker starts
-        console.print(describe(prepared))
-        if dry_run:
-            print_ok(console, "dry run: config, plugins, model and data are valid")
+        prepared = prepared_for_training(
+            prepare, describe, job, resume=resume, dry_run=dry_run, what="plugins", console=console
+        )
+        if prepared is None:
             return
         placement = start(prepared)
         try:

@@ -11,8 +11,8 @@ import typer
 
 from drivetrain.api.config import EngineConfig
 from drivetrain.api.errors import DrivetrainError, PluginError
-from drivetrain.trainer.checkpoints import verify_checkpoint
-from drivetrain.trainer.console import plain_console, print_error, print_ok
+from drivetrain.trainer.command_flow import prepared_for_training
+from drivetrain.trainer.console import plain_console, print_error
 from drivetrain.trainer.run_options import (
     ConfigFiles,
     DryRun,
@@ -62,12 +62,10 @@ def sft(
             typer.echo(_config_yaml(engine, config or (), overrides or ()), nl=False)
             return
         job = load_sft_job(engine, files=config or (), overrides=overrides or ())
-        prepared = prepare(job)
-        if resume not in ("auto", "none"):
-            verify_checkpoint(Path(resume))  # fail before any worker starts
-        console.print(describe(prepared))
-        if dry_run:
-            print_ok(console, "dry run: config, engine, model and data are valid")
+        prepared = prepared_for_training(
+            prepare, describe, job, resume=resume, dry_run=dry_run, what="engine", console=console
+        )
+        if prepared is None:
             return
         result = run_sft(prepared, resume=resume, overwrite=overwrite, console=console)
     except DrivetrainError as exc:
