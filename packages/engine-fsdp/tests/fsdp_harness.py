@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from drivetrain.api import (
-    Batch,
     LoraConfig,
     MicroBatchConfig,
     ModelConfig,
@@ -22,6 +20,7 @@ from drivetrain.api.testing.model_dirs import hf_variant
 from drivetrain.engine.fsdp.config import FSDPConfig
 from drivetrain.engine.fsdp.engine import FSDP1Engine, FSDP2Engine
 from drivetrain.engine.fsdp.plugin import FSDP2
+from drivetrain.engine_core.kit_harness import TorchHarness
 
 ENGINES = {"fsdp2": FSDP2Engine, "fsdp": FSDP1Engine}
 VOCAB = 64
@@ -53,20 +52,8 @@ def build_tiny_model(
     return path
 
 
-def padded_batch(sequences: Sequence[Sequence[int]], loss_mask: Sequence[Sequence[int]]) -> Batch:
-    width = max(len(s) for s in sequences)
-    ids = torch.zeros(len(sequences), width, dtype=torch.long)
-    mask = torch.zeros(len(sequences), width)
-    for i, (s, m) in enumerate(zip(sequences, loss_mask, strict=True)):
-        ids[i, : len(s)] = torch.tensor(s)
-        mask[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
-    return Batch.from_columns(
-        {"input_ids": ids, "loss_mask": mask}, seq_lens=[len(s) for s in sequences]
-    )
-
-
 @dataclass
-class FSDPHarness:
+class FSDPHarness(TorchHarness):
     model_dir: str
     engine: str = "fsdp2"
     overrides: dict[str, Any] = field(default_factory=dict)
@@ -120,25 +107,6 @@ class FSDPHarness:
         engine = ENGINES[self.engine](config)
         engine.initialize()
         return engine
-
-    def make_batch(
-        self, sequences: Sequence[Sequence[int]], loss_mask: Sequence[Sequence[int]]
-    ) -> Batch:
-        return padded_batch(sequences, loss_mask)
-
-    def to_list(self, value: Any) -> Any:
-        return value.tolist() if isinstance(value, torch.Tensor) else value
-
-    def dtype_of(self, value: Any) -> str:
-        return str(value.dtype).removeprefix("torch.")
-
-    def device_of(self, value: Any) -> str:
-        return str(value.device)
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
-        return out
 
     def reference_weights(self) -> Mapping[str, Any]:
         from transformers import AutoModelForCausalLM

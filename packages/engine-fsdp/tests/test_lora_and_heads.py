@@ -7,7 +7,8 @@ from transformers import AutoModelForCausalLM
 
 from drivetrain.api import ConfigError, EngineStateError, MicroBatchConfig, OutputSpec
 from drivetrain.api.testing import token_mean_nll
-from fsdp_harness import FSDPHarness, build_tiny_model, padded_batch, single_thread
+from drivetrain.engine_core.kit_harness import padded_batch
+from fsdp_harness import FSDPHarness, build_tiny_model, single_thread
 from test_parity import make_data
 
 

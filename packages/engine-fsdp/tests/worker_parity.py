@@ -11,7 +11,8 @@ import torch
 
 from drivetrain.api import MicroBatchConfig
 from drivetrain.api.testing import token_mean_nll
-from fsdp_harness import FSDPHarness, padded_batch, single_thread
+from drivetrain.engine_core.kit_harness import padded_batch
+from fsdp_harness import FSDPHarness, single_thread
 from launch import write_result
 
 if __name__ == "__main__":

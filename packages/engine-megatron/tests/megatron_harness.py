@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from drivetrain.api import Batch, MicroBatchConfig, ModelConfig, OffloadConfig, OptimConfig
+from drivetrain.api import MicroBatchConfig, ModelConfig, OffloadConfig, OptimConfig
 from drivetrain.api.testing.model_dirs import hf_variant
 from drivetrain.engine.megatron.config import MegatronConfig
 from drivetrain.engine.megatron.engine import MegatronEngine
 from drivetrain.engine.megatron.plugin import MEGATRON
+from drivetrain.engine_core.kit_harness import TorchHarness
 
 VOCAB = 64
 
@@ -49,7 +49,7 @@ def default_optim(lr: float = 1e-2, eps: float = 1e-8) -> OptimConfig:
 
 
 @dataclass
-class MegatronHarness:
+class MegatronHarness(TorchHarness):
     """The conformance kit's harness. Use it with a Llama model: Qwen2's k_proj bias cancels in
     the softmax, so its gradient is pure rounding noise that Adam's normalisation turns into
     visible, order-dependent updates in any engine (the kit compares weights after a step)."""
@@ -94,33 +94,6 @@ class MegatronHarness:
         engine = MegatronEngine(self.config(micro_batch, **kit))
         engine.initialize()
         return engine
-
-    def make_batch(
-        self, sequences: Sequence[Sequence[int]], loss_mask: Sequence[Sequence[int]]
-    ) -> Batch:
-        width = max(len(s) for s in sequences)
-        ids = torch.zeros(len(sequences), width, dtype=torch.long)
-        mask = torch.zeros(len(sequences), width)
-        for i, (s, m) in enumerate(zip(sequences, loss_mask, strict=True)):
-            ids[i, : len(s)] = torch.tensor(s)
-            mask[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
-        return Batch.from_columns(
-            {"input_ids": ids, "loss_mask": mask}, seq_lens=[len(s) for s in sequences]
-        )
-
-    def to_list(self, value: Any) -> Any:
-        return value.tolist() if isinstance(value, torch.Tensor) else value
-
-    def dtype_of(self, value: Any) -> str:
-        return str(value.dtype).removeprefix("torch.")
-
-    def device_of(self, value: Any) -> str:
-        return str(value.device)
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
-        return out
 
     def reference_weights(self) -> Mapping[str, Any]:
         from transformers import AutoModelForCausalLM

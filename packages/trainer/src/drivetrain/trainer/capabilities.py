@@ -41,6 +41,11 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def lists_devices(spec: PluginSpec) -> bool:
+    """Whether the plugin makes a device claim at all (a ``device:*`` capability)."""
+    return any(c.startswith(DEVICE) for c in spec.capabilities)
+
+
 def require_adapter_reference(spec: PluginSpec, mode: str) -> None:
     """The reference that is the actor with its LoRA adapter disabled needs ``lora``
     (``mode``: ``reference.mode`` as set, ``adapter`` or ``auto``)."""
@@ -57,8 +62,7 @@ def device_of(spec: PluginSpec, requested: str, *, remote: bool) -> str | None:
         return requested.partition(":")[0]
     if remote:
         return None
-    listed = any(c.startswith(DEVICE) for c in spec.capabilities)
-    takes_cuda = DEVICE + "cuda" in spec.capabilities or not listed
+    takes_cuda = DEVICE + "cuda" in spec.capabilities or not lists_devices(spec)
     return "cuda" if takes_cuda and _cuda_available() else "cpu"
 
 
@@ -66,7 +70,7 @@ def check_device(kind: str, spec: PluginSpec, key: str, requested: str, *, remot
     """Refuse a device the plugin does not list. A plugin listing no ``device:*`` makes no
     device claim and is not refused."""
     device = device_of(spec, requested, remote=remote)
-    if device is None or not any(c.startswith(DEVICE) for c in spec.capabilities):
+    if device is None or not lists_devices(spec):
         return
     shown = f"{key}={requested}" + (f" ({device} on this machine)" if requested == "auto" else "")
     require(kind, spec, DEVICE + device, shown)
@@ -91,8 +95,8 @@ def fixed_micro_batch(
 def pinned_device(spec: PluginSpec, requested: str, *, remote: bool) -> str:
     """``requested``, but the CPU where ``auto`` would give an engine or rollout (which resolve
     ``auto`` themselves) an accelerator of this machine that the plugin does not list."""
-    listed = any(c.startswith(DEVICE) for c in spec.capabilities)
-    if requested != "auto" or remote or not listed or DEVICE + "cuda" in spec.capabilities:
+    claims = lists_devices(spec)
+    if requested != "auto" or remote or not claims or DEVICE + "cuda" in spec.capabilities:
         return requested
     return "cpu" if _cuda_available() else requested
 
