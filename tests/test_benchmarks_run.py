@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: benchmark -> (extra arguments, the ratios its last line must carry, seconds allowed)
 BENCHMARKS = {
+    "cli": ((), ("listing_speedup_vs_import_all",), 300),
     "engine_fsdp": ((), ("overhead_ratio", "packed_mfu_vs_dense", "packing_speedup"), 300),
     "packed_attention": ((), ("speedup_vs_per_document",), 120),
     "sft": ((), ("speedup_vs_trl", "speedup_vs_trl_default"), 600),
