@@ -30,4 +30,7 @@ INSTALL_HINTS: dict[str, dict[str, str]] = {
         "broadcast": "pip install drivetrain-ckpt-engine",
         "disk": "pip install drivetrain-ckpt-engine",
     },
+    "drivetrain.environments": {
+        "calculator": "pip install drivetrain-trainer",
+    },
 }

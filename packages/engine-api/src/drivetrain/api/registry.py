@@ -1,4 +1,5 @@
-"""Discovery and loading of engines, rollouts and weight-sync transports from entry points.
+"""Discovery and loading of engines, rollouts, weight-sync transports and RL environments from
+entry points.
 
 Discovery reads entry-point metadata only (no plugin code runs). ``spec(name)`` imports the
 plugin's light spec module; ``load(name)`` imports its code, after checking that the plugin is
@@ -10,12 +11,13 @@ the installed alternatives, e.g.::
     engines: megatron, megatron_fsdp (`drivetrain engines` shows their status)
 
 ``DRIVETRAIN_PLUGINS`` restricts what may load: a comma-separated list of names (``fsdp2``)
-or group-qualified names (``engines:fsdp2``); a leading ``-`` denies instead
-(``-megatron``); ``none`` denies everything. With any allowed name listed, only listed
-plugins load. Test doubles (an entry point whose spec lives in a ``testing`` module, like the
-``fake`` engine) are found only when ``DRIVETRAIN_TEST_PLUGINS=1`` (drivetrain-engine-api's
-pytest plugin sets it). Results are cached per process, so loading is idempotent and cheap to
-repeat in every worker (Ray actors included).
+or group-qualified names (``engines:fsdp2``, ``environments:calculator``); a leading ``-``
+denies instead (``-megatron``); ``none`` denies everything. With any allowed name listed, only
+listed plugins load. Test doubles (an entry point whose spec lives in a ``testing`` module,
+like the ``fake`` engine or the ``echo`` environment) are found only when
+``DRIVETRAIN_TEST_PLUGINS=1`` (drivetrain-engine-api's pytest plugin sets it). Results are
+cached per process, so loading is idempotent and cheap to repeat in every worker (Ray actors
+included).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from importlib import metadata
 from typing import Any
 
 from drivetrain.api.engine import Engine
+from drivetrain.api.environment import Environment
 from drivetrain.api.errors import PluginError
 from drivetrain.api.first_party import INSTALL_HINTS
 from drivetrain.api.plugin import PluginSpec
@@ -39,7 +42,7 @@ from drivetrain.api.weight_sync import WeightTransport
 
 ENV_VAR = "DRIVETRAIN_PLUGINS"
 TEST_PLUGINS_VAR = "DRIVETRAIN_TEST_PLUGINS"
-GROUP_LABELS = ("engines", "rollouts", "ckpt_engines")
+GROUP_LABELS = ("engines", "rollouts", "ckpt_engines", "environments")
 
 
 class Status(enum.Enum):
@@ -313,7 +316,8 @@ class Registry:
 engines = Registry("drivetrain.engines", "engine", Engine)
 rollouts = Registry("drivetrain.rollouts", "rollout", Rollout)
 ckpt_engines = Registry("drivetrain.ckpt_engines", "ckpt-engine", WeightTransport)
-REGISTRIES = {r.label: r for r in (engines, rollouts, ckpt_engines)}
+environments = Registry("drivetrain.environments", "environment", Environment)
+REGISTRIES = {r.label: r for r in (engines, rollouts, ckpt_engines, environments)}
 
 
 def refresh_all() -> None:
