@@ -77,6 +77,12 @@ def ckpt_engines(check: Check = False) -> None:
     console.print(plugin_table(registry.ckpt_engines, check=check))
 
 
+@app.command()
+def environments(check: Check = False) -> None:
+    """List installed RL environments (entry-point group drivetrain.environments)."""
+    console.print(plugin_table(registry.environments, check=check))
+
+
 app.command()(sft)
 app.command()(grpo)
 app.command()(ppo)

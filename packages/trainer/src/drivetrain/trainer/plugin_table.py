@@ -1,4 +1,4 @@
-"""Tables of installed plugins for ``drivetrain engines|rollouts|ckpt-engines``."""
+"""Tables of installed plugins for ``drivetrain engines|rollouts|ckpt-engines|environments``."""
 
 from __future__ import annotations
 
