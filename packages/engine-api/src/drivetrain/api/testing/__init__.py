@@ -9,6 +9,7 @@ from drivetrain.api.testing.conformance import (
     sample_data,
     token_mean_nll,
 )
+from drivetrain.api.testing.environments import EchoEnvironment
 from drivetrain.api.testing.fake_engine import FakeEngine, FakeEngineConfig
 from drivetrain.api.testing.fake_harness import FakeHarness
 from drivetrain.api.testing.fake_rollout import FakeRollout, FakeRolloutConfig
@@ -18,6 +19,7 @@ from drivetrain.api.testing.suite import EngineConformance
 __all__ = [
     "ENGINE_CHECKS",
     "CheckResult",
+    "EchoEnvironment",
     "EngineConformance",
     "EngineHarness",
     "FakeEngine",

@@ -1,4 +1,5 @@
-"""Entry-point declarations of the fake engine, rollout and transport (``--engine fake``)."""
+"""Entry-point declarations of the fake engine, rollout and transport (``--engine fake``) and
+of the ``echo`` environment (``env=echo``): test doubles, hidden outside tests."""
 
 from drivetrain.api.plugin import PluginSpec
 
@@ -27,4 +28,11 @@ FAKE_TRANSPORT = PluginSpec(
     api=">=0.1,<0.2",
     capabilities=frozenset({"device:cpu"}),
     description="pure-Python in-process weight sync for orchestration tests (no torch)",
+)
+
+ECHO_ENVIRONMENT = PluginSpec(
+    name="echo",
+    factory="drivetrain.api.testing.environments:EchoEnvironment",
+    api=">=0.1,<0.2",
+    description="say a number, with an echo tool, for agentic orchestration tests",
 )
