@@ -61,3 +61,30 @@ def test_token_weight_versions_come_from_the_completion_or_its_version():
     short = Completion(1, (8,), (9, 10), (-1.0,) * 2, FinishReason.STOP, 3, None, {}, (3,))
     with pytest.raises(ValueError, match="2 tokens but 1 token versions"):
         completions_to_batch([short], pad_token_id=0)
+
+
+def test_trajectory_observation_tokens_are_not_trained_on() -> None:
+    from drivetrain.api.columns import LOSS_MASK, ROLLOUT_LOG_PROBS, TOKEN_WEIGHT_VERSION
+    from drivetrain.api.trajectory import Trajectory
+
+    episode = Trajectory(
+        prompt_index=0,
+        prompt_ids=(5, 6),
+        token_ids=(7, 8, 1, 2, 9),  # turn 1 (7, 8), observation (1, 2), turn 2 (9)
+        log_probs=(-0.5, -0.25, 0.0, 0.0, -1.0),
+        finish_reason=FinishReason.STOP,
+        weight_version=3,
+        sampled=(1, 1, 0, 0, 1),
+        turn_ends=(1, 4),
+    )
+    batch = completions_to_batch([episode, COMPLETIONS[0]], pad_token_id=0)
+    assert batch[INPUT_IDS][0] == [5, 6, 7, 8, 1, 2, 9]
+    assert batch[LOSS_MASK][0] == [0, 0, 1, 1, 0, 0, 1]
+    assert batch[ROLLOUT_LOG_PROBS][0] == [0.0, 0.0, -0.5, -0.25, 0.0, 0.0, -1.0]
+    assert batch[TOKEN_WEIGHT_VERSION][0] == [-1, -1, 3, 3, -1, -1, 3]
+    with pytest.raises(ValueError, match="sampled flags"):
+        Trajectory(0, (5,), (7, 8), (-0.1, -0.2), FinishReason.STOP, 0, sampled=(1,))
+    with pytest.raises(ValueError, match="turn ends"):
+        Trajectory(
+            0, (5,), (7, 8), (-0.1, -0.2), FinishReason.STOP, 0, sampled=(1, 0), turn_ends=(1,)
+        )

@@ -1,7 +1,8 @@
 """Completions from any rollout backend as a training batch.
 
 Columns (token columns aligned with ``input_ids``, prompt then response):
-``input_ids``, ``response_mask`` and ``loss_mask`` (1 on generated tokens),
+``input_ids``, ``response_mask`` and ``loss_mask`` (1 on generated tokens: a multi-turn
+:class:`~drivetrain.api.trajectory.Trajectory`'s observation tokens are 0),
 ``rollout_log_probs`` (the sampled log-prob on generated tokens, 0 on the prompt),
 ``token_weight_version`` (each generated token's weight version, -1 on the prompt), and per
 sample ``prompt_index``, ``weight_version`` and ``finish_reason``. Values are plain lists; pass
@@ -24,6 +25,7 @@ from drivetrain.api.columns import (
     WEIGHT_VERSION,
 )
 from drivetrain.api.rollout import Completion
+from drivetrain.api.trajectory import OBSERVATION_VERSION, sampled_mask
 
 PROMPT_INDEX = "prompt_index"
 FINISH_REASON = "finish_reason"
@@ -59,12 +61,14 @@ def completions_to_batch(
                 f"{len(c.log_probs)} log-probs"
             )
         prompt, response = list(c.prompt_ids), list(c.token_ids)
-        generated = [0] * len(prompt) + [1] * len(response)
+        generated = [0] * len(prompt) + sampled_mask(c)
         rows[INPUT_IDS].append(prompt + response)
         rows[RESPONSE_MASK].append(generated)
         rows[LOSS_MASK].append(list(generated))
         rows[ROLLOUT_LOG_PROBS].append([0.0] * len(prompt) + [float(x) for x in c.log_probs])
-        versions = list(c.token_versions) or [c.weight_version] * len(response)
+        versions = list(c.token_versions) or [
+            c.weight_version if s else OBSERVATION_VERSION for s in sampled_mask(c)
+        ]
         if len(versions) != len(response):
             raise ValueError(
                 f"completion of prompt {c.prompt_index}: {len(response)} tokens but "
