@@ -1,0 +1,1 @@
+"""acme-env: a third-party drivetrain environment (``env=acme_lookup``)."""
