@@ -1,0 +1,1 @@
+"""Agentic RL: multi-turn episodes with tools, token-exact, and an OpenAI-compatible endpoint."""

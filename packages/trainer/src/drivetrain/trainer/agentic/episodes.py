@@ -1,0 +1,334 @@
+"""Multi-turn episodes played on the rollouts, many at once, token-exact.
+
+Every episode is a chain of requests: turn ``t``'s prompt is the first prompt plus every
+token sampled or observed so far, so the rollout continues exactly the token ids the trainer
+will train on. Requests of all episodes share the rollouts (continuous batching): an episode
+whose turn finished is parsed, stepped by its environment in a worker thread (tools may be
+slow) and resubmitted, while the others keep generating. Episode ``k`` stays on replica
+``k % replicas`` (its growing prompt shares a prefix there) and is seeded per turn from the
+step's seed, so a run is reproducible.
+
+The trainer ends an episode early at ``max_turns`` turns, when the next turn would have no
+room (the episode's token budget or the context), and gives the environment a last word
+(:meth:`~drivetrain.api.environment.Episode.truncated`); the reason is in the metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from drivetrain.api import FinishReason, Rollout, SamplingParams
+from drivetrain.api.environment import Environment, Episode, StepResult, Task
+from drivetrain.api.requests import Collector, Request, sample_seed
+from drivetrain.api.tool_parsers import ToolParser, parse_turn
+from drivetrain.api.trajectory import OBSERVATION_VERSION, Trajectory
+from drivetrain.trainer.agentic.chat_tokens import ChatTokens
+
+#: longest wait in one poll when nothing else is due (seconds)
+POLL_S = 0.02
+#: how long aborted requests may take to end after a failure (seconds)
+SETTLE_S = 60.0
+
+
+class EpisodeError(RuntimeError):
+    """An environment raised (a bug of the environment: a model's bad turn is an observation)."""
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    """``max_turns`` assistant turns; ``turn_tokens`` sampled per turn (the sampling's
+    ``max_new_tokens``); ``episode_tokens`` after the first prompt, sampled and observed (0:
+    only the context bounds it); ``context`` tokens in all."""
+
+    max_turns: int
+    turn_tokens: int
+    episode_tokens: int
+    context: int
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1 or self.turn_tokens < 1 or self.context < 2:
+            raise ValueError(f"invalid episode limits {self}")
+
+
+@dataclass(frozen=True)
+class PlayedEpisode:
+    """One finished episode: its tokens, rewards and what happened."""
+
+    task: int  # index into the tasks played
+    trajectory: Trajectory
+    turn_rewards: tuple[float, ...]  # per turn; a truncation's reward is added to the last
+    truncation: str  # "" when the environment ended it
+    info: Mapping[str, float]  # the steps' info, summed
+
+    @property
+    def reward(self) -> float:
+        return sum(self.turn_rewards)
+
+    @property
+    def turns(self) -> int:
+        return len(self.trajectory.turn_ends)
+
+
+@dataclass
+class _Live:
+    number: int  # k: task k // n, sample k % n
+    task: int
+    replica: int
+    episode: Episode | None = None
+    prompt: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    sampled: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    turn_ends: list[int] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    info: dict[str, float] = field(default_factory=dict)
+    last_reason: FinishReason = FinishReason.STOP
+    first_version: int | None = None
+    bound: str = ""  # what bounds the running turn's budget, when not the turn budget
+    truncation: str = ""
+    done: bool = False
+
+
+class EpisodeRunner:
+    """Plays episodes of ``environment`` on ``rollouts`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        rollouts: Sequence[Rollout],
+        environment: Environment,
+        parser: ToolParser,
+        chat: ChatTokens,
+        limits: EpisodeLimits,
+        *,
+        workers: int = 8,
+    ) -> None:
+        self.rollouts = list(rollouts)
+        self.environment, self.parser, self.chat, self.limits = environment, parser, chat, limits
+        self.workers = workers
+        self.name = type(environment).__name__
+
+    def play(self, tasks: Sequence[Task], n: int, params: SamplingParams) -> list[PlayedEpisode]:
+        """``n`` episodes of every task; ``result[i * n + j]`` is episode ``j`` of task ``i``.
+        ``params.seed`` seeds every turn of every episode (one seed per episode and turn)."""
+        if not tasks:
+            return []
+        play = _Play(self, tasks, n, params)
+        with ThreadPoolExecutor(self.workers, thread_name_prefix="episode") as pool:
+            play.pool = pool
+            try:
+                play.run()
+            except BaseException:
+                play.abort_requests()
+                raise
+        return [play.result(live) for live in play.live]
+
+
+class _Play:
+    """One :meth:`EpisodeRunner.play` call's state."""
+
+    def __init__(
+        self, runner: EpisodeRunner, tasks: Sequence[Task], n: int, params: SamplingParams
+    ) -> None:
+        self.runner, self.tasks, self.params = runner, tasks, params
+        replicas = len(runner.rollouts)
+        self.live = [_Live(k, k // n, k % replicas) for k in range(len(tasks) * n)]
+        self.collectors = [Collector() for _ in runner.rollouts]
+        self.outbox: list[list[Request]] = [[] for _ in runner.rollouts]
+        self.in_flight: list[set[str]] = [set() for _ in runner.rollouts]
+        self.owner: dict[str, _Live] = {}
+        self.stepping: dict[Future[Any], tuple[_Live, Callable[[_Live, Any], None]]] = {}
+        self.pool: ThreadPoolExecutor | None = None
+
+    # ---- the loop ------------------------------------------------------------------------
+    def run(self) -> None:
+        for live in self.live:
+            self._in_thread(live, self._reset, self._started)
+        while not all(live.done for live in self.live):
+            progressed = self._collect_steps(block=not any(self.in_flight) and not any(self.outbox))
+            for index, rollout in enumerate(self.runner.rollouts):
+                if self.outbox[index]:
+                    requests, self.outbox[index] = self.outbox[index], []
+                    rollout.submit(requests)
+                    self.in_flight[index].update(r.request_id for r in requests)
+                if not self.in_flight[index]:
+                    continue
+                # a backend driven by its poller advances here; one generating on its own
+                # is waited on a little when nothing else is due
+                idle = not progressed and not self.stepping
+                chunks = rollout.poll(POLL_S if idle else 0.0)
+                for request_id in self.collectors[index].add(chunks):
+                    self.in_flight[index].discard(request_id)
+                    self._turn_done(self.owner.pop(request_id), index, request_id)
+                    progressed = True
+
+    def _in_thread(
+        self, live: _Live, work: Callable[[_Live], Any], then: Callable[[_Live, Any], None]
+    ) -> None:
+        assert self.pool is not None
+        self.stepping[self.pool.submit(work, live)] = (live, then)
+
+    def _collect_steps(self, *, block: bool) -> bool:
+        """Apply the environment calls that finished (waiting for one when ``block``)."""
+        if not self.stepping:
+            return False
+        done, _ = wait(
+            list(self.stepping), timeout=None if block else 0, return_when=FIRST_COMPLETED
+        )
+        for future in done:
+            live, then = self.stepping.pop(future)
+            try:
+                value = future.result()
+            except Exception as exc:
+                raise EpisodeError(
+                    f"environment {self.runner.name} raised in episode {live.number} "
+                    f"(task {live.task}): {type(exc).__name__}: {exc}"
+                ) from exc
+            then(live, value)
+        return bool(done)
+
+    # ---- an episode's course --------------------------------------------------------------
+    def _reset(self, live: _Live) -> list[int]:
+        live.episode = self.runner.environment.episode(self.tasks[live.task])
+        return self.runner.chat.prompt(live.episode.reset())
+
+    def _started(self, live: _Live, prompt: list[int]) -> None:
+        live.prompt = prompt
+        if len(prompt) >= self.runner.limits.context:
+            raise EpisodeError(
+                f"task {live.task}'s first prompt has {len(prompt)} tokens, no room left in "
+                f"the context of {self.runner.limits.context}"
+            )
+        self._next_turn(live)
+
+    def _budget(self, live: _Live) -> tuple[int, str]:
+        """Tokens the next turn may sample, and what bounds it when not the turn budget."""
+        limits = self.runner.limits
+        budget, why = limits.turn_tokens, ""
+        room = limits.context - len(live.prompt) - len(live.tokens)
+        if room < budget:
+            budget, why = room, "context"
+        if limits.episode_tokens:
+            left = limits.episode_tokens - len(live.tokens)
+            if left < budget:
+                budget, why = left, "episode_tokens"
+        return budget, why
+
+    def _next_turn(self, live: _Live) -> None:
+        turn = len(live.turn_ends)
+        budget, live.bound = self._budget(live)
+        seed = self.params.seed
+        if seed is not None:
+            seed = sample_seed(seed, live.number * self.runner.limits.max_turns + turn)
+        request = Request(
+            f"e{live.number}-t{turn}",
+            tuple(live.prompt + live.tokens),
+            replace(self.params, n=1, max_new_tokens=budget, seed=seed),
+            prompt_index=live.number,
+        )
+        self.collectors[live.replica].track(request)
+        self.owner[request.request_id] = live
+        self.outbox[live.replica].append(request)
+
+    def _turn_done(self, live: _Live, replica: int, request_id: str) -> None:
+        completion = self.collectors[replica].pop(request_id)
+        if live.first_version is None:
+            live.first_version = completion.weight_version
+        live.tokens += completion.token_ids
+        live.log_probs += completion.log_probs
+        live.sampled += [1] * len(completion.token_ids)
+        live.versions += list(completion.token_versions) or [completion.weight_version] * len(
+            completion.token_ids
+        )
+        live.last_reason = completion.finish_reason
+        if not completion.token_ids:  # nothing sampled (aborted at once): nothing to step
+            self._truncate(live, "context")
+            return
+        live.turn_ends.append(len(live.tokens) - 1)
+        if completion.finish_reason is FinishReason.LENGTH and live.bound:
+            self._truncate(live, live.bound)  # cut by the episode's room, not the turn's budget
+            return
+        text = self.runner.chat.decode(completion.token_ids)
+        turn = parse_turn(
+            self.runner.parser,
+            len(live.turn_ends) - 1,
+            text,
+            finished=completion.finish_reason is FinishReason.STOP,
+        )
+        sampled = list(completion.token_ids)
+        self._in_thread(
+            live, lambda lv: lv.episode.step(turn), lambda lv, r: self._stepped(lv, r, sampled)
+        )
+
+    def _stepped(self, live: _Live, result: StepResult, sampled: list[int]) -> None:
+        live.rewards.append(float(result.reward))
+        for key, value in result.info.items():
+            live.info[key] = live.info.get(key, 0.0) + float(value)
+        if result.done:
+            live.done = True
+            return
+        if len(live.turn_ends) >= self.runner.limits.max_turns:
+            self._truncate(live, "max_turns")
+            return
+        observed = self.runner.chat.observation(result.observations, sampled)
+        live_tokens = len(live.tokens) + len(observed)
+        limits = self.runner.limits
+        if limits.episode_tokens and live_tokens >= limits.episode_tokens:
+            self._truncate(live, "episode_tokens")
+            return
+        if len(live.prompt) + live_tokens >= limits.context:
+            self._truncate(live, "context")
+            return
+        live.tokens += observed
+        live.log_probs += [0.0] * len(observed)
+        live.sampled += [0] * len(observed)
+        live.versions += [OBSERVATION_VERSION] * len(observed)
+        self._next_turn(live)
+
+    def _truncate(self, live: _Live, reason: str) -> None:
+        live.truncation = reason
+        live.rewards += [0.0] * (len(live.turn_ends) - len(live.rewards))  # turns not stepped
+        if live.episode is None or not live.turn_ends:
+            live.done = True
+            return
+        self._in_thread(live, lambda lv: lv.episode.truncated(reason), self._last_word)
+
+    def _last_word(self, live: _Live, reward: float) -> None:
+        live.rewards[-1] += float(reward)
+        live.done = True
+
+    # ---- results and failure ----------------------------------------------------------------
+    def result(self, live: _Live) -> PlayedEpisode:
+        rewards = live.rewards
+        trajectory = Trajectory(
+            prompt_index=live.number,
+            prompt_ids=tuple(live.prompt),
+            token_ids=tuple(live.tokens),
+            log_probs=tuple(live.log_probs),
+            finish_reason=live.last_reason,
+            weight_version=live.first_version or 0,
+            token_versions=tuple(live.versions),
+            sampled=tuple(live.sampled),
+            turn_ends=tuple(live.turn_ends),
+        )
+        return PlayedEpisode(live.task, trajectory, tuple(rewards), live.truncation, live.info)
+
+    def abort_requests(self) -> None:
+        """After a failure: end this play's requests so the rollouts are free for the next."""
+        deadline = time.monotonic() + SETTLE_S
+        for index, rollout in enumerate(self.runner.rollouts):
+            live = sorted(self.in_flight[index])
+            if not live:
+                continue
+            try:
+                rollout.abort(live)
+                while self.in_flight[index] and time.monotonic() < deadline:
+                    for chunk in rollout.poll(POLL_S):
+                        if chunk.finished:
+                            self.in_flight[index].discard(chunk.request_id)
+            except Exception:  # the failure being raised is the one to see
+                return

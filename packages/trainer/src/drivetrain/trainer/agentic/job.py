@@ -1,0 +1,83 @@
+"""What an RL job with ``env=<name>`` decides before any worker starts: the environment, its
+tasks, the chat tokens and the episode limits, every check done here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from drivetrain.api import registry
+from drivetrain.api.environment import Environment, Task
+from drivetrain.api.errors import ConfigError
+from drivetrain.api.tool_parsers import ToolParser, tool_parser
+from drivetrain.trainer.agentic.chat_tokens import ChatTokens
+from drivetrain.trainer.agentic.episodes import EpisodeLimits
+from drivetrain.trainer.data.files import iter_rows
+from drivetrain.trainer.errors import DataError
+from drivetrain.trainer.preflight import Context
+from drivetrain.trainer.rl.config import RLConfig
+
+#: validation tasks an environment makes when data.val_size does not say
+DEFAULT_VAL_TASKS = 64
+
+
+@dataclass(frozen=True)
+class EpisodeSetup:
+    environment: Environment
+    parser: ToolParser
+    chat: ChatTokens
+    limits: EpisodeLimits
+    train: list[Task]
+    val: list[Task]
+
+
+def load_environment(config: RLConfig) -> Environment:
+    """The job's environment, built with ``episode.options``; bad options are config errors."""
+    factory = registry.environments.load(config.env)
+    try:
+        return factory(dict(config.episode.options))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"env={config.env}: episode.options: {exc}") from exc
+
+
+def episode_setup(config: RLConfig, tokenizer: Any, context: Context) -> EpisodeSetup:
+    environment = load_environment(config)
+    try:
+        parser = tool_parser(config.episode.tool_parser)
+    except ValueError as exc:
+        raise ConfigError(f"episode.tool_parser: {exc}") from exc
+    data = config.data
+    train = _tasks(environment, data.train_path, "train", config.episode.train_tasks, config)
+    train = train[: data.max_prompts or None]
+    val_count = data.val_size or DEFAULT_VAL_TASKS
+    val = _tasks(environment, data.val_path, "val", val_count, config)[:val_count]
+    if config.run.prompts_per_step > len(train):
+        raise ConfigError(
+            f"run.prompts_per_step={config.run.prompts_per_step} exceeds the {len(train)} tasks"
+        )
+    limits = EpisodeLimits(
+        max_turns=config.episode.max_turns,
+        turn_tokens=config.sampling.max_new_tokens,
+        episode_tokens=config.episode.max_tokens,
+        context=context.tokens,
+    )
+    chat = ChatTokens(tokenizer, environment.tools())
+    return EpisodeSetup(environment, parser, chat, limits, train, val)
+
+
+def _tasks(
+    environment: Environment, path: str, split: str, count: int, config: RLConfig
+) -> list[Task]:
+    """Rows of ``path`` as tasks; without a path, the environment's own (none for ``val``
+    when it makes none: validation is optional)."""
+    if path:
+        rows = [row for _, row in iter_rows(path)]
+        if not rows:
+            raise DataError(f"{path}: no tasks")
+        return rows
+    try:
+        return list(environment.tasks(split, count, config.seed))
+    except NotImplementedError as exc:
+        if split == "val":
+            return []
+        raise ConfigError(f"env={config.env}: {exc}") from exc
