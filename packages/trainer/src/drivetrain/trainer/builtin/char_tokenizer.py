@@ -17,12 +17,20 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_char_tokenizer(path: str | Path) -> Path:
-    """Save a ``PreTrainedTokenizerFast`` to ``path`` (EOS = end of turn, PAD separate)."""
+def build_char_tokenizer(
+    path: str | Path,
+    *,
+    roles: tuple[str, ...] = ROLES,
+    words: tuple[str, ...] = (),
+    chat_template: str = CHAT_TEMPLATE,
+) -> Path:
+    """Save a ``PreTrainedTokenizerFast`` to ``path`` (EOS = end of turn, PAD separate).
+    ``words`` become single ordinary tokens (tool-call markers: decoding keeps them, as it
+    keeps Qwen's ``<tool_call>``)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    specials = [PAD, END, UNK, *ROLES]
+    specials = [PAD, END, UNK, *roles]
     chars = [c for c in string.printable if c not in "\t\n\r\x0b\x0c"]
     vocab = {token: i for i, token in enumerate([*specials, *chars])}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
@@ -33,8 +41,10 @@ def build_char_tokenizer(path: str | Path) -> Path:
         pad_token=PAD,
         eos_token=END,
         unk_token=UNK,
-        additional_special_tokens=list(ROLES),
+        additional_special_tokens=list(roles),
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    if words:
+        tokenizer.add_tokens(list(words))
+    tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(str(path))
     return Path(path)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from drivetrain.trainer.builtin import addition
+from drivetrain.trainer.builtin import addition, calculator_assets
 from drivetrain.trainer.builtin.student import STUDENT_SFT_STEPS, cached_student_model
 
 
@@ -24,3 +24,13 @@ def untrained_prerequisites(
             f"({STUDENT_SFT_STEPS} SFT steps on --engine {engine})"
         )
     return lines
+
+
+def untrained_calculator(assets: calculator_assets.CalculatorAssets, *, engine: str) -> list[str]:
+    """The built-in agentic job's line, when its tool-using SFT model is not cached."""
+    if calculator_assets.cached_sft_model(assets) is not None:
+        return []
+    return [
+        f"the calculator task's SFT model {assets.sft_model} does not exist yet: the run trains "
+        f"it first ({assets.sft_path}, --engine {engine})"
+    ]

@@ -1,8 +1,9 @@
 """Turn SFT rows into token ids and a loss mask.
 
 Two row shapes are accepted: ``{"prompt": ..., "response": ...}`` and chat ``{"messages": [...]}``
-(OpenAI-style ``role``/``content`` dicts). Chat rows go through the tokenizer's chat template and
-the loss covers assistant turns only. Prompt/response rows use the chat template too when the
+(OpenAI-style ``role``/``content`` dicts, with an optional ``tools`` list of JSON schemas the
+template renders). Chat rows go through the tokenizer's chat template and the loss covers
+assistant turns only. Prompt/response rows use the chat template too when the
 tokenizer has one (as a user and an assistant turn), else plain text + EOS.
 
 Assistant tokens are found by rendering the conversation up to each assistant turn with and
@@ -92,21 +93,44 @@ def row_to_messages(row: Mapping[str, Any], keys: RowKeys, where: str) -> list[d
     )
 
 
-def _render(tokenizer: Any, messages: Sequence[Mapping[str, str]], *, generation: bool) -> str:
+def _render(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, str]],
+    *,
+    generation: bool,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> str:
     return tokenizer.apply_chat_template(
-        list(messages), tokenize=False, add_generation_prompt=generation
+        list(messages), tools=tools, tokenize=False, add_generation_prompt=generation
     )
 
 
-def tokenize_chat(tokenizer: Any, messages: Sequence[Mapping[str, str]], where: str) -> Example:
-    """Chat-template tokens with a loss mask over the assistant turns."""
-    text = _render(tokenizer, messages, generation=False)
+def row_tools(row: Mapping[str, Any], where: str) -> list[dict[str, Any]] | None:
+    """A chat row's ``tools`` (JSON schemas the chat template renders, as TRL's SFT takes
+    them), or ``None``."""
+    tools = row.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools):
+        raise DataError(f"{where}: 'tools' must be a list of JSON schema objects")
+    return [dict(t) for t in tools] or None
+
+
+def tokenize_chat(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, str]],
+    where: str,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> Example:
+    """Chat-template tokens with a loss mask over the assistant turns (``tools`` rendered by
+    the template, as at generation time)."""
+    text = _render(tokenizer, messages, generation=False, tools=tools)
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:i], generation=True) if i else ""
-        through = _render(tokenizer, messages[: i + 1], generation=False)
+        before = _render(tokenizer, messages[:i], generation=True, tools=tools) if i else ""
+        through = _render(tokenizer, messages[: i + 1], generation=False, tools=tools)
         if not (text.startswith(through) and through.startswith(before)):
             raise DataError(
                 f"{where}: the chat template does not render conversation prefixes as text "
@@ -156,7 +180,7 @@ def tokenize_row(
     :func:`truncate`)."""
     messages = fit_characters(row_to_messages(row, keys, where), limit, where)
     if getattr(tokenizer, "chat_template", None):
-        return tokenize_chat(tokenizer, messages, where)
+        return tokenize_chat(tokenizer, messages, where, row_tools(row, where))
     if keys.messages in row:
         raise DataError(f"{where}: chat rows need a tokenizer with a chat template")
     return tokenize_plain(tokenizer, messages[0]["content"], messages[1]["content"])

@@ -35,7 +35,10 @@ def _run(
     preset: str,
 ) -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    from drivetrain.trainer.builtin.prerequisites import untrained_prerequisites
+    from drivetrain.trainer.builtin.prerequisites import (
+        untrained_calculator,
+        untrained_prerequisites,
+    )
     from drivetrain.trainer.rl.job import describe, load_rl_job, prepare, start
     from drivetrain.trainer.rl.trainer import RLTrainer
 
@@ -56,6 +59,8 @@ def _run(
         if job.builtin is not None:
             student = algorithm == "distill"
             untrained = untrained_prerequisites(job.builtin, engine=engine, student=student)
+        if job.builtin_env is not None:
+            untrained = untrained_calculator(job.builtin_env, engine=engine)
         plugins = [
             (registry.engines, job.engine), (registry.engines, job.critic_engine),
             (registry.rollouts, job.rollout), (registry.ckpt_engines, job.transport),

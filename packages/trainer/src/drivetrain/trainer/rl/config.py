@@ -211,6 +211,28 @@ class TeacherConfig:
 
 
 @dataclass(frozen=True)
+class EpisodeConfig:
+    """Multi-turn episodes (``env=<name>``, agentic/episodes.py): the policy's turns and the
+    environment's observations alternate until the environment says done or a limit ends it.
+    A turn samples at most ``sampling.max_new_tokens``."""
+
+    max_turns: int = 4
+    max_tokens: int = 0  # per episode after the first prompt, sampled and observed (0: context)
+    tool_parser: str = "hermes"  # hermes | llama3_json | a drivetrain.tool_parsers plugin
+    options: dict[str, Any] = field(default_factory=dict)  # the environment's own options
+    train_tasks: int = 4096  # tasks an environment makes itself when there is no data
+    workers: int = 8  # environment steps (tool calls) running at once
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1 or self.max_tokens < 0 or self.workers < 1:
+            raise ConfigError(
+                "episode.max_turns and episode.workers must be >= 1, episode.max_tokens >= 0"
+            )
+        if self.train_tasks < 1:
+            raise ConfigError("episode.train_tasks must be >= 1")
+
+
+@dataclass(frozen=True)
 class RLRunConfig:
     output_dir: str = "runs/grpo"
     steps: int = 20
@@ -276,9 +298,15 @@ class RLConfig:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     workers: WorkersConfig = field(default_factory=WorkersConfig)  # the actor's ranks
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    #: an environment (``drivetrain environments``): multi-turn episodes instead of one
+    #: completion per prompt; its tasks come from data.train_path rows or the environment
+    env: str = ""
+    episode: EpisodeConfig = field(default_factory=EpisodeConfig)
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.env:
+            self._check_episodes()
         # the reference and the KL coefficient must agree: a reference nothing uses, or a KL
         # term without a reference to measure it against, is a mistake, not a run to start
         if self.algorithm.dynamic_sampling and self.teacher.model_path:
@@ -303,6 +331,22 @@ class RLConfig:
                 f"algorithm.kl_coef={kl_coef} needs a reference model, but reference.mode=none "
                 "(auto, engine or adapter; or algorithm.kl_coef=0)"
             )
+
+    def _check_episodes(self) -> None:
+        """What multi-turn episodes do not support yet, refused by key."""
+        alg = self.algorithm
+        refused = {
+            f"algorithm.mode={alg.mode}": alg.mode != "sync",
+            "algorithm.dynamic_sampling": alg.dynamic_sampling,
+            "algorithm.overlong_buffer": alg.overlong_buffer > 0,
+            "teacher.model_path": bool(self.teacher.model_path),
+        }
+        for key, set_ in refused.items():
+            if set_:
+                raise ConfigError(
+                    f"{key} is not supported with env={self.env}: episodes play in "
+                    "algorithm.mode=sync, without dynamic sampling, overlong shaping or a teacher"
+                )
 
     @property
     def reference_mode(self) -> str:

@@ -18,7 +18,8 @@ from rich.console import Console
 from drivetrain.api import EngineConfig, registry
 from drivetrain.api.config import LoraConfig, RolloutConfig, WeightSyncConfig
 from drivetrain.api.errors import ConfigError
-from drivetrain.trainer.builtin import addition
+from drivetrain.trainer.agentic.job import episode_setup
+from drivetrain.trainer.builtin import addition, calculator_assets
 from drivetrain.trainer.builtin.student import ensure_student_model
 from drivetrain.trainer.config_loader import ConfigLayer, load_config, to_yaml
 from drivetrain.trainer.console import plain_console
@@ -52,6 +53,9 @@ from drivetrain.trainer.rl.worker import ACTOR, CRITIC, REFERENCE, REWARD_MODEL,
 
 BUILTIN_CONFIG = Path(__file__).parent.parent / "builtin" / "addition_grpo.yaml"
 DISTILL_CONFIG = Path(__file__).parent.parent / "builtin" / "addition_distill.yaml"
+#: the built-in agentic task (env=calculator with no model)
+CALCULATOR = "calculator"
+CALCULATOR_CONFIG = Path(__file__).parent.parent / "builtin" / "calculator_grpo.yaml"
 PRESETS = Path(__file__).parent / "presets"
 #: What each command changes from RLConfig's defaults (and the built-in job's file): the
 #: user's files and overrides still win.
@@ -76,6 +80,8 @@ class RLJob:
     transport: str
     config: RLConfig
     builtin: addition.AdditionAssets | None = None
+    #: env=calculator with no model: the built-in agentic task's assets
+    builtin_env: calculator_assets.CalculatorAssets | None = None
 
     def to_yaml(self) -> str:
         return to_yaml(self.config)
@@ -111,8 +117,28 @@ def load_rl_job(
     shipped: list[ConfigLayer] = [defaults, *preset_files(preset)]  # the job's, below the user's
     shipped_overrides: list[str] = []
     config = load_config(config_type, files=[*shipped, *files], overrides=overrides)
-    builtin = None
-    if not config.data.train_path:
+    builtin, builtin_env = None, None
+    if config.env:
+        if not config.actor.model.path:
+            if config.env != CALCULATOR:
+                raise ConfigError(
+                    f"actor.model.path is required with env={config.env} (a built-in model "
+                    f"comes with env={CALCULATOR} only)"
+                )
+            builtin_env = (
+                calculator_assets.ensure_assets()
+                if train_prerequisites
+                else calculator_assets.assets_at()
+            )
+            model = calculator_assets.ensure_sft_model(
+                builtin_env, console, engine=engine, train=train_prerequisites
+            )
+            shipped_overrides = [f"actor.model.path={model}"]
+            shipped = [*builtin_files(rollout, CALCULATOR_CONFIG), *shipped]
+            config = load_config(
+                config_type, files=[*shipped, *files], overrides=[*shipped_overrides, *overrides]
+            )
+    elif not config.data.train_path:
         if config.actor.model.path:
             raise ConfigError("data.train_path is required when actor.model.path is set")
         # nothing is built for a config that is only shown: it names where the files will be
@@ -129,7 +155,7 @@ def load_rl_job(
             )
             extra = [f"actor.model.path={student}", f"teacher.model_path={model}", *extra[1:]]
             shipped.insert(1, DISTILL_CONFIG)
-        shipped, shipped_overrides = [*builtin_files(rollout), *shipped], extra
+        shipped, shipped_overrides = [*builtin_files(rollout, BUILTIN_CONFIG), *shipped], extra
         config = load_config(config_type, files=[*shipped, *files], overrides=[*extra, *overrides])
     elif not config.actor.model.path:
         raise ConfigError("actor.model.path is required when data.train_path is set")
@@ -149,14 +175,14 @@ def load_rl_job(
     plugins = RLPlugins.find(engine, critic_engine, rollout, transport)
     job_default = load_config(config_type, files=shipped, overrides=shipped_overrides)
     config = fit_plugins(config, job_default, plugins, mode)
-    return RLJob(algorithm, engine, critic_engine, rollout, transport, config, builtin)
+    return RLJob(algorithm, engine, critic_engine, rollout, transport, config, builtin, builtin_env)
 
 
-def builtin_files(rollout: str) -> list[Path]:
-    """The built-in job's YAML, then its settings for this rollout backend when it has some
+def builtin_files(rollout: str, base: Path) -> list[Path]:
+    """A built-in job's YAML, then its settings for this rollout backend when it has some
     (``addition_grpo.hf.yaml``: keys only that backend's config has)."""
-    for_rollout = BUILTIN_CONFIG.with_suffix(f".{rollout}.yaml")
-    return [BUILTIN_CONFIG, *([for_rollout] if for_rollout.exists() else [])]
+    for_rollout = base.with_suffix(f".{rollout}.yaml")
+    return [base, *([for_rollout] if for_rollout.exists() else [])]
 
 
 def preset_names() -> list[str]:
@@ -292,12 +318,17 @@ def prepare(job: RLJob) -> PreparedRL:
         "max_new_tokens": c.sampling.max_new_tokens,
         "context": generation_context(job),
     }
-    train, dropped = load_prompts(c.data.train_path, tokenizer, **keys)
-    train = train[: c.data.max_prompts or None]
-    val = []
-    if c.data.val_path:
-        val, _ = load_prompts(c.data.val_path, tokenizer, **keys)
-        val = val[: c.data.val_size or None]
+    episodes, dropped = None, 0
+    if c.env:
+        episodes = episode_setup(c, tokenizer, keys["context"])
+        train, val = episodes.train, episodes.val
+    else:
+        train, dropped = load_prompts(c.data.train_path, tokenizer, **keys)
+        train = train[: c.data.max_prompts or None]
+        val = []
+        if c.data.val_path:
+            val, _ = load_prompts(c.data.val_path, tokenizer, **keys)
+            val = val[: c.data.val_size or None]
     if c.run.prompts_per_step > len(train):
         raise ConfigError(
             f"run.prompts_per_step={c.run.prompts_per_step} exceeds the {len(train)} prompts"
@@ -305,6 +336,7 @@ def prepare(job: RLJob) -> PreparedRL:
     roles, reference = role_specs(job, c.run.steps * updates_per_step(c))
     state = {
         "algorithm": job.algorithm,
+        **({"env": c.env} if c.env else {}),
         "actor_engine": job.engine,
         "model_path": c.actor.model.path,
         "roles": sorted(roles),
@@ -321,6 +353,7 @@ def prepare(job: RLJob) -> PreparedRL:
         teacher=TEACHER in roles,
         critic=CRITIC in roles,
         reward_model=REWARD_MODEL in roles,
+        episodes=episodes,
     )
     return PreparedRL(job, setup, roles, dropped)
 
@@ -378,8 +411,11 @@ def start(prepared: PreparedRL) -> Placement:
 def describe(prepared: PreparedRL) -> str:
     job, c = prepared.job, prepared.job.config
     roles = ", ".join(f"{r}={s.engine}" for r, s in prepared.roles.items())
+    data = f"{len(prepared.setup.train)} prompts ({prepared.dropped} too long)"
+    if c.env:
+        data = f"env {c.env}: {len(prepared.setup.train)} tasks, up to {c.episode.max_turns} turns"
     return (
-        f"{job.algorithm}: {len(prepared.setup.train)} prompts ({prepared.dropped} too long), "
+        f"{job.algorithm}: {data}, "
         f"{len(prepared.setup.val)} validation; {c.run.steps} steps x "
         f"{c.run.prompts_per_step} prompts x {c.sampling.n} samples; roles {roles}; rollout "
         f"{job.rollout}; placement {resolve_mode(c.placement, c.workers)}, weights via "

@@ -31,6 +31,9 @@ from drivetrain.api.columns import (
 )
 from drivetrain.api.loss import MAX_SUFFIX
 from drivetrain.api.sync_manager import SyncReport
+from drivetrain.trainer.agentic.episodes import EpisodeRunner
+from drivetrain.trainer.agentic.job import EpisodeSetup
+from drivetrain.trainer.agentic.samples import episode_metrics, episode_samples, turn_rewards
 from drivetrain.trainer.checkpoints import CheckpointManager
 from drivetrain.trainer.console import plain_console
 from drivetrain.trainer.metrics import METRICS_FILE, MetricsLogger, plot_curve
@@ -80,14 +83,15 @@ class RLSetup:
 
     config: RLConfig
     state: dict[str, Any]  # identifies the run in checkpoints (engines, model, algorithm)
-    train: Sequence[RLPrompt]
-    val: Sequence[RLPrompt]
+    train: Sequence[Any]  # RLPrompts; an environment's tasks with ``episodes``
+    val: Sequence[Any]
     pad_token_id: int
     tokenizer: Any
     reference: Reference
     critic: bool
     reward_model: bool
     teacher: bool = False  # on-policy distillation
+    episodes: EpisodeSetup | None = None  # env=<name>: multi-turn episodes
 
 
 @dataclass
@@ -153,6 +157,13 @@ class RLTrainer:
             self.out / "checkpoints", keep_last=c.run.keep_last, writer=True
         )
         self.stream: GroupStream | None = None  # generation ahead of training (not sync mode)
+        self.episodes: EpisodeRunner | None = None
+        if setup.episodes is not None:
+            e = setup.episodes
+            self.episodes = EpisodeRunner(
+                self.pool.rollouts, e.environment, e.parser, e.chat, e.limits,
+                workers=c.episode.workers,
+            )  # fmt: skip
         # a weight update aborts running requests, resumed under the new weights (partial
         # rollouts), or lets them finish under the old ones
         self.weights.abort_inflight = alg.mode == "async" and alg.partial_rollouts == "resume"
@@ -163,7 +174,15 @@ class RLTrainer:
         c, timer = self.config, PhaseTimer()
         alg = c.algorithm
         stream_metrics: dict[str, float] = {}
-        if self.stream is None:
+        played = None
+        if self.episodes is not None:
+            prompts = [self.setup.train[i] for i in self.sampler.indices(step)]
+            with timer("generate"):
+                played = self.episodes.play(prompts, c.sampling.n, self.sampling(step))
+            completions, scores = episode_samples(played)
+            parts: dict[str, list[float]] = {}
+            stream_metrics = episode_metrics(played)
+        elif self.stream is None:
             prompts = [self.setup.train[i] for i in self.sampler.indices(step)]
             with timer("generate"):
                 completions = self.generate(prompts, step)
@@ -172,8 +191,9 @@ class RLTrainer:
                 taken = self.stream.take(step)
             prompts, completions = taken_batch(taken, self.setup.train)
             stream_metrics = stream_stats(taken)
-        with timer("reward"):
-            scores, parts = self.score(completions, prompts)
+        if played is None:
+            with timer("reward"):
+                scores, parts = self.score(completions, prompts)
         groups = split_groups(prompts, completions, scores, parts)
         reward_metrics = {**reward_stats(scores, parts), **generation_stats(groups)}
         if alg.dynamic_sampling:
@@ -231,7 +251,8 @@ class RLTrainer:
                     values = state_values(self.infer(batch, CRITIC, CriticLoss().outputs)[VALUES])
                     batch = batch.with_columns(old_values=values, token_keys=[OLD_VALUES])
             with timer("advantages"):
-                batch, kl_metrics = self.advantages(batch, scores)
+                placed = turn_rewards(batch, played) if played is not None else None
+                batch, kl_metrics = self.advantages(batch, scores, placed)
             if alg.overlong_filter:  # after the advantages: truncated samples keep their
                 # reward in their group's baseline, they only carry no loss
                 batch, kl_metrics["response/overlong_filtered_frac"] = filter_truncated(
@@ -358,9 +379,13 @@ class RLTrainer:
         last = torch.as_tensor(batch.seq_lens) - 1
         return values[VALUES][torch.arange(len(batch)), last].float()
 
-    def advantages(self, batch: Batch, scores: torch.Tensor) -> tuple[Batch, dict[str, float]]:
+    def advantages(
+        self, batch: Batch, scores: torch.Tensor, placed: torch.Tensor | None = None
+    ) -> tuple[Batch, dict[str, float]]:
+        """Advantages (and returns) of ``scores``, each on its sample's last token, or as
+        ``placed`` per token (an episode's turn rewards)."""
         alg, mask = self.config.algorithm, batch[LOSS_MASK].float()
-        rewards = last_token_rewards(batch, scores)
+        rewards = last_token_rewards(batch, scores) if placed is None else placed
         metrics: dict[str, float] = {}
         if REF_LOG_PROBS in batch and not self.on_policy:
             # KL(old ‖ ref); on-policy, the old log-probs come from the update's own forward,
@@ -407,6 +432,12 @@ class RLTrainer:
         if not self.setup.val:
             return {}
         params = SamplingParams(temperature=0.0, max_new_tokens=self.config.sampling.max_new_tokens)
+        if self.episodes is not None:
+            played = self.episodes.play(self.setup.val, 1, params)
+            metrics = {"val/mean": sum(e.reward for e in played) / len(played)}
+            for key, value in episode_metrics(played).items():
+                metrics[f"val/{key}"] = value
+            return metrics
         completions = self.pool.generate(
             [Prompt(token_ids=p.token_ids) for p in self.setup.val], params
         )
