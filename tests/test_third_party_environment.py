@@ -107,7 +107,6 @@ def test_registry_loads_it_and_an_episode_uses_the_lookup_tool(env):
     assert out[2:] == ["ANSWERED True 1.0 True", "TOOLS ['lookup'] acme_env.environment"]
 
 
-@pytest.mark.xfail(reason="waiting for env= in the RL job", strict=False)
 def test_grpo_trains_on_its_tasks(env, tmp_path, monkeypatch):
     """A tiny chat model, no dataset: the environment's own tasks, one step of 2 prompts x 2
     samples, in this process (the engine streams weights straight into the hf rollout)."""
