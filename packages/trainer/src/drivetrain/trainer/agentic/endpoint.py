@@ -1,0 +1,505 @@
+"""An OpenAI-compatible chat-completions endpoint over the trainer's rollouts.
+
+Agent code written against the OpenAI API plays episodes through it; every turn is recorded
+token-exactly server-side (:mod:`drivetrain.trainer.agentic.sessions`) and trained on. Each
+episode is a *session* with its own base URL; point an OpenAI client at it::
+
+    from openai import OpenAI
+    client = OpenAI(base_url=episode["base_url"], api_key=os.environ["OPENAI_API_KEY"])
+    reply = client.chat.completions.create(model="policy", messages=..., tools=...)
+
+(:class:`~drivetrain.trainer.agentic.agent_runner.AgentRunner` hands an agent its sessions:
+see there.) Routes, all behind ``Authorization: Bearer <api key>`` (401 without it):
+
+- ``POST /sessions/<sid>/v1/chat/completions``: ``messages``, optional ``tools`` and
+  ``max_tokens`` / ``max_completion_tokens`` (which may only lower the trainer's per-turn
+  budget). ``model``, ``temperature``, ``top_p``, ``n``, ``seed``, ``stop`` and the other
+  sampling fields are accepted and **ignored**: the trainer's sampling params apply, so the
+  recorded log-probs are those its loss assumes. The answer is a ``chat.completion`` with one
+  choice: ``content`` without tool-call markup (``null`` when empty and there are calls),
+  ``tool_calls`` as the tool parser read them, ``finish_reason`` ``tool_calls``, ``stop`` or
+  ``length``; calls that could not be parsed are listed in the message's extra
+  ``tool_call_errors``. A turn the episode's limits leave no room for is refused with 400 and
+  code ``context_length_exceeded`` or ``max_turns_exceeded``: the agent should end the episode.
+- ``GET /sessions/<sid>/v1/models``: one model.
+- ``POST /sessions/<sid>/reward`` with ``{"reward": <number>}``: the episode's reward, when the
+  agent knows it (else the trainer scores the last turn).
+
+Errors are OpenAI-style JSON (``{"error": {"message", "type", "code"}}``): 400 bad JSON or
+request, 401 key, 404 unknown session or route, 411/413 body length, 503 aborted (the play
+ended or the server closes), 504 no answer within the request deadline.
+
+Threads: HTTP handlers (one per connection) never touch a rollout. One dispatcher thread owns
+the rollouts (a rollout has one poller at a time): it submits the queued requests, polls, and
+completes each handler's future when its request finishes. Every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import logging
+import math
+import queue
+import re
+import secrets
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import urlsplit
+
+from drivetrain.api import Completion, FinishReason, Rollout, SamplingParams
+from drivetrain.api.environment import Task
+from drivetrain.api.requests import Collector, Request, sample_seed
+from drivetrain.api.tool_parsers import ToolParser
+from drivetrain.trainer.agentic.chat_tokens import ChatTokens
+from drivetrain.trainer.agentic.episodes import EpisodeLimits
+from drivetrain.trainer.agentic.sessions import RequestError, Session, check_messages
+
+log = logging.getLogger(__name__)
+
+#: longest wait in one poll while requests run (seconds)
+POLL_S = 0.02
+#: how long aborted requests may take to end when the server closes (seconds)
+SETTLE_S = 30.0
+#: a client that sends nothing this long on its connection is dropped (seconds)
+SOCKET_TIMEOUT_S = 120.0
+#: a session's requests are seeded ``sample_seed(seed, number * SEED_STRIDE + turn)``
+SEED_STRIDE = 1 << 16
+
+_ROUTE = re.compile(r"/sessions/([A-Za-z0-9_-]{1,64})/(v1/chat/completions|v1/models|reward)")
+_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error"}
+
+
+class ServerClosed(RuntimeError):
+    """The server closed while a request was generating."""
+
+
+class _HTTPError(Exception):
+    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+class _Dispatcher:
+    """The one thread that drives the rollouts: submits, polls, completes futures."""
+
+    def __init__(self, rollouts: Sequence[Rollout]) -> None:
+        self.rollouts = list(rollouts)
+        self.commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self.collectors = [Collector() for _ in self.rollouts]
+        self.waiting: list[dict[str, Future[Completion]]] = [{} for _ in self.rollouts]
+        self.failure: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="chat-dispatcher", daemon=True)
+        self.thread.start()
+
+    def submit(self, replica: int, request: Request) -> Future[Completion]:
+        future: Future[Completion] = Future()
+        if self.failure is not None:
+            future.set_exception(ServerClosed(f"the dispatcher stopped: {self.failure}"))
+        else:
+            self.commands.put(("submit", replica, request, future))
+        return future
+
+    def abort(self, request_id: str) -> None:
+        self.commands.put(("abort", request_id))
+
+    def close(self, timeout_s: float = SETTLE_S + 5) -> None:
+        self.commands.put(("stop",))
+        self.thread.join(timeout_s)
+
+    # ---- the thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                busy = any(self.waiting)
+                try:  # idle: wait for a command; busy: take what is queued and poll
+                    command = self.commands.get(timeout=POLL_S if busy else 1.0)
+                except queue.Empty:
+                    command = None
+                while command is not None:
+                    if command[0] == "stop":
+                        self._stop()
+                        return
+                    self._command(command)
+                    try:
+                        command = self.commands.get_nowait()
+                    except queue.Empty:
+                        command = None
+                for replica, waiting in enumerate(self.waiting):
+                    if waiting:
+                        self._poll(replica)
+        except BaseException as exc:  # a bug here: fail every waiter instead of hanging them
+            self.failure = exc
+            log.exception("the chat endpoint's dispatcher failed")
+            self._fail_all(ServerClosed(f"the dispatcher failed: {exc}"))
+
+    def _command(self, command: tuple[Any, ...]) -> None:
+        if command[0] == "submit":
+            _, replica, request, future = command
+            try:
+                self.rollouts[replica].submit([request])
+            except Exception as exc:  # a refused request (too long...): its waiter's error
+                future.set_exception(exc)
+                return
+            self.collectors[replica].track(request)
+            self.waiting[replica][request.request_id] = future
+        elif command[0] == "abort":
+            for replica, waiting in enumerate(self.waiting):
+                if command[1] in waiting:
+                    self.rollouts[replica].abort([command[1]])
+
+    def _poll(self, replica: int) -> None:
+        waiting = self.waiting[replica]
+        try:
+            chunks = self.rollouts[replica].poll(POLL_S if self.commands.empty() else 0.0)
+            finished = self.collectors[replica].add(chunks)
+        except Exception as exc:  # the rollout failed: its requests' waiters get the error
+            log.exception("rollout %d failed while polling", replica)
+            with contextlib.suppress(Exception):
+                self.rollouts[replica].abort(list(waiting))
+            for future in waiting.values():
+                future.set_exception(exc)
+            waiting.clear()
+            self.collectors[replica] = Collector()
+            return
+        for request_id in finished:
+            future = waiting.pop(request_id)
+            future.set_result(self.collectors[replica].pop(request_id))
+
+    def _stop(self) -> None:
+        deadline = time.monotonic() + SETTLE_S
+        for replica, waiting in enumerate(self.waiting):
+            if not waiting:
+                continue
+            with contextlib.suppress(Exception):
+                self.rollouts[replica].abort(list(waiting))
+                while waiting and time.monotonic() < deadline:
+                    self._poll(replica)
+        self._fail_all(ServerClosed("the chat endpoint closed"))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for waiting in self.waiting:
+            for future in waiting.values():
+                if not future.done():
+                    future.set_exception(exc)
+            waiting.clear()
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    app: ChatServer
+
+    def __init__(self, address: tuple[str, int], app: ChatServer) -> None:
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
+        self.app = app
+        super().__init__(address, _Handler)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "drivetrain-agent-endpoint"
+    timeout = SOCKET_TIMEOUT_S
+    server: _HTTPServer
+
+    def log_message(self, fmt: str, *args: Any) -> None:
+        log.debug("%s " + fmt, self.address_string(), *args)
+
+    def do_GET(self) -> None:
+        self._handle()
+
+    do_POST = do_PUT = do_PATCH = do_DELETE = do_GET
+
+    def _handle(self) -> None:
+        try:
+            status, body = self.server.app.handle(
+                self.command, self.path, self.headers.get("Authorization"), self._body
+            )
+        except _HTTPError as exc:
+            status = exc.status
+            body = {
+                "error": {
+                    "message": str(exc),
+                    "type": _ERROR_TYPES.get(status, "server_error"),
+                    "param": None,
+                    "code": exc.code,
+                }
+            }
+            self.close_connection = True  # the request's body may be unread
+        except Exception as exc:  # a bug, or a chat template the endpoint cannot extend
+            log.exception("the chat endpoint failed on %s %s", self.command, self.path)
+            status = 500
+            body = {
+                "error": {
+                    "message": f"{type(exc).__name__}: {exc}",
+                    "type": "server_error",
+                    "param": None,
+                    "code": None,
+                }
+            }
+            self.close_connection = True
+        data = json.dumps(body, ensure_ascii=False).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        if status == 401:
+            self.send_header("WWW-Authenticate", "Bearer")
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _body(self, limit: int) -> Any:
+        """The request's JSON body (read only once the caller is authorised)."""
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            raise _HTTPError(411, "send a Content-Length, not a chunked body")
+        length = self.headers.get("Content-Length")
+        if length is None or not length.isdigit():
+            raise _HTTPError(411, "a Content-Length header is required")
+        if int(length) > limit:
+            raise _HTTPError(413, f"request body of {length} bytes; the limit is {limit}")
+        data = self.rfile.read(int(length))
+        try:
+            return json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise _HTTPError(400, f"the body is not JSON: {exc}") from None
+
+
+class ChatServer:
+    """The endpoint (see the module docstring), serving on ``host:port`` (port 0: a free one)
+    at :attr:`base_url`. ``chat_for(tools)`` gives the :class:`ChatTokens` of a conversation
+    with those tools; ``parser`` reads the model's tool calls. ``api_key``: generated unless
+    given (:attr:`api_key`). Sessions are opened with :meth:`open_session` and collected with
+    :meth:`end_sessions`; :meth:`close` stops everything, aborting requests in flight."""
+
+    def __init__(
+        self,
+        rollouts: Sequence[Rollout],
+        chat_for: Callable[[Sequence[Mapping[str, Any]]], ChatTokens],
+        parser: ToolParser,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: str | None = None,
+        model: str = "drivetrain-policy",
+        request_timeout_s: float = 600.0,
+        max_body_bytes: int = 8 << 20,
+    ) -> None:
+        if not rollouts:
+            raise ValueError("the chat endpoint needs at least one rollout")
+        self.replicas = len(rollouts)
+        self.parser, self.model = parser, model
+        self.api_key = api_key or secrets.token_urlsafe(32)
+        self._key = self.api_key.encode()
+        self.request_timeout_s, self.max_body_bytes = request_timeout_s, max_body_bytes
+        self._chat_for, self._chats = chat_for, {}
+        self._tokens = threading.Lock()  # tokenizers are not shared across threads
+        self._sessions: dict[str, Session] = {}
+        self._sessions_lock = threading.Lock()
+        self._dispatcher = _Dispatcher(rollouts)
+        self._http = _HTTPServer((host, port), self)
+        self.host, self.port = self._http.server_address[:2]
+        self._serving = threading.Thread(
+            target=self._http.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True
+        )
+        self._serving.start()
+
+    @property
+    def base_url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def session_url(self, sid: str) -> str:
+        """The OpenAI base URL of session ``sid``."""
+        return f"{self.base_url}/sessions/{sid}/v1"
+
+    # ---- sessions -------------------------------------------------------------------------
+    def open_session(
+        self,
+        number: int,
+        task: int,
+        sample: int,
+        task_data: Task,
+        limits: EpisodeLimits,
+        params: SamplingParams,
+    ) -> Session:
+        """A new session: episode ``number`` of a play (generated on replica ``number %
+        replicas``), sample ``sample`` of task ``task``."""
+        sid = secrets.token_hex(8)
+        session = Session(
+            sid, number, task, sample, number % self.replicas, task_data, limits, params
+        )
+        with self._sessions_lock:
+            self._sessions[sid] = session
+        return session
+
+    def end_sessions(self, sids: Sequence[str], timeout_s: float = SETTLE_S) -> list[Session]:
+        """Close sessions (their requests get 404 from now on, running ones are aborted) and
+        forget them; returns them once no request of theirs is being answered."""
+        with self._sessions_lock:
+            sessions = [self._sessions.pop(sid) for sid in sids]
+        for session in sessions:
+            session.closed = True
+            if session.running:
+                self._dispatcher.abort(session.running)
+        deadline = time.monotonic() + timeout_s
+        for session in sessions:
+            if not session.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"session {session.sid} is still answering a request")
+            session.lock.release()
+        return sessions
+
+    def close(self) -> None:
+        """Stop serving and the dispatcher; requests in flight are aborted (their agents get
+        503)."""
+        self._dispatcher.close()
+        self._http.shutdown()
+        self._http.server_close()
+        self._serving.join(5.0)
+
+    def __enter__(self) -> ChatServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- requests (in handler threads) --------------------------------------------------
+    def handle(
+        self, method: str, path: str, authorization: str | None, body: Callable[[int], Any]
+    ) -> tuple[int, Any]:
+        """Answer one HTTP request: (status, JSON body); errors raise :class:`_HTTPError`."""
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode("utf-8", "replace"), self._key
+        ):
+            raise _HTTPError(
+                401, "missing or wrong API key (Authorization: Bearer)", "invalid_api_key"
+            )
+        route = _ROUTE.fullmatch(urlsplit(path).path)
+        want = {"v1/chat/completions": "POST", "v1/models": "GET", "reward": "POST"}
+        if route is None or want[route[2]] != method:
+            raise _HTTPError(404, f"no route {method} {urlsplit(path).path}")
+        with self._sessions_lock:
+            session = self._sessions.get(route[1])
+        if session is None:
+            raise _HTTPError(404, f"unknown session {route[1]!r}", "session_not_found")
+        if route[2] == "v1/models":
+            return 200, {"object": "list", "data": [self._model_entry()]}
+        payload = body(self.max_body_bytes)
+        if not isinstance(payload, dict):
+            raise _HTTPError(400, "the body must be a JSON object")
+        try:
+            if route[2] == "reward":
+                return 200, self._reward(session, payload)
+            return 200, self._complete(session, payload)
+        except RequestError as exc:
+            raise _HTTPError(400, str(exc), exc.code) from None
+
+    def _model_entry(self) -> dict[str, Any]:
+        return {"id": self.model, "object": "model", "created": 0, "owned_by": "drivetrain"}
+
+    def _reward(self, session: Session, payload: Mapping[str, Any]) -> dict[str, Any]:
+        reward = payload.get("reward")
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+            raise RequestError("'reward' must be a number")
+        if not math.isfinite(reward):
+            raise RequestError("'reward' must be finite")
+        if session.closed:
+            raise _HTTPError(404, f"session {session.sid!r} has ended", "session_not_found")
+        session.reward = float(reward)
+        return {"session": session.sid, "reward": session.reward}
+
+    def _chat(self, tools: Sequence[Mapping[str, Any]]) -> ChatTokens:
+        key = json.dumps(list(tools), sort_keys=True)
+        if key not in self._chats:
+            self._chats[key] = self._chat_for(tools)
+        return self._chats[key]
+
+    def _complete(self, session: Session, payload: Mapping[str, Any]) -> dict[str, Any]:
+        messages = check_messages(payload.get("messages"))
+        tools = payload.get("tools") or []
+        if not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools):
+            raise RequestError("'tools' must be a list of objects")
+        max_tokens = payload.get("max_completion_tokens", payload.get("max_tokens"))
+        if max_tokens is not None and (
+            isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
+        ):
+            raise RequestError("max_tokens must be a positive integer")
+        deadline = time.monotonic() + self.request_timeout_s
+        if not session.lock.acquire(timeout=self.request_timeout_s):
+            raise _HTTPError(504, "another request of this session is still running", "timeout")
+        try:
+            if session.closed:
+                raise _HTTPError(404, f"session {session.sid!r} has ended", "session_not_found")
+            with self._tokens:
+                turn = session.plan(messages, tools, max_tokens, self._chat)
+            params: SamplingParams = session.params
+            seed = params.seed
+            if seed is not None:
+                seed = sample_seed(seed, session.number * SEED_STRIDE + session.requests)
+            request = Request(
+                f"{session.sid}-{session.requests}-{uuid.uuid4().hex[:8]}",
+                turn.prompt_ids,
+                replace(params, n=1, max_new_tokens=turn.budget, seed=seed),
+                prompt_index=session.number,
+            )
+            session.running = request.request_id
+            completion = self._wait(self._dispatcher.submit(session.replica, request), deadline)
+            if completion is None:
+                self._dispatcher.abort(request.request_id)
+                raise _HTTPError(504, "no answer within the request deadline", "timeout")
+            if completion.finish_reason is FinishReason.ABORT or not completion.token_ids:
+                raise _HTTPError(503, "the request was aborted (the episode ended)", "aborted")
+            with self._tokens:
+                text = turn.chat.decode(completion.token_ids)
+            parsed = self.parser.parse(text)
+            message = session.record(turn, completion, text, parsed)
+        finally:
+            session.running = None
+            session.lock.release()
+        return self._response(message, completion, len(turn.prompt_ids))
+
+    @staticmethod
+    def _wait(future: Future[Completion], deadline: float) -> Completion | None:
+        try:
+            return future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            return None
+        except ServerClosed as exc:
+            raise _HTTPError(503, str(exc), "server_closed") from None
+        except ValueError as exc:  # the rollout refused the request
+            raise _HTTPError(400, f"the rollout refused the request: {exc}") from None
+        except Exception as exc:
+            raise _HTTPError(500, f"generation failed: {type(exc).__name__}: {exc}") from None
+
+    def _response(
+        self, message: Mapping[str, Any], completion: Completion, prompt_tokens: int
+    ) -> dict[str, Any]:
+        if completion.finish_reason is FinishReason.LENGTH:
+            finish = "length"
+        else:
+            finish = "tool_calls" if message.get("tool_calls") else "stop"
+        sampled = len(completion.token_ids)
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model,
+            "choices": [
+                {"index": 0, "message": dict(message), "finish_reason": finish, "logprobs": None}
+            ],
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": sampled,
+                "total_tokens": prompt_tokens + sampled,
+            },
+        }
