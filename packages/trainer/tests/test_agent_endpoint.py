@@ -418,7 +418,7 @@ def test_the_example_agent_plays_multi_turn_episodes_recorded_token_exactly(reco
         assert episode.trajectory.prompt_index == k
         assert episode.turns == 4  # a call every turn: the agent stops after its 4 turns
         assert episode.turn_rewards == (0.0, 0.0, 0.0, 1.0) and episode.truncation == ""
-        assert episode.info["agent/segments"] == 1 and episode.info["tools/calls"] == 4
+        assert episode.info["agent/segments"] == 1 and episode.info["agent/tool_calls"] == 4
         check_token_exact([episode], recording, tokenizer, by_episode[k], _example_tools())
 
 

@@ -215,8 +215,8 @@ class AgentRunner:
                 "agent/segments": float(len(session.segments)),
                 "agent/segment": float(index),
                 "agent/reported_reward": float(reported),
-                "tools/calls": float(segment.tool_calls),
-                "tools/call_errors": float(segment.call_errors),
+                "agent/tool_calls": float(segment.tool_calls),
+                "agent/tool_call_errors": float(segment.call_errors),
             }
             played.append(
                 PlayedEpisode(

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from drivetrain.api import Completion, FinishReason
+from drivetrain.api import Completion, FinishReason, SamplingParams
 from drivetrain.api.environment import Task
 from drivetrain.api.tool_parsers import ParsedTurn
 from drivetrain.api.trajectory import OBSERVATION_VERSION, Trajectory
@@ -186,7 +186,7 @@ class Session:
     replica: int
     task_data: Task
     limits: EpisodeLimits
-    params: Any  # the play's SamplingParams
+    params: SamplingParams  # the play's sampling (the request's own are ignored)
     segments: list[Segment] = field(default_factory=list)
     reward: float | None = None  # reported by the agent
     requests: int = 0  # chat requests answered (each a turn)
