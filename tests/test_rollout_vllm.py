@@ -11,6 +11,7 @@ from drivetrain.api import FinishReason, Prompt, SamplingParams
 from drivetrain.api.registry import rollouts
 from drivetrain.api.testing.rollout_kit import RolloutConformance
 from drivetrain.rollout.config import HFRolloutConfig, VLLMRolloutConfig
+from episode_support import play_and_check
 from rollout_support import (
     CHAT_PROMPTS,
     KeptRollout,
@@ -214,3 +215,10 @@ def test_log_probs_stay_exact_across_weight_syncs_with_tied_embeddings(tied_bf16
             assert mean <= 2 * first + 1e-6 and worst < 1e-4, (first, gaps)
     finally:
         vllm.shutdown()
+
+
+def test_multi_turn_episodes_are_token_exact(vllm, model_dir):
+    """Three-turn episodes through vLLM's server process: each turn continues exactly the ids
+    the training batch holds, observations carry no loss, log-probs match engine-fsdp's."""
+    vllm.update_weights(KeptRollout(vllm, model_dir).initial, version=0)  # as built
+    play_and_check(vllm, model_dir, 4, 4, mean_gap=1e-4, max_gap=1e-3)

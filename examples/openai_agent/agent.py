@@ -23,7 +23,9 @@ from typing import Any
 from openai import BadRequestError, OpenAI
 
 MAX_TURNS = 4
-THREADS = 8
+#: episodes played at once: all of a step's, up to this many (each thread waits on HTTP; the
+#: trainer's rollout batches whatever is in flight, so fewer threads means smaller batches)
+THREADS = 256
 MAX_TOKENS = 256
 
 #: the tool as drivetrain's built-in calculator environment offers it (same schema, so a model
@@ -100,7 +102,7 @@ def main() -> None:
         client = OpenAI(base_url=episode["base_url"], api_key=key)
         return play(client, episode["task"]["question"])
 
-    with ThreadPoolExecutor(THREADS) as pool:
+    with ThreadPoolExecutor(max(1, min(THREADS, len(episodes)))) as pool:
         for episode, answer in zip(episodes, pool.map(run, episodes), strict=True):
             print(f"{episode['session']}: {answer!r}", file=sys.stderr)
 

@@ -127,6 +127,10 @@ class EpisodeRunner:
                 raise
         return [play.result(live) for live in play.live]
 
+    def close(self) -> None:
+        """Nothing to release (the rollouts are the placement's); as the agent runner's."""
+        return None
+
 
 class _Play:
     """One :meth:`EpisodeRunner.play` call's state."""

@@ -23,7 +23,7 @@ DEFAULT_VAL_TASKS = 64
 
 @dataclass(frozen=True)
 class EpisodeSetup:
-    environment: Environment
+    environment: Environment | None  # None: an agent (agent.command) plays data rows
     parser: ToolParser
     chat: ChatTokens
     limits: EpisodeLimits
@@ -41,7 +41,9 @@ def load_environment(config: RLConfig) -> Environment:
 
 
 def episode_setup(config: RLConfig, tokenizer: Any, context: Context) -> EpisodeSetup:
-    environment = load_environment(config)
+    environment = load_environment(config) if config.env else None
+    if environment is None and not config.data.train_path:
+        raise ConfigError("agent.command without env needs data.train_path (a task per row)")
     try:
         parser = tool_parser(config.episode.tool_parser)
     except ValueError as exc:
@@ -61,12 +63,12 @@ def episode_setup(config: RLConfig, tokenizer: Any, context: Context) -> Episode
         episode_tokens=config.episode.max_tokens,
         context=context.tokens,
     )
-    chat = ChatTokens(tokenizer, environment.tools())
+    chat = ChatTokens(tokenizer, environment.tools() if environment is not None else ())
     return EpisodeSetup(environment, parser, chat, limits, train, val)
 
 
 def _tasks(
-    environment: Environment, path: str, split: str, count: int, config: RLConfig
+    environment: Environment | None, path: str, split: str, count: int, config: RLConfig
 ) -> list[Task]:
     """Rows of ``path`` as tasks; without a path, the environment's own (none for ``val``
     when it makes none: validation is optional)."""
@@ -75,6 +77,8 @@ def _tasks(
         if not rows:
             raise DataError(f"{path}: no tasks")
         return rows
+    if environment is None:
+        return []
     try:
         return list(environment.tasks(split, count, config.seed))
     except NotImplementedError as exc:

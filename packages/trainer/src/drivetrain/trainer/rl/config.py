@@ -233,6 +233,25 @@ class EpisodeConfig:
 
 
 @dataclass(frozen=True)
+class AgentConfig:
+    """An agent written against the OpenAI API plays the episodes (agentic/agent_runner.py):
+    ``command`` runs once per step (and validation) with ``DRIVETRAIN_EPISODES`` naming a
+    JSON file of episodes, each with its own chat-completions ``base_url`` on the endpoint
+    the trainer serves over its rollouts, and ``OPENAI_API_KEY``; the tokens are recorded
+    server-side and trained on. Tasks come from ``env`` or data.train_path rows; the reward
+    is what the agent reports, else the reward functions on its last turn."""
+
+    command: str = ""  # e.g. "python examples/openai_agent/agent.py" (shell words)
+    host: str = "127.0.0.1"  # loopback unless told otherwise; every request needs the key
+    port: int = 0  # 0: a free port picked at run time
+    timeout_s: float = 3600.0  # one play (every episode of a step) at most
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0 or not 0 <= self.port < 65536:
+            raise ConfigError("agent.timeout_s must be > 0 and agent.port in [0, 65535]")
+
+
+@dataclass(frozen=True)
 class RLRunConfig:
     output_dir: str = "runs/grpo"
     steps: int = 20
@@ -302,10 +321,11 @@ class RLConfig:
     #: completion per prompt; its tasks come from data.train_path rows or the environment
     env: str = ""
     episode: EpisodeConfig = field(default_factory=EpisodeConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.env:
+        if self.episodic:
             self._check_episodes()
         # the reference and the KL coefficient must agree: a reference nothing uses, or a KL
         # term without a reference to measure it against, is a mistake, not a run to start
@@ -344,9 +364,16 @@ class RLConfig:
         for key, set_ in refused.items():
             if set_:
                 raise ConfigError(
-                    f"{key} is not supported with env={self.env}: episodes play in "
-                    "algorithm.mode=sync, without dynamic sampling, overlong shaping or a teacher"
+                    f"{key} is not supported with multi-turn episodes (env, agent.command): "
+                    "they play in algorithm.mode=sync, without dynamic sampling, overlong "
+                    "shaping or a teacher"
                 )
+
+    @property
+    def episodic(self) -> bool:
+        """Multi-turn episodes (an environment, or an OpenAI-API agent) instead of one
+        completion per prompt."""
+        return bool(self.env or self.agent.command)
 
     @property
     def reference_mode(self) -> str:

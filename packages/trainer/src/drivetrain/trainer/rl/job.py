@@ -118,12 +118,12 @@ def load_rl_job(
     shipped_overrides: list[str] = []
     config = load_config(config_type, files=[*shipped, *files], overrides=overrides)
     builtin, builtin_env = None, None
-    if config.env:
+    if config.episodic:
         if not config.actor.model.path:
             if config.env != CALCULATOR:
                 raise ConfigError(
-                    f"actor.model.path is required with env={config.env} (a built-in model "
-                    f"comes with env={CALCULATOR} only)"
+                    f"actor.model.path is required with env={config.env or '(none)'} (a "
+                    f"built-in model comes with env={CALCULATOR} only)"
                 )
             builtin_env = (
                 calculator_assets.ensure_assets()
@@ -319,7 +319,7 @@ def prepare(job: RLJob) -> PreparedRL:
         "context": generation_context(job),
     }
     episodes, dropped = None, 0
-    if c.env:
+    if c.episodic:
         episodes = episode_setup(c, tokenizer, keys["context"])
         train, val = episodes.train, episodes.val
     else:
@@ -412,8 +412,11 @@ def describe(prepared: PreparedRL) -> str:
     job, c = prepared.job, prepared.job.config
     roles = ", ".join(f"{r}={s.engine}" for r, s in prepared.roles.items())
     data = f"{len(prepared.setup.train)} prompts ({prepared.dropped} too long)"
-    if c.env:
-        data = f"env {c.env}: {len(prepared.setup.train)} tasks, up to {c.episode.max_turns} turns"
+    if c.episodic:
+        who = " ".join(
+            [f"env {c.env}"] * bool(c.env) + [f"agent {c.agent.command!r}"] * bool(c.agent.command)
+        )
+        data = f"{who}: {len(prepared.setup.train)} tasks, up to {c.episode.max_turns} turns"
     return (
         f"{job.algorithm}: {data}, "
         f"{len(prepared.setup.val)} validation; {c.run.steps} steps x "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+import shlex
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from drivetrain.api.columns import (
 )
 from drivetrain.api.loss import MAX_SUFFIX
 from drivetrain.api.sync_manager import SyncReport
+from drivetrain.trainer.agentic.agent_runner import AgentRunner
 from drivetrain.trainer.agentic.episodes import EpisodeRunner
 from drivetrain.trainer.agentic.job import EpisodeSetup
 from drivetrain.trainer.agentic.samples import episode_metrics, episode_samples, turn_rewards
@@ -157,13 +159,21 @@ class RLTrainer:
             self.out / "checkpoints", keep_last=c.run.keep_last, writer=True
         )
         self.stream: GroupStream | None = None  # generation ahead of training (not sync mode)
-        self.episodes: EpisodeRunner | None = None
+        self.episodes: EpisodeRunner | AgentRunner | None = None
         if setup.episodes is not None:
             e = setup.episodes
-            self.episodes = EpisodeRunner(
-                self.pool.rollouts, e.environment, e.parser, e.chat, e.limits,
-                workers=c.episode.workers,
-            )  # fmt: skip
+            if c.agent.command:
+                self.episodes = AgentRunner(
+                    self.pool.rollouts, setup.tokenizer, e.parser, shlex.split(c.agent.command),
+                    self.agent_reward, e.limits, timeout_s=c.agent.timeout_s, host=c.agent.host,
+                    port=c.agent.port,
+                )  # fmt: skip
+            else:
+                assert e.environment is not None
+                self.episodes = EpisodeRunner(
+                    self.pool.rollouts, e.environment, e.parser, e.chat, e.limits,
+                    workers=c.episode.workers,
+                )  # fmt: skip
         # a weight update aborts running requests, resumed under the new weights (partial
         # rollouts), or lets them finish under the old ones
         self.weights.abort_inflight = alg.mode == "async" and alg.partial_rollouts == "resume"
@@ -369,6 +379,12 @@ class RLTrainer:
             parts["overlong"] = penalty.tolist()
         return scores, parts
 
+    def agent_reward(self, task: Any, text: str) -> float:
+        """An agent's episode that reported no reward: the reward functions on its last turn
+        against the task's ``data.answer_key``."""
+        answer = task.get(self.config.data.answer_key, "") if hasattr(task, "get") else ""
+        return self.scorer(text, str(answer))[0]
+
     def infer(
         self, batch: Batch, role: str, spec: OutputSpec, adapter_off: bool = False
     ) -> dict[str, torch.Tensor]:
@@ -536,6 +552,9 @@ class RLTrainer:
         finally:
             with contextlib.suppress(Exception):  # a failed run's own error is the one to see
                 self.close_stream()
+            if self.episodes is not None:
+                with contextlib.suppress(Exception):
+                    self.episodes.close()
             logger.close()
         series = [("reward/mean", "train reward"), ("val/reward", "validation reward")]
         plot_curve(self.out / METRICS_FILE, self.out / "reward_curve.png", series, ylabel="reward")
