@@ -25,8 +25,9 @@ from drivetrain.api import FinishReason, Rollout, SamplingParams
 from drivetrain.api.environment import Environment, Episode, StepResult, Task
 from drivetrain.api.requests import Collector, Request, sample_seed
 from drivetrain.api.tool_parsers import ToolParser, parse_turn
-from drivetrain.api.trajectory import OBSERVATION_VERSION, Trajectory
+from drivetrain.api.trajectory import Trajectory
 from drivetrain.trainer.agentic.chat_tokens import ChatTokens
+from drivetrain.trainer.agentic.growing import GrowingTrajectory
 
 #: longest wait in one poll when nothing else is due (seconds)
 POLL_S = 0.02
@@ -53,6 +54,17 @@ class EpisodeLimits:
         if self.max_turns < 1 or self.turn_tokens < 1 or self.context < 2:
             raise ValueError(f"invalid episode limits {self}")
 
+    def budget(self, prompt: int, used: int, asked: int = 0) -> tuple[int, str]:
+        """Tokens the next turn may sample after a ``prompt``-token first prompt and ``used``
+        tokens since (``asked``: a smaller budget the caller wants), and what bounds it when
+        not the turn budget: ``context`` or ``episode_tokens``."""
+        budget, why = min(self.turn_tokens, asked or self.turn_tokens), ""
+        if self.context - prompt - used < budget:
+            budget, why = self.context - prompt - used, "context"
+        if self.episode_tokens and self.episode_tokens - used < budget:
+            budget, why = self.episode_tokens - used, "episode_tokens"
+        return budget, why
+
 
 @dataclass(frozen=True)
 class PlayedEpisode:
@@ -73,22 +85,14 @@ class PlayedEpisode:
         return len(self.trajectory.turn_ends)
 
 
-@dataclass
-class _Live:
+@dataclass(kw_only=True)
+class _Live(GrowingTrajectory):
     number: int  # k: task k // n, sample k % n
     task: int
     replica: int
     episode: Episode | None = None
-    prompt: list[int] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
-    sampled: list[int] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    turn_ends: list[int] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
     info: dict[str, float] = field(default_factory=dict)
-    last_reason: FinishReason = FinishReason.STOP
-    first_version: int | None = None
     bound: str = ""  # what bounds the running turn's budget, when not the turn budget
     truncation: str = ""
     done: bool = False
@@ -140,7 +144,9 @@ class _Play:
     ) -> None:
         self.runner, self.tasks, self.params = runner, tasks, params
         replicas = len(runner.rollouts)
-        self.live = [_Live(k, k // n, k % replicas) for k in range(len(tasks) * n)]
+        self.live = [
+            _Live(number=k, task=k // n, replica=k % replicas) for k in range(len(tasks) * n)
+        ]
         self.collectors = [Collector() for _ in runner.rollouts]
         self.outbox: list[list[Request]] = [[] for _ in runner.rollouts]
         self.in_flight: list[set[str]] = [set() for _ in runner.rollouts]
@@ -210,17 +216,7 @@ class _Play:
         self._next_turn(live)
 
     def _budget(self, live: _Live) -> tuple[int, str]:
-        """Tokens the next turn may sample, and what bounds it when not the turn budget."""
-        limits = self.runner.limits
-        budget, why = limits.turn_tokens, ""
-        room = limits.context - len(live.prompt) - len(live.tokens)
-        if room < budget:
-            budget, why = room, "context"
-        if limits.episode_tokens:
-            left = limits.episode_tokens - len(live.tokens)
-            if left < budget:
-                budget, why = left, "episode_tokens"
-        return budget, why
+        return self.runner.limits.budget(len(live.prompt), len(live.tokens))
 
     def _next_turn(self, live: _Live) -> None:
         turn = len(live.turn_ends)
@@ -240,19 +236,10 @@ class _Play:
 
     def _turn_done(self, live: _Live, replica: int, request_id: str) -> None:
         completion = self.collectors[replica].pop(request_id)
-        if live.first_version is None:
-            live.first_version = completion.weight_version
-        live.tokens += completion.token_ids
-        live.log_probs += completion.log_probs
-        live.sampled += [1] * len(completion.token_ids)
-        live.versions += list(completion.token_versions) or [completion.weight_version] * len(
-            completion.token_ids
-        )
-        live.last_reason = completion.finish_reason
+        live.add_turn(completion)
         if not completion.token_ids:  # nothing sampled (aborted at once): nothing to step
             self._truncate(live, "context")
             return
-        live.turn_ends.append(len(live.tokens) - 1)
         if completion.finish_reason is FinishReason.LENGTH and live.bound:
             self._truncate(live, live.bound)  # cut by the episode's room, not the turn's budget
             return
@@ -287,10 +274,7 @@ class _Play:
         if len(live.prompt) + live_tokens >= limits.context:
             self._truncate(live, "context")
             return
-        live.tokens += observed
-        live.log_probs += [0.0] * len(observed)
-        live.sampled += [0] * len(observed)
-        live.versions += [OBSERVATION_VERSION] * len(observed)
+        live.add_observation(observed)
         self._next_turn(live)
 
     def _truncate(self, live: _Live, reason: str) -> None:
@@ -307,19 +291,8 @@ class _Play:
 
     # ---- results and failure ----------------------------------------------------------------
     def result(self, live: _Live) -> PlayedEpisode:
-        rewards = live.rewards
-        trajectory = Trajectory(
-            prompt_index=live.number,
-            prompt_ids=tuple(live.prompt),
-            token_ids=tuple(live.tokens),
-            log_probs=tuple(live.log_probs),
-            finish_reason=live.last_reason,
-            weight_version=live.first_version or 0,
-            token_versions=tuple(live.versions),
-            sampled=tuple(live.sampled),
-            turn_ends=tuple(live.turn_ends),
-        )
-        return PlayedEpisode(live.task, trajectory, tuple(rewards), live.truncation, live.info)
+        trajectory = live.trajectory(live.number)
+        return PlayedEpisode(live.task, trajectory, tuple(live.rewards), live.truncation, live.info)
 
     def abort_requests(self) -> None:
         """After a failure: end this play's requests so the rollouts are free for the next."""

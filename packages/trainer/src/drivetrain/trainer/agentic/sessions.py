@@ -27,9 +27,9 @@ from typing import Any
 from drivetrain.api import Completion, FinishReason, SamplingParams
 from drivetrain.api.environment import Task
 from drivetrain.api.tool_parsers import ParsedTurn
-from drivetrain.api.trajectory import OBSERVATION_VERSION, Trajectory
 from drivetrain.trainer.agentic.chat_tokens import ChatTokens
 from drivetrain.trainer.agentic.episodes import EpisodeLimits
+from drivetrain.trainer.agentic.growing import GrowingTrajectory
 
 #: a message as compared: role, content, ((tool name, arguments as JSON), ...)
 Normal = tuple[str, str, tuple[tuple[str, str], ...]]
@@ -123,39 +123,18 @@ def for_template(message: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-@dataclass
-class Segment:
-    """One trajectory of a session: the :class:`Trajectory` fields, grown turn by turn."""
+@dataclass(kw_only=True)
+class Segment(GrowingTrajectory):
+    """One trajectory of a session, grown turn by turn, and the conversation it records."""
 
     chat: ChatTokens
     tools_key: str
-    prompt: list[int]
     messages: list[Normal] = field(default_factory=list)  # the conversation so far
-    tokens: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
-    sampled: list[int] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    turn_ends: list[int] = field(default_factory=list)
     last_sampled: list[int] = field(default_factory=list)
     last_text: str = ""  # the last assistant turn as the model wrote it (decoded)
-    last_reason: FinishReason = FinishReason.STOP
-    first_version: int | None = None
     truncation: str = ""  # why the server refused the turn after the last, if it did
     tool_calls: int = 0
     call_errors: int = 0
-
-    def trajectory(self, number: int) -> Trajectory:
-        return Trajectory(
-            prompt_index=number,
-            prompt_ids=tuple(self.prompt),
-            token_ids=tuple(self.tokens),
-            log_probs=tuple(self.log_probs),
-            finish_reason=self.last_reason,
-            weight_version=self.first_version or 0,
-            token_versions=tuple(self.versions),
-            sampled=tuple(self.sampled),
-            turn_ends=tuple(self.turn_ends),
-        )
 
 
 @dataclass(frozen=True)
@@ -223,7 +202,7 @@ class Session:
             observation = last.chat.observation(new, last.last_sampled)
             prompt = [*last.prompt, *last.tokens, *observation]
             used = len(last.tokens) + len(observation)
-            budget, why = self._budget(len(prompt), used, max_tokens)
+            budget, why = limits.budget(len(last.prompt), used, max_tokens or 0)
             if budget < 1:
                 last.truncation = why
                 raise RequestError(
@@ -242,7 +221,7 @@ class Session:
             )
         chat = chat_for(tools)
         prompt = chat.prompt([for_template(m) for m in messages])
-        budget, why = self._budget(len(prompt), 0, max_tokens)
+        budget, why = limits.budget(len(prompt), 0, max_tokens or 0)
         if budget < 1:
             raise RequestError(
                 f"the prompt has {len(prompt)} tokens: no room left in the context of "
@@ -251,15 +230,6 @@ class Session:
             )
         return Turn(tuple(prompt), budget, why, None, (), tuple(normal), chat, tools_key)
 
-    def _budget(self, prompt: int, used: int, max_tokens: int | None) -> tuple[int, str]:
-        limits = self.limits
-        budget, why = min(limits.turn_tokens, max_tokens or limits.turn_tokens), ""
-        if limits.context - prompt < budget:
-            budget, why = limits.context - prompt, "context"
-        if limits.episode_tokens and limits.episode_tokens - used < budget:
-            budget, why = limits.episode_tokens - used, "episode_tokens"
-        return budget, why
-
     def record(
         self, turn: Turn, completion: Completion, text: str, parsed: ParsedTurn
     ) -> dict[str, Any]:
@@ -267,30 +237,18 @@ class Session:
         the assistant message the server answers with, which the conversation now ends with."""
         segment = turn.segment
         if segment is None:
-            segment = Segment(turn.chat, turn.tools_key, list(turn.prompt_ids))
+            segment = Segment(
+                chat=turn.chat, tools_key=turn.tools_key, prompt=list(turn.prompt_ids)
+            )
             self.segments.append(segment)
         elif turn.observation:
-            n = len(turn.observation)
-            segment.tokens += turn.observation
-            segment.log_probs += [0.0] * n
-            segment.sampled += [0] * n
-            segment.versions += [OBSERVATION_VERSION] * n
-        ids = list(completion.token_ids)
-        segment.tokens += ids
-        segment.log_probs += completion.log_probs
-        segment.sampled += [1] * len(ids)
-        segment.versions += list(completion.token_versions) or [completion.weight_version] * len(
-            ids
-        )
-        segment.turn_ends.append(len(segment.tokens) - 1)
-        segment.last_sampled = ids
+            segment.add_observation(turn.observation)
+        segment.add_turn(completion)
+        segment.last_sampled = list(completion.token_ids)
         segment.last_text = text
-        segment.last_reason = completion.finish_reason
         # a turn cut by the episode's room, not its own budget, ends the episode
         cut = completion.finish_reason is FinishReason.LENGTH and turn.bound
         segment.truncation = turn.bound if cut else ""
-        if segment.first_version is None:
-            segment.first_version = completion.weight_version
         segment.tool_calls += len(parsed.tool_calls)
         segment.call_errors += len(parsed.errors)
         self.requests += 1
