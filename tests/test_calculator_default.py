@@ -73,5 +73,7 @@ def test_an_openai_client_agent_trains_through_the_endpoint(tmp_path, shared):
     for step in steps:
         assert step["episode/turns_mean"] > 2  # the agent ran the model's calculator calls
         assert step["env/agent/tool_calls"] > 1
-        assert step["actor/grad_norm"] > 0 and step["actor/rollout_log_prob_diff"] < 1e-4
+        assert step["actor/rollout_log_prob_diff"] < 1e-4  # the recorded ids, token-exact
+    # trained (a step whose 4 groups all got equal rewards has no gradient)
+    assert any(step["actor/grad_norm"] > 0 for step in steps)
     assert summary["val_before"]["val/mean"] > 0.5  # the trained warm start, through the agent
