@@ -187,3 +187,22 @@ def test_preset_values() -> None:
 def test_dapo_config_errors(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(RLConfig, overrides=overrides)
+
+
+@pytest.mark.parametrize("estimator", ["gae", "reinforce_pp"])
+def test_observation_tokens_between_turns_are_not_steps(estimator) -> None:
+    """A two-turn episode (prompt, turn 1, observation, turn 2, padding) gets the advantages
+    of the same turns without the observation between them: the first turn bootstraps from
+    the second's value (GAE) and is credited the final reward, discounted per sampled token."""
+    mask = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 0]], dtype=torch.float64)
+    rewards = torch.tensor([[0, 0, 0.5, 0, 0, 0, 1.0, 0]], dtype=torch.float64)
+    values = torch.tensor([[9, 0.1, 0.2, 9, 9, 0.3, 0.4, 9]], dtype=torch.float64)
+    keep = mask[0].bool()
+    compact = AdvantageInputs(
+        rewards[:, keep], mask[:, keep], [0], values=values[:, keep], gamma=0.9, lam=0.8
+    )
+    spread = AdvantageInputs(rewards, mask, [0], values=values, gamma=0.9, lam=0.8)
+    want_adv, want_ret = ADVANTAGES.get(estimator)(compact)
+    adv, ret = ADVANTAGES.get(estimator)(spread)
+    assert torch.allclose(adv[:, keep], want_adv) and torch.allclose(ret[:, keep], want_ret)
+    assert not adv[:, ~keep].any() and not ret[:, ~keep].any()

@@ -83,12 +83,14 @@ def rloo_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor
 
 
 def _discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """``G_t = sum_k gamma^(k-t) r_k`` over each row's tokens, zero outside ``mask``."""
+    """``G_t = sum_k gamma^(k-t) r_k`` over each row's response tokens (``k`` counting those
+    only: a multi-turn episode's observation tokens between turns are not steps), zero outside
+    ``mask``."""
     rewards = rewards * mask
     returns = torch.zeros_like(rewards)
     running = torch.zeros(rewards.shape[0], dtype=rewards.dtype)
     for t in reversed(range(rewards.shape[1])):
-        running = rewards[:, t] + gamma * running
+        running = torch.where(mask[:, t] > 0, rewards[:, t] + gamma * running, running)
         returns[:, t] = running
     return returns * mask
 
@@ -134,21 +136,25 @@ def distill_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Ten
 def gae_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over response tokens:
     ``delta_t = r_t + gamma V_{t+1} - V_t``, ``A_t = delta_t + gamma lam A_{t+1}``, returns
-    ``A + V``; advantages whitened over the batch's response tokens (PPO's usual normalisation)."""
+    ``A + V``; advantages whitened over the batch's response tokens (PPO's usual normalisation).
+    ``t + 1`` is the next *response* token: in a multi-turn episode a turn's last token
+    bootstraps from the next turn's first, across the observation tokens between them (not
+    steps of the policy); after the last response token it is 0."""
     if inputs.values is None:
         raise ValueError("GAE needs the critic's values")
     mask = inputs.mask
     values = inputs.values * mask
     rewards = inputs.token_rewards * mask
     last = torch.zeros(values.shape[0], dtype=values.dtype)
+    next_value = torch.zeros_like(last)
     adv = torch.zeros_like(values)
     for t in reversed(range(values.shape[1])):
-        next_value = values[:, t + 1] if t + 1 < values.shape[1] else torch.zeros_like(last)
+        response = mask[:, t] > 0
         delta = rewards[:, t] + inputs.gamma * next_value - values[:, t]
-        last = delta + inputs.gamma * inputs.lam * last
-        # a prompt or padding position passes nothing back (its mask is 0)
-        last = last * mask[:, t]
-        adv[:, t] = last
+        # a prompt, observation or padding position passes everything through unchanged
+        last = torch.where(response, delta + inputs.gamma * inputs.lam * last, last)
+        next_value = torch.where(response, values[:, t], next_value)
+        adv[:, t] = last * mask[:, t]
     returns = (adv + values) * mask
     return masked_whiten(adv, mask), returns
 
