@@ -107,7 +107,7 @@ def play_and_check(rollout, model_dir, tasks: int, n: int, *, mean_gap: float, m
         t = episode.trajectory
         rebuilt, mask = list(t.prompt_ids), [0] * len(t.prompt_ids)
         for turn in range(TURNS):
-            request = f"e{row}-t{turn}"
+            request = f"p0-e{row}-t{turn}"
             assert list(recording.requests[request]) == rebuilt
             sampled = recording.sampled[request]
             rebuilt += sampled

@@ -277,3 +277,14 @@ def test_parse_turn_builds_the_assistant_turn():
         finished=False,
     )
     assert len(turn.call_errors) == 1 and turn.call_errors[0].startswith("tool call 1: malformed")
+
+
+@pytest.mark.parametrize("parser", [HermesParser(), Llama3JsonParser()])
+def test_degenerate_json_is_an_error_line_not_an_exception(parser):
+    """What json raises besides JSONDecodeError: an integer longer than Python converts
+    (ValueError) and nesting deeper than the recursion limit (RecursionError)."""
+    for body in ('{"name": "f", "arguments": {"x": ' + "9" * 5000 + "}}", '{"a":' + "[" * 100_000):
+        text = f"<tool_call>{body}</tool_call>" if parser.name == "hermes" else body
+        parsed = parser.parse(text)
+        assert not parsed.tool_calls and len(parsed.errors) == 1
+        assert "malformed JSON" in parsed.errors[0]

@@ -48,6 +48,27 @@ def test_observations_close_the_sampled_turn_as_the_template_does(tokenizer):
     assert tokenizer.decode(cut).startswith("<|end|>#<|tool|>")
 
 
+#: Qwen3's shape: the conversation's last assistant turn gets an empty think block, earlier
+#: ones do not (so a stand-in's rendering is not a prefix of the longer conversation's)
+THINKING_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' and loop.last %}"
+    "<|assistant|>[think]{{ m['content'] }}<|end|>#{% else %}"
+    "<|{{ m['role'] }}|>{{ m['content'] }}<|end|>#{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_observations_follow_a_template_that_renders_the_last_turn_differently(tmp_path):
+    from transformers import AutoTokenizer
+
+    build_char_tokenizer(tmp_path, chat_template=THINKING_TEMPLATE)
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
+    chat = ChatTokens(tokenizer)
+    sampled = [*tokenizer("x", add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
+    observed = chat.observation([{"role": "tool", "content": "4"}], sampled)
+    assert tokenizer.decode(observed) == "#<|tool|>4<|end|>#<|assistant|>"
+
+
 def test_a_tokenizer_without_chat_template_is_refused(tokenizer):
     from drivetrain.trainer.errors import DataError
 
@@ -100,6 +121,7 @@ def test_a_calculator_episode_rewards_the_exact_answer_and_survives_bad_calls():
         (["algorithm.mode=async"], "algorithm.mode=async"),
         (["algorithm.dynamic_sampling=true"], "algorithm.dynamic_sampling"),
         (["algorithm.overlong_buffer=0.2"], "algorithm.overlong_buffer"),
+        (["reward.model_path=/models/rm"], "reward.model_path"),
     ],
 )
 def test_multi_turn_jobs_refuse_what_they_do_not_support(overrides, key):

@@ -76,7 +76,7 @@ def _make_call(obj: Any, k: int, args_keys: tuple[str, ...]) -> ToolCall | str:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError as exc:
+        except _JSON_ERRORS as exc:
             return f"tool call {k} ({name}): '{key}' is a string but not JSON: {exc}"
     if not isinstance(arguments, dict):
         return f"tool call {k} ({name}): '{key}' must be a JSON object"
@@ -84,6 +84,16 @@ def _make_call(obj: Any, k: int, args_keys: tuple[str, ...]) -> ToolCall | str:
     return ToolCall(
         name, arguments, call_id if isinstance(call_id, str) and call_id else f"call_{k}"
     )
+
+
+#: what ``json`` raises on text a model wrote: malformed JSON, but also an integer of more
+#: digits than Python converts (ValueError) and nesting deeper than the recursion limit
+_JSON_ERRORS = (ValueError, RecursionError)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return text.splitlines()[0][:200]
 
 
 def _collect(results: Sequence[ToolCall | str]) -> tuple[tuple[ToolCall, ...], tuple[str, ...]]:
@@ -109,8 +119,8 @@ class HermesParser:
             k = len(results)
             try:
                 obj = json.loads(match.group(1))
-            except json.JSONDecodeError as exc:
-                results.append(f"tool call {k}: malformed JSON: {exc}")
+            except _JSON_ERRORS as exc:
+                results.append(f"tool call {k}: malformed JSON: {_first_line(exc)}")
                 continue
             results.append(_make_call(obj, k, ("arguments",)))
         rest = text[pos:]
@@ -160,8 +170,8 @@ class Llama3JsonParser:
             k = len(results)
             try:
                 obj, pos = decoder.raw_decode(body, pos)
-            except json.JSONDecodeError as exc:  # nothing after this can be trusted
-                results.append(f"tool call {k}: malformed JSON: {exc}")
+            except _JSON_ERRORS as exc:  # nothing after this can be trusted
+                results.append(f"tool call {k}: malformed JSON: {_first_line(exc)}")
                 pos = len(body)
                 break
             results.append(_make_call(obj, k, ("parameters", "arguments")))

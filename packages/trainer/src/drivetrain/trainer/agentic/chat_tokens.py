@@ -4,8 +4,9 @@ Rendering the whole chat again after every turn and tokenising it drifts from wh
 sampled (the same text can tokenise another way; templates rewrite past turns, e.g. drop
 reasoning), and training on those ids trains on tokens the policy never produced. So only
 new messages are rendered: the first prompt whole, then each observation as the text the
-chat template adds after an assistant turn (rendered against a fixed stand-in conversation and
-cut off where the stand-in ends), tokenised on its own and appended to the sampled ids.
+chat template adds after an assistant turn (rendered after a stand-in conversation and cut
+after the stand-in's reply and its end of turn), tokenised on its own and appended to the
+sampled ids.
 
 What the template writes after an assistant turn's end-of-turn token (Qwen: a newline after
 ``<|im_end|>``) is prepended to the observation, so the conversation reads as the template
@@ -22,8 +23,8 @@ from drivetrain.trainer.errors import DataError
 
 #: the stand-in conversation observations are rendered after; the assistant text is one no
 #: template rewrites and no tokenizer merges with what follows
-_USER = {"role": "user", "content": "Hi."}
 _REPLY = "Hello."
+_BASE = ({"role": "user", "content": "Hi."}, {"role": "assistant", "content": _REPLY})
 
 
 class ChatTokens:
@@ -34,13 +35,11 @@ class ChatTokens:
             raise DataError("multi-turn episodes need a tokenizer with a chat template")
         self.tokenizer = tokenizer
         self.tools = [dict(t) for t in tools] or None
-        base = [_USER, {"role": "assistant", "content": _REPLY}]
-        self._base_text = self.render(base, generation=False)
-        end = self._base_text.rfind(_REPLY)
-        if end < 0:
-            raise DataError("the chat template does not render an assistant turn's content")
         #: what the template writes after an assistant turn's content (its end of turn)
-        self.turn_end = self.encode(self._base_text[end + len(_REPLY) :])
+        self._turn_end_text = self._after_reply(self.render(_BASE, generation=False))
+        self.turn_end = self.encode(self._turn_end_text)
+        # a template this cannot follow fails here, before any episode runs
+        self.observation_text([{"role": "user", "content": "Go on."}])
 
     def render(self, messages: Sequence[Message], *, generation: bool) -> str:
         return self.tokenizer.apply_chat_template(
@@ -60,14 +59,27 @@ class ChatTokens:
     def observation(self, messages: Sequence[Message], sampled: Sequence[int]) -> list[int]:
         """The ids to append after the sampled assistant turn ``sampled``: the rest of its end
         of turn, ``messages`` (tool results, a user turn) and the next generation prompt."""
-        base = [_USER, {"role": "assistant", "content": _REPLY}]
-        text = self.render([*base, *messages], generation=True)
-        if not text.startswith(self._base_text):
+        return self.end_of_turn(sampled) + self.encode(self.observation_text(messages))
+
+    def observation_text(self, messages: Sequence[Message]) -> str:
+        """``messages`` and the next generation prompt as the template writes them after an
+        assistant turn's end. Cut after the stand-in reply, not after the stand-in's whole
+        rendering: templates render a conversation's last assistant turn differently (Qwen3
+        adds an empty think block) and may write the date."""
+        text = self._after_reply(self.render([*_BASE, *messages], generation=True))
+        if not text.startswith(self._turn_end_text):
             raise DataError(
-                "the chat template renders a conversation's prefix differently once messages "
-                "follow it, so observation tokens cannot be appended to sampled ones"
+                "the chat template ends an assistant turn differently once messages follow "
+                "it, so observation tokens cannot be appended to sampled ones"
             )
-        return self.end_of_turn(sampled) + self.encode(text[len(self._base_text) :])
+        return text[len(self._turn_end_text) :]
+
+    @staticmethod
+    def _after_reply(text: str) -> str:
+        at = text.find(_REPLY)
+        if at < 0:
+            raise DataError("the chat template does not render an assistant turn's content")
+        return text[at + len(_REPLY) :]
 
     def end_of_turn(self, sampled: Sequence[int]) -> list[int]:
         """What closes the sampled turn the way the template closes one: after its own

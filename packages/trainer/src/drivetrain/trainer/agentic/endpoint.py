@@ -98,15 +98,18 @@ class _Dispatcher:
         self.collectors = [Collector() for _ in self.rollouts]
         self.waiting: list[dict[str, Future[Completion]]] = [{} for _ in self.rollouts]
         self.failure: BaseException | None = None
+        #: a submit either reaches the queue before the stop drains it, or sees the failure
+        self._closing = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="chat-dispatcher", daemon=True)
         self.thread.start()
 
     def submit(self, replica: int, request: Request) -> Future[Completion]:
         future: Future[Completion] = Future()
-        if self.failure is not None:
-            future.set_exception(ServerClosed(f"the dispatcher stopped: {self.failure}"))
-        else:
-            self.commands.put(("submit", replica, request, future))
+        with self._closing:
+            if self.failure is not None:
+                future.set_exception(ServerClosed(f"the dispatcher stopped: {self.failure}"))
+            else:
+                self.commands.put(("submit", replica, request, future))
         return future
 
     def abort(self, request_id: str) -> None:
@@ -121,8 +124,9 @@ class _Dispatcher:
         try:
             while True:
                 busy = any(self.waiting)
-                try:  # idle: wait for a command; busy: take what is queued and poll
-                    command = self.commands.get(timeout=POLL_S if busy else 1.0)
+                try:  # idle: wait for a command; busy: take what is queued, then poll (a
+                    # rollout its poller drives advances one token step per poll: no wait here)
+                    command = self.commands.get_nowait() if busy else self.commands.get(timeout=1.0)
                 except queue.Empty:
                     command = None
                 while command is not None:
@@ -138,7 +142,8 @@ class _Dispatcher:
                     if waiting:
                         self._poll(replica)
         except BaseException as exc:  # a bug here: fail every waiter instead of hanging them
-            self.failure = exc
+            with self._closing:
+                self.failure = exc
             log.exception("the chat endpoint's dispatcher failed")
             self._fail_all(ServerClosed(f"the dispatcher failed: {exc}"))
 
@@ -176,6 +181,16 @@ class _Dispatcher:
             future.set_result(self.collectors[replica].pop(request_id))
 
     def _stop(self) -> None:
+        closed = ServerClosed("the chat endpoint closed")
+        with self._closing:  # no submit reaches the queue after this
+            self.failure = closed
+        while True:  # submits queued behind the stop: failed, never left waiting
+            try:
+                command = self.commands.get_nowait()
+            except queue.Empty:
+                break
+            if command[0] == "submit":
+                command[3].set_exception(closed)
         deadline = time.monotonic() + SETTLE_S
         for replica, waiting in enumerate(self.waiting):
             if not waiting:
@@ -184,7 +199,7 @@ class _Dispatcher:
                 self.rollouts[replica].abort(list(waiting))
                 while waiting and time.monotonic() < deadline:
                     self._poll(replica)
-        self._fail_all(ServerClosed("the chat endpoint closed"))
+        self._fail_all(closed)
 
     def _fail_all(self, exc: BaseException) -> None:
         for waiting in self.waiting:
@@ -353,16 +368,19 @@ class ChatServer:
                 self._dispatcher.abort(session.running)
         deadline = time.monotonic() + timeout_s
         for session in sessions:
+            # not raised: this runs after a play, failed or not, whose own error is the one
+            # to see; the request left is aborted and its handler ends at its own deadline
             if not session.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                raise TimeoutError(f"session {session.sid} is still answering a request")
+                log.warning("session %s is still answering a request", session.sid)
+                continue
             session.lock.release()
         return sessions
 
     def close(self) -> None:
         """Stop serving and the dispatcher; requests in flight are aborted (their agents get
         503)."""
+        self._http.shutdown()  # no new request first; those being answered fail at the stop
         self._dispatcher.close()
-        self._http.shutdown()
         self._http.server_close()
         self._serving.join(5.0)
 
@@ -453,7 +471,10 @@ class ChatServer:
                 prompt_index=session.number,
             )
             session.running = request.request_id
-            completion = self._wait(self._dispatcher.submit(session.replica, request), deadline)
+            future = self._dispatcher.submit(session.replica, request)
+            if session.closed:  # ended while this was planned: end_sessions may not have seen
+                self._dispatcher.abort(request.request_id)  # it running (queued after submit)
+            completion = self._wait(future, deadline)
             if completion is None:
                 self._dispatcher.abort(request.request_id)
                 raise _HTTPError(504, "no answer within the request deadline", "timeout")

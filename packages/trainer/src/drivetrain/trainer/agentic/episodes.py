@@ -15,6 +15,7 @@ room (the episode's token budget or the context), and gives the environment a la
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -28,6 +29,8 @@ from drivetrain.api.tool_parsers import ToolParser, parse_turn
 from drivetrain.api.trajectory import Trajectory
 from drivetrain.trainer.agentic.chat_tokens import ChatTokens
 from drivetrain.trainer.agentic.growing import GrowingTrajectory
+
+log = logging.getLogger(__name__)
 
 #: longest wait in one poll when nothing else is due (seconds)
 POLL_S = 0.02
@@ -115,20 +118,24 @@ class EpisodeRunner:
         self.environment, self.parser, self.chat, self.limits = environment, parser, chat, limits
         self.workers = workers
         self.name = type(environment).__name__
+        self.plays = 0  # request ids carry the play's number: never reused across plays
 
     def play(self, tasks: Sequence[Task], n: int, params: SamplingParams) -> list[PlayedEpisode]:
         """``n`` episodes of every task; ``result[i * n + j]`` is episode ``j`` of task ``i``.
         ``params.seed`` seeds every turn of every episode (one seed per episode and turn)."""
         if not tasks:
             return []
-        play = _Play(self, tasks, n, params)
-        with ThreadPoolExecutor(self.workers, thread_name_prefix="episode") as pool:
-            play.pool = pool
-            try:
-                play.run()
-            except BaseException:
-                play.abort_requests()
-                raise
+        play = _Play(self, tasks, n, params, f"p{self.plays}")
+        self.plays += 1
+        pool = ThreadPoolExecutor(self.workers, thread_name_prefix="episode")
+        play.pool = pool
+        try:
+            play.run()
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)  # queued environment calls: dropped
+            play.abort_requests()
+            raise
+        pool.shutdown()
         return [play.result(live) for live in play.live]
 
     def close(self) -> None:
@@ -140,9 +147,14 @@ class _Play:
     """One :meth:`EpisodeRunner.play` call's state."""
 
     def __init__(
-        self, runner: EpisodeRunner, tasks: Sequence[Task], n: int, params: SamplingParams
+        self,
+        runner: EpisodeRunner,
+        tasks: Sequence[Task],
+        n: int,
+        params: SamplingParams,
+        name: str,
     ) -> None:
-        self.runner, self.tasks, self.params = runner, tasks, params
+        self.runner, self.tasks, self.params, self.name = runner, tasks, params, name
         replicas = len(runner.rollouts)
         self.live = [
             _Live(number=k, task=k // n, replica=k % replicas) for k in range(len(tasks) * n)
@@ -202,11 +214,14 @@ class _Play:
         return bool(done)
 
     # ---- an episode's course --------------------------------------------------------------
-    def _reset(self, live: _Live) -> list[int]:
+    def _reset(self, live: _Live) -> Sequence[Any]:
         live.episode = self.runner.environment.episode(self.tasks[live.task])
-        return self.runner.chat.prompt(live.episode.reset())
+        return live.episode.reset()
 
-    def _started(self, live: _Live, prompt: list[int]) -> None:
+    def _started(self, live: _Live, messages: Sequence[Any]) -> None:
+        # rendered here, not in the worker: a fast tokenizer is not safe to share between
+        # threads (every ChatTokens call stays in this loop's thread)
+        prompt = self.runner.chat.prompt(messages)
         live.prompt = prompt
         if len(prompt) >= self.runner.limits.context:
             raise EpisodeError(
@@ -225,7 +240,7 @@ class _Play:
         if seed is not None:
             seed = sample_seed(seed, live.number * self.runner.limits.max_turns + turn)
         request = Request(
-            f"e{live.number}-t{turn}",
+            f"{self.name}-e{live.number}-t{turn}",
             tuple(live.prompt + live.tokens),
             replace(self.params, n=1, max_new_tokens=budget, seed=seed),
             prompt_index=live.number,
@@ -295,7 +310,9 @@ class _Play:
         return PlayedEpisode(live.task, trajectory, tuple(live.rewards), live.truncation, live.info)
 
     def abort_requests(self) -> None:
-        """After a failure: end this play's requests so the rollouts are free for the next."""
+        """After a failure: end this play's requests so the rollouts are free for the next
+        (every replica tried; what could not be ended is logged, the failure raised is the
+        one to see)."""
         deadline = time.monotonic() + SETTLE_S
         for index, rollout in enumerate(self.runner.rollouts):
             live = sorted(self.in_flight[index])
@@ -307,5 +324,9 @@ class _Play:
                     for chunk in rollout.poll(POLL_S):
                         if chunk.finished:
                             self.in_flight[index].discard(chunk.request_id)
-            except Exception:  # the failure being raised is the one to see
-                return
+            except Exception:
+                log.exception("could not end the requests of replica %d", index)
+            if self.in_flight[index]:
+                log.warning(
+                    "%d requests of replica %d did not end", len(self.in_flight[index]), index
+                )

@@ -360,13 +360,16 @@ class RLConfig:
             "algorithm.dynamic_sampling": alg.dynamic_sampling,
             "algorithm.overlong_buffer": alg.overlong_buffer > 0,
             "teacher.model_path": bool(self.teacher.model_path),
+            # the environment's (or the agent's) rewards are the signal; a reward model's
+            # score has no turn to land on yet
+            "reward.model_path": bool(self.reward.model_path),
         }
         for key, set_ in refused.items():
             if set_:
                 raise ConfigError(
                     f"{key} is not supported with multi-turn episodes (env, agent.command): "
                     "they play in algorithm.mode=sync, without dynamic sampling, overlong "
-                    "shaping or a teacher"
+                    "shaping, a teacher or a reward model"
                 )
 
     @property

@@ -30,7 +30,6 @@ from drivetrain.api.columns import (
     TOKEN_WEIGHT_VERSION,
     VALUES,
 )
-from drivetrain.api.loss import MAX_SUFFIX
 from drivetrain.api.sync_manager import SyncReport
 from drivetrain.trainer.agentic.agent_runner import AgentRunner
 from drivetrain.trainer.agentic.episodes import EpisodeRunner
@@ -72,6 +71,7 @@ from drivetrain.trainer.rl.policy_losses import ClipConfig
 from drivetrain.trainer.rl.prompts import PromptSampler, RLPrompt
 from drivetrain.trainer.rl.reference import Reference
 from drivetrain.trainer.rl.rewards import RewardScorer
+from drivetrain.trainer.rl.step_metrics import clip_ratio, fmt, mean_stats, reward_stats
 from drivetrain.trainer.rl.worker import ACTOR, CRITIC, REWARD_MODEL, TEACHER, RLWorker
 from drivetrain.trainer.run_dir import adopt_checkpoint, start_point
 from drivetrain.trainer.workers.engine_worker import StepStats
@@ -290,7 +290,7 @@ class RLTrainer:
             **actor.metrics,
             "response/length_mean": float(lengths.mean()),
             "response/length_max": float(lengths.max()),
-            "response/clip_ratio": float((lengths >= c.sampling.max_new_tokens).float().mean()),
+            "response/clip_ratio": clip_ratio(completions, lengths, c.sampling.max_new_tokens),
             "perf/tokens_per_s": float(batch.num_tokens) / sum(timer.seconds.values()),
             **{f"time/{k}_s": v for k, v in timer.seconds.items()},
             **(report.metrics() if report is not None else {}),
@@ -440,7 +440,7 @@ class RLTrainer:
             for start in range(0, len(order), size):
                 mini = view.select(order[start : start + size])
                 stats.append(self.group.run_sharded(RLWorker.train, mini, role, loss))
-        return _mean_stats(stats)
+        return mean_stats(stats)
 
     # ---- validation, checkpoints, the run -----------------------------------------------
     def validate(self) -> dict[str, float]:
@@ -509,7 +509,7 @@ class RLTrainer:
         result = RLResult(self.out, final_step=start)
         result.val_before = self.validate()
         if result.val_before:
-            self.console.print(f"validation before: {_fmt(result.val_before)}")
+            self.console.print(f"validation before: {fmt(result.val_before)}")
         logger = MetricsLogger(self.out, c.logging, run_config=self.setup.state, resume_step=start)
         loop_began = time.perf_counter()
         if c.algorithm.mode != "sync" and start < c.run.steps:
@@ -545,7 +545,7 @@ class RLTrainer:
             result.val_after = self.validate()
             if result.val_after:
                 logger.log(c.run.steps, result.val_after)
-                self.console.print(f"validation after: {_fmt(result.val_after)}")
+                self.console.print(f"validation after: {fmt(result.val_after)}")
             if c.run.export_hf:
                 result.hf_dir = self.out / "hf"
                 self.group.run_all(RLWorker.export_hf, str(result.hf_dir))
@@ -560,32 +560,3 @@ class RLTrainer:
         plot_curve(self.out / METRICS_FILE, self.out / "reward_curve.png", series, ylabel="reward")
         result.seconds = time.perf_counter() - began
         return result
-
-
-def reward_stats(scores: torch.Tensor, parts: dict[str, list[float]]) -> dict[str, float]:
-    """Mean and std of the rewards, and each part's mean."""
-    metrics = {"reward/mean": float(scores.mean()), "reward/std": float(scores.std())}
-    metrics.update({f"reward/{n}": sum(v) / len(v) for n, v in parts.items()})
-    return metrics
-
-
-def _mean_stats(stats: Sequence[StepStats]) -> StepStats:
-    n = len(stats)
-    keys = {k for s in stats for k in s.metrics}
-    return StepStats(
-        loss=sum(s.loss for s in stats) / n,
-        grad_norm=sum(s.grad_norm for s in stats) / n,
-        lr=stats[-1].lr,
-        num_tokens=sum(s.num_tokens for s in stats),
-        metrics={
-            k: _mean_or_max(k, [float(s.metrics[k]) for s in stats if k in s.metrics]) for k in keys
-        },
-    )
-
-
-def _mean_or_max(name: str, values: list[float]) -> float:
-    return max(values) if name.endswith(MAX_SUFFIX) else sum(values) / len(values)
-
-
-def _fmt(metrics: dict[str, float]) -> str:
-    return ", ".join(f"{k} {v:.3f}" for k, v in sorted(metrics.items()))
