@@ -16,7 +16,7 @@ from drivetrain.rollout.config import HFRolloutConfig
 from drivetrain.trainer.agentic.chat_tokens import ChatTokens
 from drivetrain.trainer.agentic.episodes import EpisodeLimits, EpisodeRunner
 from drivetrain.trainer.agentic.samples import episode_metrics, turn_rewards
-from episode_support import TOOLS, TURNS, ThreeTurns, play_and_check
+from episode_support import TOOLS, TURNS, ThreeTurnEpisode, ThreeTurns, play_and_check
 from rollout_support import build_model
 
 pytestmark = pytest.mark.timeout(600)
@@ -69,3 +69,53 @@ def test_limits_end_episodes_with_their_reason(model_dir):
     assert all(e.truncation == "episode_tokens" for e in played)
     assert all(len(e.trajectory.token_ids) <= 20 for e in played)
     assert episode_metrics(played)["episode/truncated/episode_tokens"] == 1.0
+
+
+class Hangs(ThreeTurnEpisode):
+    """Answers no turn until ``release`` is set."""
+
+    def __init__(self, task, seen, release) -> None:
+        super().__init__(task, seen)
+        self.release = release
+
+    def step(self, turn):
+        self.release.wait(30)
+        return super().step(turn)
+
+
+class Hanging(ThreeTurns):
+    def __init__(self, release) -> None:
+        super().__init__()
+        self.release = release
+
+    def episode(self, task):
+        return Hangs(task, self.seen, self.release)
+
+
+def test_a_hanging_environment_fails_the_play_and_frees_the_rollout(model_dir):
+    import threading
+    import time
+
+    from transformers import AutoTokenizer
+
+    from drivetrain.trainer.agentic.episodes import EpisodeError
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    hf = rollouts.load("hf")(HFRolloutConfig(model_path=str(model_dir), max_model_len=256))
+    chat = ChatTokens(tokenizer, TOOLS)
+    limits = EpisodeLimits(max_turns=3, turn_tokens=8, episode_tokens=0, context=256)
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=2)
+    release = threading.Event()
+    try:
+        hanging = EpisodeRunner(
+            [hf], Hanging(release), tool_parser("hermes"), chat, limits,
+            step_timeout_s=0.5,
+        )  # fmt: skip
+        began = time.monotonic()
+        with pytest.raises(EpisodeError, match="did not answer .* within 0.5 s"):
+            hanging.play([{"k": 0}, {"k": 1}], 2, params)
+        assert time.monotonic() - began < 20
+    finally:
+        release.set()
+    again = EpisodeRunner([hf], ThreeTurns(), tool_parser("hermes"), chat, limits)
+    assert len(again.play([{"k": 0}], 2, params)) == 2  # the rollout serves the next play

@@ -113,10 +113,11 @@ class EpisodeRunner:
         limits: EpisodeLimits,
         *,
         workers: int = 8,
+        step_timeout_s: float = 600.0,
     ) -> None:
         self.rollouts = list(rollouts)
         self.environment, self.parser, self.chat, self.limits = environment, parser, chat, limits
-        self.workers = workers
+        self.workers, self.step_timeout_s = workers, step_timeout_s
         self.name = type(environment).__name__
         self.plays = 0  # request ids carry the play's number: never reused across plays
 
@@ -164,6 +165,7 @@ class _Play:
         self.in_flight: list[set[str]] = [set() for _ in runner.rollouts]
         self.owner: dict[str, _Live] = {}
         self.stepping: dict[Future[Any], tuple[_Live, Callable[[_Live, Any], None]]] = {}
+        self.started: dict[Future[Any], float] = {}  # when each environment call began
         self.pool: ThreadPoolExecutor | None = None
 
     # ---- the loop ------------------------------------------------------------------------
@@ -192,16 +194,30 @@ class _Play:
         self, live: _Live, work: Callable[[_Live], Any], then: Callable[[_Live, Any], None]
     ) -> None:
         assert self.pool is not None
-        self.stepping[self.pool.submit(work, live)] = (live, then)
+        future = self.pool.submit(work, live)
+        self.stepping[future] = (live, then)
+        self.started[future] = time.monotonic()
 
     def _collect_steps(self, *, block: bool) -> bool:
-        """Apply the environment calls that finished (waiting for one when ``block``)."""
+        """Apply the environment calls that finished (waiting for one when ``block``); one
+        running longer than the runner's ``step_timeout_s`` fails the play."""
         if not self.stepping:
             return False
+        limit = self.runner.step_timeout_s
+        oldest = min(self.started.values())
+        left = max(0.0, oldest + limit - time.monotonic())
         done, _ = wait(
-            list(self.stepping), timeout=None if block else 0, return_when=FIRST_COMPLETED
+            list(self.stepping), timeout=left if block else 0, return_when=FIRST_COMPLETED
         )
+        if not done and time.monotonic() - oldest > limit:
+            future = min(self.started, key=self.started.__getitem__)
+            live, _ = self.stepping[future]
+            raise EpisodeError(
+                f"environment {self.runner.name} did not answer episode {live.number} (task "
+                f"{live.task}) within {limit:g} s (episode.step_timeout_s)"
+            )
         for future in done:
+            del self.started[future]
             live, then = self.stepping.pop(future)
             try:
                 value = future.result()

@@ -222,12 +222,17 @@ class EpisodeConfig:
     options: dict[str, Any] = field(default_factory=dict)  # the environment's own options
     train_tasks: int = 4096  # tasks an environment makes itself when there is no data
     workers: int = 8  # environment steps (tool calls) running at once
+    #: an environment's reset/step/truncated call running longer fails the step (tools have
+    #: their own, shorter timeouts; this bounds the environment's own code)
+    step_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         if self.max_turns < 1 or self.max_tokens < 0 or self.workers < 1:
             raise ConfigError(
                 "episode.max_turns and episode.workers must be >= 1, episode.max_tokens >= 0"
             )
+        if self.step_timeout_s <= 0:
+            raise ConfigError("episode.step_timeout_s must be > 0")
         if self.train_tasks < 1:
             raise ConfigError("episode.train_tasks must be >= 1")
 

@@ -172,7 +172,7 @@ class RLTrainer:
                 assert e.environment is not None
                 self.episodes = EpisodeRunner(
                     self.pool.rollouts, e.environment, e.parser, e.chat, e.limits,
-                    workers=c.episode.workers,
+                    workers=c.episode.workers, step_timeout_s=c.episode.step_timeout_s,
                 )  # fmt: skip
         # a weight update aborts running requests, resumed under the new weights (partial
         # rollouts), or lets them finish under the old ones
