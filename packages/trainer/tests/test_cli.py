@@ -30,6 +30,7 @@ def test_plugin_tables(monkeypatch):
         ("engines", "drivetrain.engines"),
         ("rollouts", "drivetrain.rollouts"),
         ("ckpt-engines", "drivetrain.ckpt_engines"),
+        ("environments", "drivetrain.environments"),
     ):
         result = runner.invoke(app, [command])
         assert result.exit_code == 0, result.output
@@ -72,7 +73,7 @@ def _listing(*args: str, test_plugins: bool = False) -> tuple[str, float]:
     return done.stdout, seconds
 
 
-@pytest.mark.parametrize("command", ["engines", "rollouts", "ckpt-engines"])
+@pytest.mark.parametrize("command", ["engines", "rollouts", "ckpt-engines", "environments"])
 def test_listing_reads_metadata_and_specs_only(command):
     """The listing imports no plugin's code (no torch): 0.5 s here where importing every
     plugin took 12 s; the bound leaves room for a loaded machine."""
@@ -93,6 +94,8 @@ def test_fake_plugins_are_listed_only_for_tests():
     assert "│ fake " not in _listing("engines")[0]
     assert "│ fake " not in _listing("rollouts")[0]
     assert "│ fake " in _listing("engines", test_plugins=True)[0]
+    assert "│ echo " not in _listing("environments")[0]
+    assert "│ echo " in _listing("environments", test_plugins=True)[0]
 
 
 def test_cli_import_stays_light():

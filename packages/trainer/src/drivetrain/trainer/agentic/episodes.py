@@ -181,10 +181,10 @@ class _Play:
                     self.in_flight[index].update(r.request_id for r in requests)
                 if not self.in_flight[index]:
                     continue
-                # a backend driven by its poller advances here; one generating on its own
-                # is waited on a little when nothing else is due
-                idle = not progressed and not self.stepping
-                chunks = rollout.poll(POLL_S if idle else 0.0)
+                # a backend driven by its poller advances here (one token step, at once); one
+                # generating on its own is waited on a little when nothing came back, rather
+                # than polled in a spin (an environment call ending meanwhile waits that long)
+                chunks = rollout.poll(0.0 if progressed else POLL_S)
                 for request_id in self.collectors[index].add(chunks):
                     self.in_flight[index].discard(request_id)
                     self._turn_done(self.owner.pop(request_id), index, request_id)
