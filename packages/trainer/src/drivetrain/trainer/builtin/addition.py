@@ -22,7 +22,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from drivetrain.api.atomic_dir import fsync_dir, publish, staging_path
+from drivetrain.api.atomic_dir import publish, staging_path
+from drivetrain.trainer.builtin.build_once import build_once
 from drivetrain.trainer.builtin.char_tokenizer import build_char_tokenizer
 from drivetrain.trainer.builtin.tiny_model import build_llama_model
 
@@ -111,33 +112,19 @@ def assets_at(root: Path | None = None) -> AdditionAssets:
 def ensure_assets(root: Path | None = None) -> AdditionAssets:
     """Build the model, tokenizer and data once; later calls reuse them."""
     assets = assets_at(root)
-    target = assets.root
-    if target.is_dir():
-        return assets
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = staging_path(target)
-    staging.mkdir()
-    try:
-        test = make_rows(TEST_SIZE, seed=1)
-        held_out = {row["messages"][0]["content"] for row in test}  # type: ignore[index]
-        _write_jsonl(staging / "test.jsonl", test)
-        train = make_rows(TRAIN_SIZE, seed=0, exclude=held_out, noise=NOISE)
-        _write_jsonl(staging / "train.jsonl", train)
-        _write_jsonl(staging / "rl.jsonl", make_rows(RL_SIZE, seed=2, exclude=held_out))
-        build_char_tokenizer(staging / "model")
-        build_llama_model(staging / "model", tokenizer_dir=staging / "model", **MODEL_SHAPE)
-        fsync_dir(staging)
-        # Not publish(): torchrun ranks may build at the same time; the first rename wins and
-        # the others drop their identical copy instead of replacing what a peer may be reading.
-        os.rename(staging, target)
-    except OSError:
-        shutil.rmtree(staging, ignore_errors=True)
-        if not target.is_dir():
-            raise
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    build_once(assets.root, _build)
     return assets
+
+
+def _build(staging: Path) -> None:
+    test = make_rows(TEST_SIZE, seed=1)
+    held_out = {row["messages"][0]["content"] for row in test}  # type: ignore[index]
+    _write_jsonl(staging / "test.jsonl", test)
+    train = make_rows(TRAIN_SIZE, seed=0, exclude=held_out, noise=NOISE)
+    _write_jsonl(staging / "train.jsonl", train)
+    _write_jsonl(staging / "rl.jsonl", make_rows(RL_SIZE, seed=2, exclude=held_out))
+    build_char_tokenizer(staging / "model")
+    build_llama_model(staging / "model", tokenizer_dir=staging / "model", **MODEL_SHAPE)
 
 
 def preference_rows(

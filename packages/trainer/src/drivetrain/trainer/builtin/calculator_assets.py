@@ -13,7 +13,6 @@ environment's exact-answer reward.
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 from dataclasses import dataclass
@@ -22,11 +21,12 @@ from typing import Any
 
 from rich.console import Console
 
-from drivetrain.api.atomic_dir import fsync_dir, publish, staging_path
+from drivetrain.api.atomic_dir import publish, staging_path
 from drivetrain.api.environment import ToolCall
 from drivetrain.api.tool_parsers import HermesParser
 from drivetrain.trainer.builtin import calculator
 from drivetrain.trainer.builtin.addition import cache_dir
+from drivetrain.trainer.builtin.build_once import build_once
 from drivetrain.trainer.builtin.char_tokenizer import ROLES, build_char_tokenizer
 from drivetrain.trainer.builtin.tiny_model import build_llama_model
 from drivetrain.trainer.console import plain_console
@@ -130,31 +130,20 @@ def assets_at(root: Path | None = None) -> CalculatorAssets:
 def ensure_assets(root: Path | None = None) -> CalculatorAssets:
     """Build the tokenizer, model and demonstrations once; later calls reuse them."""
     assets = assets_at(root)
-    if assets.root.is_dir():
-        return assets
-    assets.root.parent.mkdir(parents=True, exist_ok=True)
-    staging = staging_path(assets.root)
-    staging.mkdir()
-    try:
-        rng = random.Random(21)
-        with open(staging / "sft.jsonl", "w") as f:
-            for task in calculator.tasks(SFT_SIZE, seed=20):
-                f.write(json.dumps(demonstration(task, rng, NOISE)) + "\n")
-        model = staging / "model"
-        build_char_tokenizer(
-            model, roles=(*ROLES, "<|tool|>"), words=WORDS, chat_template=CHAT_TEMPLATE
-        )
-        build_llama_model(model, tokenizer_dir=model, **MODEL_SHAPE)
-        fsync_dir(staging)
-        os.rename(staging, assets.root)  # as addition's: the first of racing builders wins
-    except OSError:
-        shutil.rmtree(staging, ignore_errors=True)
-        if not assets.root.is_dir():
-            raise
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    build_once(assets.root, _build)
     return assets
+
+
+def _build(staging: Path) -> None:
+    rng = random.Random(21)
+    with open(staging / "sft.jsonl", "w") as f:
+        for task in calculator.tasks(SFT_SIZE, seed=20):
+            f.write(json.dumps(demonstration(task, rng, NOISE)) + "\n")
+    model = staging / "model"
+    build_char_tokenizer(
+        model, roles=(*ROLES, "<|tool|>"), words=WORDS, chat_template=CHAT_TEMPLATE
+    )
+    build_llama_model(model, tokenizer_dir=model, **MODEL_SHAPE)
 
 
 def cached_sft_model(assets: CalculatorAssets) -> Path | None:
