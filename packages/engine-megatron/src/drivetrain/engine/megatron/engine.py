@@ -42,7 +42,7 @@ from drivetrain.engine.megatron.config import MegatronConfig
 from drivetrain.engine.megatron.context import gather_outputs, pack_row_cp
 from drivetrain.engine.megatron.offload import Offloader
 from drivetrain.engine.megatron.packing import align_to_inputs, pack_row
-from drivetrain.engine.megatron.parallel import init_parallel
+from drivetrain.engine.megatron.parallel import init_parallel, release_model_parallel
 from drivetrain.engine.megatron.token_outputs import vocab_parallel_outputs
 from drivetrain.engine_core import (
     InferOutputs,
@@ -175,12 +175,12 @@ class MegatronEngine(ModalEngine):
         return bool(self.model)
 
     def close(self) -> None:
-        """Drop the model and megatron's model-parallel groups; the process group stays (it
-        belongs to the launcher, and other engines of this process may use it)."""
+        """Drop the model and destroy megatron's model-parallel groups; the process group stays
+        (it belongs to the launcher, and other engines of this process may use it)."""
         if self.model:
             self.model = []
             self.optimizer = None
-            self.ps.destroy_model_parallel()
+            release_model_parallel()
 
     @property
     def parallel(self) -> ParallelInfo:

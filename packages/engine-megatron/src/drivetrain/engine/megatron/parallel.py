@@ -14,6 +14,12 @@ import torch.distributed as dist
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 
+#: the process groups megatron-core built for the current model-parallel state. Its
+#: ``destroy_model_parallel`` only forgets its globals: the groups stay registered with
+#: torch.distributed, and each gloo group keeps its threads (a process that built engine after
+#: engine reached thousands of threads and a load average in the hundreds). We destroy them.
+_megatron_groups: list[dist.ProcessGroup] = []
+
 
 def _init_process_group(device: str) -> None:
     kind = device.split(":")[0]
@@ -67,8 +73,8 @@ def init_parallel(
         )
     if virtual_pipeline is not None and pipeline_parallel < 2:
         raise ValueError("virtual_pipeline needs pipeline_parallel >= 2")
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+    release_model_parallel()
+    before = set(_registered_groups())
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
@@ -77,16 +83,37 @@ def init_parallel(
         expert_model_parallel_size=expert_parallel,
         expert_tensor_parallel_size=expert_tensor_parallel,
     )
+    _megatron_groups[:] = [pg for pg in _registered_groups() if pg not in before]
     # host RNG: use_cpu_initialization draws full weights on the host and then splits them,
     # so every rank of a TP group must draw the same numbers
     torch.manual_seed(seed)
     mcore_tp.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 
-def destroy_parallel() -> None:
-    """Drop megatron-core's groups and the default process group (safe to call twice)."""
+def _registered_groups() -> list[dist.ProcessGroup]:
+    """Every process group this rank belongs to, the default one excepted."""
+    if not dist.is_initialized():
+        return []
+    world = dist.group.WORLD
+    return [pg for pg in dist.distributed_c10d._world.pg_map if pg is not world]
+
+
+def release_model_parallel() -> None:
+    """Drop megatron-core's model-parallel state and destroy the groups it built (safe to call
+    twice); the default process group stays: it belongs to the launcher."""
     from megatron.core import parallel_state
 
-    parallel_state.destroy_model_parallel()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    registered = set(_registered_groups())
+    for pg in _megatron_groups:
+        if pg in registered:
+            dist.destroy_process_group(pg)
+    _megatron_groups.clear()
+
+
+def destroy_parallel() -> None:
+    """Drop megatron-core's groups and the default process group (safe to call twice)."""
+    release_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
