@@ -134,6 +134,7 @@ def test_bad_config_fails_before_any_worker(tmp_path, overrides, message):
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # Ray: two workers and a rollout replica
 def test_colocated_and_separate_give_the_same_first_update(tmp_path):
     """2 actor ranks on Ray + 1 rollout replica: sharing the ranks' bundle (colocated
     transport) or on its own (broadcast): the same rollouts give bitwise the same weights."""
@@ -161,6 +162,7 @@ def _rank_actor_pids() -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # Ray, and it counts the machine's ray::RankActor processes
 def test_killed_worker_fails_fast_and_resume_continues(tmp_path):
     base = make_rl_job(tmp_path)
     out = tmp_path / "run"

@@ -156,6 +156,7 @@ def test_lora_adapter_updates_equal_the_merged_model(model_dir, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # vLLM's engine core and worker processes
 @pytest.mark.parametrize("tensor_parallel_size", [1, 2])
 def test_worker_processes_and_tensor_parallel_take_new_weights(
     model_dir, tmp_path, tensor_parallel_size

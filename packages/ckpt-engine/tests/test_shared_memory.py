@@ -68,6 +68,7 @@ def cleanup():
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.serial  # another test's sender would reap these segments before we look
 def test_segments_of_a_killed_sender_are_reaped_by_the_next_prepare(cleanup):
     killed, killed_segments = start_sender("wait")
     alive, alive_segments = start_sender("wait")

@@ -73,6 +73,7 @@ def _listing(*args: str, test_plugins: bool = False) -> tuple[str, float]:
     return done.stdout, seconds
 
 
+@pytest.mark.serial  # times a fresh interpreter
 @pytest.mark.parametrize("command", ["engines", "rollouts", "ckpt-engines", "environments"])
 def test_listing_reads_metadata_and_specs_only(command):
     """The listing imports no plugin's code (no torch): 0.5 s here where importing every

@@ -88,7 +88,8 @@ def test_the_chained_sft_runs_on_the_chosen_engine(empty_cache, monkeypatch):
     assert chosen == ["fake"]
 
 
-def test_sft_print_config_without_the_engine_shows_the_shared_keys(monkeypatch):
+def test_sft_print_config_without_the_engine_shows_the_shared_keys(tmp_path, monkeypatch):
+    monkeypatch.setenv("DRIVETRAIN_CACHE", str(tmp_path))  # it builds the assets: not in ~
     monkeypatch.setenv(registry.ENV_VAR, "-fsdp2")  # as if drivetrain-engine-fsdp were missing
     registry.refresh_all()
     try:

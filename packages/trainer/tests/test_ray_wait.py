@@ -11,6 +11,8 @@ from drivetrain.trainer.workers.ray_runtime import ensure_ray, wait_all
 
 ray = pytest.importorskip("ray")
 
+pytestmark = pytest.mark.serial  # a local Ray cluster and its actors; a 10 s grace for a death
+
 
 @pytest.fixture(scope="module")
 def local_ray():

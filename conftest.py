@@ -1,0 +1,178 @@
+"""How a test session runs here: on every core, with the tests that need the machine alone.
+
+pytest-xdist runs the tests in one worker process per core (``-n auto --dist loadgroup`` in
+``pyproject.toml``). A module's tests go to one worker, so its module fixtures (a 2-rank run
+whose results several tests read, a model built once) are built once; tests marked
+``xdist_group("name")`` share a worker across modules (one end-to-end run read by several).
+
+Tests run two (or more) at a time only where that is safe. A test marked ``serial`` (or
+``distributed``: several busy processes; or ``gpu``: one device) runs alone: it waits until
+the running tests finish, and no test starts beside it. That is a readers-writer lock over
+files shared by the workers; a turnstile keeps a waiting ``serial`` test from being overtaken
+by light tests forever.
+
+Light tests run with one torch thread (``OMP_NUM_THREADS=1``, inherited by the processes they
+start), since two processes with two threads each on two cores run several times slower; a
+``serial`` test gets the machine's threads back.
+
+With ``CI`` set, the session prints its slowest tests and the default-set tests over the
+per-test budget (``TEST_BUDGET_S``, unless marked slow).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Generator
+from pathlib import Path
+from typing import IO
+
+import pytest
+
+#: a test of the default set (not marked slow) should take at most this long on a 2-core machine
+TEST_BUDGET_S = 30.0
+#: markers whose tests run alone
+ALONE_MARKERS = ("serial", "distributed", "gpu")  # gpu: one device, shared by every worker
+#: the folder of the lock's files, made by the controller for its workers
+ROOM_VAR = "DRIVETRAIN_PYTEST_ROOM"
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+@pytest.hookimpl
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    return _cores()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("CI") and config.option.durations is None:
+        config.option.durations = 25
+    global _workers
+    _workers = getattr(config, "workerinput", {}).get("workercount", 0)
+    if _workers > 1:
+        # before any test imports torch: its thread pool reads this once
+        os.environ["OMP_NUM_THREADS"] = "1"
+    elif not hasattr(config, "workerinput") and getattr(config.option, "numprocesses", None):
+        # the controller: the lock's files, for the workers it starts (they inherit the env)
+        os.environ[ROOM_VAR] = tempfile.mkdtemp(prefix="drivetrain-pytest-")
+
+
+#: how many xdist workers share the machine, in a worker (0 elsewhere, a pytest a test starts
+#: included: its environment says "worker" too, but it must not take the workers' lock)
+_workers = 0
+
+
+# ---- scheduling: a module's tests on one worker ------------------------------------------
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    from xdist.scheduler import LoadGroupScheduling
+
+    class ModuleOrGroupScheduling(LoadGroupScheduling):
+        """xdist's loadgroup, with a test's module as its group when it names none."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.rfind("@") > nodeid.rfind("]"):
+                return nodeid.split("@")[-1]
+            return nodeid.split("::", 1)[0]
+
+    return ModuleOrGroupScheduling(config, log)
+
+
+# ---- running alone: a readers-writer lock shared by the workers --------------------------
+class _Room:
+    """Light tests hold ``room`` shared, a serial test holds it exclusively; everyone passes
+    ``gate`` to ask, and a serial test keeps ``gate`` while it waits, so no light test gets in
+    ahead of it."""
+
+    def __init__(self, directory: Path) -> None:
+        self.gate: IO[str] = open(directory / "gate", "a")  # noqa: SIM115 (held all session)
+        self.room: IO[str] = open(directory / "room", "a")  # noqa: SIM115
+
+    def enter(self, alone: bool) -> None:
+        fcntl.flock(self.gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self.room, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(self.gate, fcntl.LOCK_UN)
+
+    def leave(self) -> None:
+        fcntl.flock(self.room, fcntl.LOCK_UN)
+
+
+_room: _Room | None = None
+
+
+def runs_alone(item: pytest.Item) -> bool:
+    return any(item.get_closest_marker(name) for name in ALONE_MARKERS)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator:
+    """Setup, call and teardown (module fixtures included) inside the lock; waiting for it
+    counts neither in the test's duration nor against its timeout."""
+    global _room
+    if _workers < 2:
+        yield
+        return
+    if _room is None:
+        _room = _Room(Path(os.environ[ROOM_VAR]))
+    alone = runs_alone(item)
+    _room.enter(alone)
+    threads = _AllThreads() if alone else None
+    try:
+        yield
+    finally:
+        if threads is not None:
+            threads.close()
+        _room.leave()
+
+
+class _AllThreads:
+    """The machine's threads for a test that runs alone, one thread again afterwards."""
+
+    def __init__(self) -> None:
+        self.env = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = str(_cores())
+        self.torch = sys.modules.get("torch")  # a test that has not imported it: env above
+        if self.torch is not None:
+            self.torch.set_num_threads(_cores())
+
+    def close(self) -> None:
+        os.environ["OMP_NUM_THREADS"] = self.env or "1"
+        if self.torch is not None:
+            self.torch.set_num_threads(1)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput") and ROOM_VAR in os.environ:
+        shutil.rmtree(os.environ.pop(ROOM_VAR), ignore_errors=True)
+
+
+# ---- the per-test budget -----------------------------------------------------------------
+_durations: dict[str, float] = {}
+_slow: set[str] = set()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+    if "slow" in report.keywords:
+        _slow.add(report.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter: object, config: pytest.Config) -> None:
+    if not os.environ.get("CI") or hasattr(config, "workerinput"):
+        return
+    over = sorted(
+        ((s, n) for n, s in _durations.items() if s > TEST_BUDGET_S and n not in _slow),
+        reverse=True,
+    )
+    write = terminalreporter.write_line  # type: ignore[attr-defined]
+    terminalreporter.section(f"default-set tests over {TEST_BUDGET_S:.0f} s")  # type: ignore[attr-defined]
+    if not over:
+        write("none")
+    for seconds, nodeid in over:
+        write(f"{seconds:7.1f} s  {nodeid}")
