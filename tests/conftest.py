@@ -1,4 +1,5 @@
-"""Fixtures for cross-package tests: throwaway virtual environments built with uv."""
+"""Fixtures for cross-package tests: throwaway virtual environments built with uv, and the
+built-in GRPO job run once for every test that reads it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))  # helper modules beside the tests
+
+from builtin_run import BuiltinRun, run_builtin_grpo  # noqa: E402 (found through the line above)
 
 
 class Venv:
@@ -52,3 +55,10 @@ def venv_factory(tmp_path_factory):
         return Venv(tmp_path_factory.mktemp(name) / "venv")
 
     return make
+
+
+@pytest.fixture(scope="session")
+def builtin_addition(tmp_path_factory) -> BuiltinRun:
+    """The README's main job, once per session (``builtin_run.py``). Tests that use it carry
+    ``BUILTIN_ADDITION``, so one xdist worker runs them all and this runs once."""
+    return run_builtin_grpo(tmp_path_factory.mktemp("builtin-addition"))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from builtin_run import BUILTIN_ADDITION
 from rollout_support import vllm_python
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,18 +38,32 @@ BENCHMARKS = {
 }
 
 
+#: benchmarks that start from the built-in SFT model: they take the session's (builtin_run.py)
+FROM_BUILTIN_SFT = {"async_grpo", "dapo", "grpo", "rollout", "shared_prompts"}
+#: benchmarks with several busy processes (a rollout server, vLLM, sync peers): run alone
+SEVERAL_PROCESSES = {"async_grpo", "rollout", "rollout_weight_update", "weight_sync"}
+
+
+def _param(name: str) -> object:
+    marks = [BUILTIN_ADDITION] if name in FROM_BUILTIN_SFT else []
+    marks += [pytest.mark.serial] if name in SEVERAL_PROCESSES else []
+    return pytest.param(name, marks=marks)
+
+
 def test_every_benchmark_is_listed_here():
     scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py")}
     assert scripts - {"timing", "flops"} == set(BENCHMARKS)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(BENCHMARKS))
-def test_benchmark_runs_quick(name, tmp_path):
+@pytest.mark.parametrize("name", [_param(name) for name in sorted(BENCHMARKS)])
+def test_benchmark_runs_quick(name, tmp_path, request):
     extra, ratios, limit = BENCHMARKS[name]
     if "VLLM" in extra:
         extra = tuple(vllm_python() if a == "VLLM" else a for a in extra)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
+    if name in FROM_BUILTIN_SFT:
+        env["DRIVETRAIN_CACHE"] = str(request.getfixturevalue("builtin_addition").cache)
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--quick", *extra],
         capture_output=True, text=True, env=env, timeout=limit, cwd=ROOT,

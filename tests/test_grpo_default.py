@@ -1,7 +1,8 @@
 """The README's main job: `drivetrain grpo` with no arguments trains the built-in SFT model
 first (nothing cached), then runs GRPO on the built-in task, raising its sampled reward (the
 SFT model imitated a careless annotator; the verifier is not careless), and reports before and
-after. Then `drivetrain dpo` with no arguments starts from the same cached SFT model."""
+after. Then `drivetrain dpo` and `drivetrain distill` with no arguments start from the same
+cached SFT model. The GRPO run is the session's one (``builtin_addition`` in conftest.py)."""
 
 from __future__ import annotations
 
@@ -11,24 +12,13 @@ import sys
 
 import pytest
 
-from sft_support import sft_env
+from builtin_run import BUILTIN_ADDITION
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
-
-
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory):
-    """One cache for the module: the SFT model the GRPO job trains first, DPO reuses."""
-    return tmp_path_factory.mktemp("builtin")
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500), BUILTIN_ADDITION]
 
 
-def test_default_grpo_job(tmp_path, shared):
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "drivetrain.trainer", "grpo", f"run.output_dir={out}"]
-    done = subprocess.run(  # in tmp_path: the chained SFT run writes runs/sft-addition there
-        cmd, env=sft_env(shared), cwd=tmp_path, capture_output=True, text=True, timeout=1400
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+def test_default_grpo_job(builtin_addition):
+    done, out = builtin_addition.done, builtin_addition.out
     assert "running the SFT default first" in done.stderr
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 120
@@ -50,12 +40,12 @@ def test_default_grpo_job(tmp_path, shared):
         assert (out / produced).is_file(), produced
 
 
-def test_default_dpo_job(tmp_path, shared):
+def test_default_dpo_job(tmp_path, builtin_addition):
     """`drivetrain dpo`: the true sum chosen over the annotator's slip raises held-out accuracy
     (measured: greedy 97.5% -> 100%, sampled 63.5% -> 79%, preference 99.5% -> 100%)."""
     cmd = [sys.executable, "-m", "drivetrain.trainer", "dpo", "logging.progress=false"]
     done = subprocess.run(
-        cmd, env=sft_env(shared), cwd=tmp_path, capture_output=True, text=True, timeout=1400
+        cmd, env=builtin_addition.env(), cwd=tmp_path, capture_output=True, text=True, timeout=1400
     )
     assert done.returncode == 0, done.stderr[-4000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
@@ -68,13 +58,13 @@ def test_default_dpo_job(tmp_path, shared):
     assert (tmp_path / "runs" / "dpo-addition" / "hf" / "model.safetensors").is_file()
 
 
-def test_default_distill_job(tmp_path, shared):
+def test_default_distill_job(tmp_path, builtin_addition):
     """`drivetrain distill`: the cached SFT model teaches a smaller student (its own short SFT
     first); the student's held-out accuracy rises toward the teacher's (measured: 15.5% ->
     22.0%, the teacher 97.5%)."""
     cmd = [sys.executable, "-m", "drivetrain.trainer", "distill", "logging.progress=false"]
     done = subprocess.run(
-        cmd, env=sft_env(shared), cwd=tmp_path, capture_output=True, text=True, timeout=1400
+        cmd, env=builtin_addition.env(), cwd=tmp_path, capture_output=True, text=True, timeout=1400
     )
     assert done.returncode == 0, done.stderr[-4000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])

@@ -1,0 +1,47 @@
+"""The README's main job, run once for every test that reads it.
+
+`drivetrain grpo` with no arguments on an empty cache trains the SFT default first
+(`drivetrain sft`'s job, into ``runs/sft-addition``), then GRPO. The SFT and GRPO default tests
+check this one run; the DPO and distillation defaults and the benchmarks start from its cached
+SFT model instead of training it again (3 minutes each). conftest.py's ``builtin_addition``
+fixture runs it; tests that use it carry ``BUILTIN_ADDITION`` so that one xdist worker runs
+them all (a session fixture is per worker)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from sft_support import sft_env
+
+BUILTIN_ADDITION = pytest.mark.xdist_group("builtin-addition")
+
+
+@dataclass(frozen=True)
+class BuiltinRun:
+    cwd: Path  # runs/sft-addition (the chained SFT default) is here
+    cache: Path  # DRIVETRAIN_CACHE: the assets and the cached SFT model
+    out: Path  # the GRPO run's output directory
+    done: subprocess.CompletedProcess[str]
+
+    @property
+    def sft_out(self) -> Path:
+        return self.cwd / "runs" / "sft-addition"
+
+    def env(self) -> dict[str, str]:
+        """The environment of a job that starts from this run's cached SFT model."""
+        return sft_env(self.cwd)
+
+
+def run_builtin_grpo(root: Path) -> BuiltinRun:
+    out = root / "grpo"
+    cmd = [sys.executable, "-m", "drivetrain.trainer", "grpo", f"run.output_dir={out}"]
+    done = subprocess.run(  # in root: the chained SFT run writes runs/sft-addition there
+        cmd, env=sft_env(root), cwd=root, capture_output=True, text=True, timeout=1400
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return BuiltinRun(cwd=root, cache=root / "cache", out=out, done=done)
