@@ -180,6 +180,7 @@ class MegatronEngine(ModalEngine):
         if self.model:
             self.model = []
             self.optimizer = None
+            self.collectives = None  # it holds megatron's data-parallel group
             release_model_parallel()
 
     @property

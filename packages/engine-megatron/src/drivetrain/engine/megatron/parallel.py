@@ -7,6 +7,7 @@ is called once per process before a model is built.
 
 from __future__ import annotations
 
+import gc
 import os
 
 import torch
@@ -110,6 +111,9 @@ def release_model_parallel() -> None:
         if pg in registered:
             dist.destroy_process_group(pg)
     _megatron_groups.clear()
+    # a gloo group's threads end with the group object, and megatron's modules (now garbage,
+    # in reference cycles) still hold theirs: collect them now, not at some later allocation
+    gc.collect()
 
 
 def destroy_parallel() -> None:
