@@ -53,7 +53,10 @@ def pytest_configure(config: pytest.Config) -> None:
     if os.environ.get("CI") and config.option.durations is None:
         config.option.durations = 25
     global _workers
-    _workers = getattr(config, "workerinput", {}).get("workercount", 0)
+    worker = getattr(config, "workerinput", {})
+    _workers = worker.get("workercount", 0)
+    if "columns" in worker:
+        _set_env("COLUMNS", worker["columns"])
     if _workers > 1:
         # before any test imports torch: its thread pool reads this once
         os.environ["OMP_NUM_THREADS"] = "1"
@@ -62,9 +65,22 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[ROOM_VAR] = tempfile.mkdtemp(prefix="drivetrain-pytest-")
 
 
+def _set_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
 #: how many xdist workers share the machine, in a worker (0 elsewhere, a pytest a test starts
 #: included: its environment says "worker" too, but it must not take the workers' lock)
 _workers = 0
+
+
+def pytest_configure_node(node: object) -> None:
+    """The controller hands each worker its ``COLUMNS``: xdist's worker start sets it to 80,
+    and rich consoles created at import would then wrap what tests read as one line."""
+    node.workerinput["columns"] = os.environ.get("COLUMNS")  # type: ignore[attr-defined]
 
 
 # ---- scheduling: a module's tests on one worker ------------------------------------------
