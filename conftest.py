@@ -87,6 +87,8 @@ def pytest_configure_node(node: object) -> None:
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     from xdist.scheduler import LoadGroupScheduling
 
+    config.option.loadscopereorder = False  # keep the order pytest_collection_modifyitems sets
+
     class ModuleOrGroupScheduling(LoadGroupScheduling):
         """xdist's loadgroup, with a test's module as its group when it names none."""
 
@@ -96,6 +98,26 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
             return nodeid.split("::", 1)[0]
 
     return ModuleOrGroupScheduling(config, log)
+
+
+def _scope(item: pytest.Item) -> str:
+    """What the scheduler above keeps on one worker: the xdist group, else the module."""
+    groups = sorted(
+        str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+        for mark in item.iter_markers("xdist_group")
+    )
+    return "@" + "_".join(groups) if groups else item.nodeid.split("::", 1)[0]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Scopes holding tests that run alone go first, those tests first within them; the rest
+    after. A test that runs alone waits for the other worker's running test: at the start that
+    is another such test, not a 7-minute job, and the long light jobs at the end overlap."""
+    if _workers < 2:
+        return
+    with_alone = {_scope(item) for item in items if runs_alone(item)}
+    items.sort(key=lambda item: (_scope(item) not in with_alone, not runs_alone(item)))
 
 
 # ---- running alone: a readers-writer lock shared by the workers --------------------------

@@ -40,13 +40,15 @@ BENCHMARKS = {
 
 #: benchmarks that start from the built-in SFT model: they take the session's (builtin_run.py)
 FROM_BUILTIN_SFT = {"async_grpo", "dapo", "grpo", "rollout", "shared_prompts"}
-#: benchmarks with several busy processes (a rollout server, vLLM, sync peers): run alone
-SEVERAL_PROCESSES = {"async_grpo", "rollout", "rollout_weight_update", "weight_sync"}
+#: benchmarks whose processes keep deadlines on each other (weight-sync peers, vLLM's update):
+#: run alone. The others only run slower beside another test (--quick checks no timing), and
+#: the built-in run's group must hold no serial test: its fixture would run alone too.
+RUN_ALONE = {"rollout_weight_update", "weight_sync"}
 
 
 def _param(name: str) -> object:
     marks = [BUILTIN_ADDITION] if name in FROM_BUILTIN_SFT else []
-    marks += [pytest.mark.serial] if name in SEVERAL_PROCESSES else []
+    marks += [pytest.mark.serial] if name in RUN_ALONE else []
     return pytest.param(name, marks=marks)
 
 
@@ -56,6 +58,7 @@ def test_every_benchmark_is_listed_here():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # the benchmark's own limit, after the built-in run for the first
 @pytest.mark.parametrize("name", [_param(name) for name in sorted(BENCHMARKS)])
 def test_benchmark_runs_quick(name, tmp_path, request):
     extra, ratios, limit = BENCHMARKS[name]

@@ -27,6 +27,11 @@ from drivetrain.engine.megatron_fsdp.wrap import wrap_chunks
 
 class MegatronFSDPEngine(MegatronEngine):
     config: MegatronFSDPConfig
+    # Megatron-FSDP's parameters of an engine built after this one closes still resolve one of
+    # this engine's groups by name ("Could not resolve the process group registered under the
+    # name 3" in the kit): its groups stay registered, as before megatron's engine released
+    # its own. Open: find what caches the mesh, then release these too.
+    releases_groups = False
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(coerce_config(config, MegatronFSDPConfig))

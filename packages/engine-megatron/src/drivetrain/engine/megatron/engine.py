@@ -42,7 +42,7 @@ from drivetrain.engine.megatron.config import MegatronConfig
 from drivetrain.engine.megatron.context import gather_outputs, pack_row_cp
 from drivetrain.engine.megatron.offload import Offloader
 from drivetrain.engine.megatron.packing import align_to_inputs, pack_row
-from drivetrain.engine.megatron.parallel import init_parallel, release_model_parallel
+from drivetrain.engine.megatron.parallel import init_parallel, release_groups
 from drivetrain.engine.megatron.token_outputs import vocab_parallel_outputs
 from drivetrain.engine_core import (
     InferOutputs,
@@ -64,6 +64,8 @@ def _resolve_device(device: str) -> torch.device:
 
 class MegatronEngine(ModalEngine):
     config: MegatronConfig
+    #: close() destroys the process groups initialize() built (parallel.release_groups)
+    releases_groups = True
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(coerce_config(config, MegatronConfig))
@@ -81,7 +83,7 @@ class MegatronEngine(ModalEngine):
 
         cfg = self.config
         self.device = _resolve_device(cfg.device)
-        init_parallel(
+        self._groups = init_parallel(
             tensor_parallel=cfg.tensor_parallel,
             pipeline_parallel=cfg.pipeline_parallel,
             virtual_pipeline=cfg.virtual_pipeline if cfg.virtual_pipeline > 1 else None,
@@ -181,7 +183,9 @@ class MegatronEngine(ModalEngine):
             self.model = []
             self.optimizer = None
             self.collectives = None  # it holds megatron's data-parallel group
-            release_model_parallel()
+            self.ps.destroy_model_parallel()
+            if self.releases_groups:
+                release_groups(self._groups)
 
     @property
     def parallel(self) -> ParallelInfo:

@@ -15,12 +15,6 @@ import torch.distributed as dist
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 
-#: the process groups megatron-core built for the current model-parallel state. Its
-#: ``destroy_model_parallel`` only forgets its globals: the groups stay registered with
-#: torch.distributed, and each gloo group keeps its threads (a process that built engine after
-#: engine reached thousands of threads and a load average in the hundreds). We destroy them.
-_megatron_groups: list[dist.ProcessGroup] = []
-
 
 def _init_process_group(device: str) -> None:
     kind = device.split(":")[0]
@@ -49,8 +43,9 @@ def init_parallel(
     device: str,
     seed: int,
     expert_tensor_parallel: int | None = None,
-) -> None:
-    """Join the torchrun world and build megatron-core's TP/PP/CP/EP/DP groups.
+) -> list[dist.ProcessGroup]:
+    """Join the torchrun world and build megatron-core's TP/PP/CP/EP/DP groups; returns the
+    groups built, for :func:`release_groups` when their engine closes.
 
     Data parallel is what remains of the world. Experts have their own grid over the same
     ranks: ``expert_tensor_parallel`` (default: ``tensor_parallel``) x ``expert_parallel`` x
@@ -74,7 +69,9 @@ def init_parallel(
         )
     if virtual_pipeline is not None and pipeline_parallel < 2:
         raise ValueError("virtual_pipeline needs pipeline_parallel >= 2")
-    release_model_parallel()
+    if parallel_state.model_parallel_is_initialized():
+        # another engine's state: megatron's globals are replaced, its groups stay its own
+        parallel_state.destroy_model_parallel()
     before = set(_registered_groups())
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel,
@@ -84,11 +81,12 @@ def init_parallel(
         expert_model_parallel_size=expert_parallel,
         expert_tensor_parallel_size=expert_tensor_parallel,
     )
-    _megatron_groups[:] = [pg for pg in _registered_groups() if pg not in before]
+    built = [pg for pg in _registered_groups() if pg not in before]
     # host RNG: use_cpu_initialization draws full weights on the host and then splits them,
     # so every rank of a TP group must draw the same numbers
     torch.manual_seed(seed)
     mcore_tp.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    return built
 
 
 def _registered_groups() -> list[dist.ProcessGroup]:
@@ -99,25 +97,24 @@ def _registered_groups() -> list[dist.ProcessGroup]:
     return [pg for pg in dist.distributed_c10d._world.pg_map if pg is not world]
 
 
-def release_model_parallel() -> None:
-    """Drop megatron-core's model-parallel state and destroy the groups it built (safe to call
-    twice); the default process group stays: it belongs to the launcher."""
-    from megatron.core import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+def release_groups(groups: list[dist.ProcessGroup]) -> None:
+    """Destroy the groups :func:`init_parallel` built for an engine that has closed (those
+    still registered). megatron-core's ``destroy_model_parallel`` only forgets its globals:
+    torch.distributed keeps the groups, and each gloo group its threads (a process that built
+    engine after engine reached thousands of threads and a load average in the hundreds)."""
     registered = set(_registered_groups())
-    for pg in _megatron_groups:
+    for pg in groups:
         if pg in registered:
             dist.destroy_process_group(pg)
-    _megatron_groups.clear()
-    # a gloo group's threads end with the group object, and megatron's modules (now garbage,
+    # a gloo group's threads end with the group object, and the engine's modules (now garbage,
     # in reference cycles) still hold theirs: collect them now, not at some later allocation
     gc.collect()
 
 
 def destroy_parallel() -> None:
     """Drop megatron-core's groups and the default process group (safe to call twice)."""
-    release_model_parallel()
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
