@@ -49,6 +49,11 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return _cores()
 
 
+#: how many xdist workers share the machine, in a worker (0 elsewhere, a pytest a test starts
+#: included: its environment says "worker" too, but it must not take the workers' lock)
+_workers = 0
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if os.environ.get("CI") and config.option.durations is None:
         config.option.durations = 25
@@ -70,11 +75,6 @@ def _set_env(name: str, value: str | None) -> None:
         os.environ.pop(name, None)
     else:
         os.environ[name] = value
-
-
-#: how many xdist workers share the machine, in a worker (0 elsewhere, a pytest a test starts
-#: included: its environment says "worker" too, but it must not take the workers' lock)
-_workers = 0
 
 
 def pytest_configure_node(node: object) -> None:
@@ -203,6 +203,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 def pytest_terminal_summary(terminalreporter: object, config: pytest.Config) -> None:
     if not os.environ.get("CI") or hasattr(config, "workerinput"):
+        return
+    if not set(_durations) - _slow:  # `pytest -m slow`: no default-set test ran
         return
     over = sorted(
         ((s, n) for n, s in _durations.items() if s > TEST_BUDGET_S and n not in _slow),

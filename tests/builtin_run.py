@@ -19,14 +19,23 @@ import pytest
 from sft_support import sft_env
 
 BUILTIN_ADDITION = pytest.mark.xdist_group("builtin-addition")
+GRPO_OUT = "grpo"
 
 
 @dataclass(frozen=True)
 class BuiltinRun:
-    cwd: Path  # runs/sft-addition (the chained SFT default) is here
-    cache: Path  # DRIVETRAIN_CACHE: the assets and the cached SFT model
-    out: Path  # the GRPO run's output directory
+    cwd: Path  # the run's working directory and DRIVETRAIN_CACHE's parent (sft_env)
     done: subprocess.CompletedProcess[str]
+
+    @property
+    def cache(self) -> Path:
+        """DRIVETRAIN_CACHE: the assets and the cached SFT model."""
+        return self.cwd / "cache"
+
+    @property
+    def out(self) -> Path:
+        """The GRPO run's output directory."""
+        return self.cwd / GRPO_OUT
 
     @property
     def sft_out(self) -> Path:
@@ -38,10 +47,9 @@ class BuiltinRun:
 
 
 def run_builtin_grpo(root: Path) -> BuiltinRun:
-    out = root / "grpo"
-    cmd = [sys.executable, "-m", "drivetrain.trainer", "grpo", f"run.output_dir={out}"]
+    cmd = [sys.executable, "-m", "drivetrain.trainer", "grpo", f"run.output_dir={root / GRPO_OUT}"]
     done = subprocess.run(  # in root: the chained SFT run writes runs/sft-addition there
         cmd, env=sft_env(root), cwd=root, capture_output=True, text=True, timeout=1400
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    return BuiltinRun(cwd=root, cache=root / "cache", out=out, done=done)
+    return BuiltinRun(cwd=root, done=done)
