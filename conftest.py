@@ -22,10 +22,12 @@ per-test budget (``TEST_BUDGET_S``, unless marked slow).
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import sys
 import tempfile
+from collections import Counter
 from collections.abc import Generator
 from pathlib import Path
 from typing import IO
@@ -84,20 +86,39 @@ def pytest_configure_node(node: object) -> None:
 
 
 # ---- scheduling: a module's tests on one worker ------------------------------------------
+#: the file in the room's folder where a worker leaves each test's scope for the controller
+SCOPES_FILE = "scopes.json"
+
+
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     from xdist.scheduler import LoadGroupScheduling
 
     config.option.loadscopereorder = False  # keep the order pytest_collection_modifyitems sets
+    scopes: dict[str, str] = {}
 
     class ModuleOrGroupScheduling(LoadGroupScheduling):
-        """xdist's loadgroup, with a test's module as its group when it names none."""
+        """xdist's loadgroup, with a test's module as its group when it names none. The
+        groups come from the workers' collection (``SCOPES_FILE``): xdist 3.8 marks a group
+        by renaming the test, which pytest 9 ignores, so its own loadgroup splits groups."""
 
         def _split_scope(self, nodeid: str) -> str:
-            if nodeid.rfind("@") > nodeid.rfind("]"):
-                return nodeid.split("@")[-1]
-            return nodeid.split("::", 1)[0]
+            if not scopes and (_room_dir() / SCOPES_FILE).is_file():
+                scopes.update(json.loads((_room_dir() / SCOPES_FILE).read_text()))
+            return scopes.get(nodeid) or nodeid.split("::", 1)[0]
+
+        def _reschedule(self, node: object) -> None:
+            """A worker gets its next scope when one test of its current scope is left (it
+            holds a test until it knows the next), not two: the next scope would wait behind
+            a long test while the other worker idles."""
+            if self.workqueue and self._pending_of(self.assigned_work[node]) > 1:
+                return
+            super()._reschedule(node)
 
     return ModuleOrGroupScheduling(config, log)
+
+
+def _room_dir() -> Path:
+    return Path(os.environ[ROOM_VAR])
 
 
 def _scope(item: pytest.Item) -> str:
@@ -109,15 +130,40 @@ def _scope(item: pytest.Item) -> str:
     return "@" + "_".join(groups) if groups else item.nodeid.split("::", 1)[0]
 
 
+def _deselect_slow(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``slow`` tests run when ``-m`` names them, or in CI: there the README's one command
+    runs every test in one session, so the slow jobs share the cores with the rest."""
+    if config.option.markexpr or os.environ.get("CI"):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Scopes holding tests that run alone go first, those tests first within them; the rest
-    after. A test that runs alone waits for the other worker's running test: at the start that
-    is another such test, not a 7-minute job, and the long light jobs at the end overlap."""
-    if _workers < 2:
+    """Scopes holding tests that run alone go first, those tests first within them: such a
+    test waits for the other worker's running test, and at the start that is another one of
+    them. Then the scopes holding slow tests, the most first, so that the long light jobs
+    start early and the session ends on short tests; the rest after."""
+    _deselect_slow(config, items)
+    worker = getattr(config, "workerinput", None)
+    if worker is None:  # not under xdist: collection order
         return
     with_alone = {_scope(item) for item in items if runs_alone(item)}
-    items.sort(key=lambda item: (_scope(item) not in with_alone, not runs_alone(item)))
+    slow = Counter(_scope(item) for item in items if item.get_closest_marker("slow"))
+
+    def rank(item: pytest.Item) -> tuple[bool, int, bool]:
+        scope = _scope(item)
+        return scope not in with_alone, -slow[scope], not runs_alone(item)
+
+    items.sort(key=rank)
+    if worker["workerid"] == "gw0":
+        scopes = {item.nodeid: _scope(item) for item in items}
+        written = _room_dir() / f".{SCOPES_FILE}.{os.getpid()}"
+        written.write_text(json.dumps(scopes))
+        written.replace(_room_dir() / SCOPES_FILE)  # whole, before gw0 reports its collection
 
 
 # ---- running alone: a readers-writer lock shared by the workers --------------------------
@@ -157,7 +203,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         yield
         return
     if _room is None:
-        _room = _Room(Path(os.environ[ROOM_VAR]))
+        _room = _Room(_room_dir())
     alone = runs_alone(item)
     _room.enter(alone)
     threads = _AllThreads() if alone else None
