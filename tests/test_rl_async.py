@@ -72,6 +72,7 @@ def _timing(row: dict) -> dict:
     return {k: v for k, v in row.items() if k.startswith(("time/", "perf/", "weight_sync/"))}
 
 
+@pytest.mark.slow  # three runs: 40 s
 @pytest.mark.serial  # a rollout server and the trainer busy together; a 10 s bound
 def test_killed_rollout_process_fails_fast_and_resume_continues(tmp_path):
     """Async GRPO with the rollout in its own process: killing that process ends the run

@@ -202,6 +202,7 @@ class TestHFRolloutSmallBatch(TestHFRollout):
         )
 
 
+@pytest.mark.slow  # the whole kit over RPC: about a minute
 def test_the_kit_passes_through_a_rollout_server_process(model_dir):
     harness = TransformersRolloutHarness(model_dir, lambda: hf(model_dir, python=this_python()))
     failed = [r for r in run_rollout_conformance(harness) if r.error is not None]

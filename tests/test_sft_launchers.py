@@ -42,6 +42,7 @@ def test_torchrun_two_ranks(job):
     assert_same_curve(reference, train_losses(root / "torchrun"))
 
 
+@pytest.mark.slow  # a local Ray cluster's start: 30 s
 def test_ray_two_actors_local(job):
     root, base, reference = job
     run_sft(root, root / "ray", *base, "workers.num=2")

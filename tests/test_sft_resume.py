@@ -31,6 +31,7 @@ def logged_steps(out: Path) -> int:
     return max(steps, default=0)
 
 
+@pytest.mark.slow  # a killed run, its resume and a reference: 35 s
 def test_killed_run_resumes_with_the_same_losses(tmp_path):
     base = make_job(tmp_path)
     reference = (
@@ -68,6 +69,7 @@ def test_killed_run_resumes_with_the_same_losses(tmp_path):
         assert losses[step] == pytest.approx(loss, abs=1e-6), (step, reference, losses)
 
 
+@pytest.mark.slow  # 38 s
 def test_resume_from_an_explicit_checkpoint_and_bad_paths(tmp_path):
     base = make_job(tmp_path)
     out = tmp_path / "run"

@@ -21,6 +21,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 HERE = Path(__file__).parent
 
 
+@pytest.mark.slow  # every transport into both rollouts: 50 s
 def test_fsdp_trainer_syncs_into_hf_and_vllm_over_every_transport(tmp_path):
     torch.set_num_threads(1)
     model_dir = build_model(tmp_path / "model")

@@ -43,6 +43,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow  # 90 s
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
 def test_conformance_world_two(model_dir, tmp_path):

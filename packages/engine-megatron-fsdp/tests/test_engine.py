@@ -34,6 +34,7 @@ def _assert_conformance(entry):
     return {c["check"]: c for c in entry["result"]}
 
 
+@pytest.mark.slow  # a minute
 @pytest.mark.timeout(600)
 def test_conformance_default_strategy_and_parity_with_megatron(model_dir, tmp_path):
     """optim_grads_params at DP=2: the kit, and the same 3 steps as engine-megatron's DDP."""

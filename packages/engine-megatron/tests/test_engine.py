@@ -9,7 +9,8 @@ from drivetrain.api.testing.conformance import ENGINE_CHECKS
 from megatron_harness import build_tiny_model
 from megatron_launch import launch
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
+# slow: one 2-rank run of every layout takes about two minutes
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(1200)]
 
 LAYOUTS = {
     "tp2": {"tensor_parallel": 2},
