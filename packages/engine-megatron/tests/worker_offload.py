@@ -22,10 +22,10 @@ def run(model_dir, device, *, distributed_optimizer, offload):
     from drivetrain.engine.megatron.offload import Offloader
 
     overrides = {"device": device, "distributed_optimizer": distributed_optimizer}
-    if offload and device != "cpu":
-        overrides["offload"] = OffloadConfig(params=True, optimizer=True)
     harness = MegatronHarness(model_dir, overrides=overrides)
-    engine = harness.make_engine(MicroBatchConfig(micro_batch_size=2))
+    # the harness's own ``offload`` keyword (an override would pass it to the config twice)
+    moved = OffloadConfig(params=True, optimizer=True) if offload and device != "cpu" else None
+    engine = harness.make_engine(MicroBatchConfig(micro_batch_size=2), offload=moved)
     host = (
         Offloader(engine.model, engine.optimizer, torch.device("cpu")) if device == "cpu" else None
     )
