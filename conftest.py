@@ -121,13 +121,37 @@ def _room_dir() -> Path:
     return Path(os.environ[ROOM_VAR])
 
 
-def _scope(item: pytest.Item) -> str:
-    """What the scheduler above keeps on one worker: the xdist group, else the module."""
+def _group(item: pytest.Item) -> str:
+    """The item's xdist group, else its module."""
     groups = sorted(
         str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
         for mark in item.iter_markers("xdist_group")
     )
     return "@" + "_".join(groups) if groups else item.nodeid.split("::", 1)[0]
+
+
+def _shared_fixtures(item: pytest.Item) -> set[str]:
+    """The module-, class- or package-scoped fixtures the item uses (built once per worker)."""
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    return {name for name, d in defs.items() if d and d[-1].scope in ("module", "class", "package")}
+
+
+def _scopes(items: list[pytest.Item]) -> dict[str, str]:
+    """What the scheduler keeps on one worker, per test: its group (or module), with the
+    tests that run alone split off where they share no module fixture with the others, so
+    that a light test of their module does not hold up another module's lone test."""
+    group = {item.nodeid: _group(item) for item in items}
+    light: dict[str, set[str]] = {}
+    for item in items:
+        if not runs_alone(item):
+            light.setdefault(group[item.nodeid], set()).update(_shared_fixtures(item))
+    scopes = {}
+    for item in items:
+        scope = group[item.nodeid]
+        if runs_alone(item) and not _shared_fixtures(item) & light.get(scope, set()):
+            scope += "::alone"
+        scopes[item.nodeid] = scope
+    return scopes
 
 
 def _deselect_slow(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -151,16 +175,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     worker = getattr(config, "workerinput", None)
     if worker is None:  # not under xdist: collection order
         return
-    with_alone = {_scope(item) for item in items if runs_alone(item)}
-    slow = Counter(_scope(item) for item in items if item.get_closest_marker("slow"))
+    scopes = _scopes(items)
+    with_alone = {scopes[item.nodeid] for item in items if runs_alone(item)}
+    slow = Counter(scopes[item.nodeid] for item in items if item.get_closest_marker("slow"))
 
     def rank(item: pytest.Item) -> tuple[bool, int, bool]:
-        scope = _scope(item)
+        scope = scopes[item.nodeid]
         return scope not in with_alone, -slow[scope], not runs_alone(item)
 
     items.sort(key=rank)
     if worker["workerid"] == "gw0":
-        scopes = {item.nodeid: _scope(item) for item in items}
         written = _room_dir() / f".{SCOPES_FILE}.{os.getpid()}"
         written.write_text(json.dumps(scopes))
         written.replace(_room_dir() / SCOPES_FILE)  # whole, before gw0 reports its collection
