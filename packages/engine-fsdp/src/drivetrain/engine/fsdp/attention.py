@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,6 +30,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from drivetrain.engine.fsdp.packed_kernels import (
+    VARLEN_KERNELS,
+    VarlenLayout,
+    attend_varlen,
+    varlen_layout,
+)
 from drivetrain.engine.fsdp.sequence_parallel import all_to_all
 
 NAME = "drivetrain_varlen"
@@ -59,19 +65,30 @@ def plain_spans(cu_seqlens: Sequence[int]) -> tuple[Span, ...]:
 class PackedContext:
     spans: tuple[Span, ...]
     sp_group: dist.ProcessGroup | None = None
+    kernel: str = "grouped_sdpa"  # or a name in packed_kernels.VARLEN_KERNELS
+    #: the spans' variable-length layout per device, built by the first layer, reused by the rest
+    layouts: dict[torch.device, VarlenLayout] = field(default_factory=dict, compare=False)
 
     @property
     def total(self) -> int:
         """The row's length (spans cover every position once)."""
         return sum(s.length for s in self.spans)
 
+    def layout(self, device: torch.device) -> VarlenLayout:
+        if device not in self.layouts:
+            self.layouts[device] = varlen_layout(self.spans, device)
+        return self.layouts[device]
+
 
 _CURRENT: list[PackedContext] = []
 
 
-def set_packed_row(spans: Sequence[Span], sp_group: dist.ProcessGroup | None) -> None:
-    """Describe the packed row of the next forward (kept for recomputation in backward)."""
-    _CURRENT[:] = [PackedContext(tuple(spans), sp_group)]
+def set_packed_row(
+    spans: Sequence[Span], sp_group: dist.ProcessGroup | None, kernel: str = "grouped_sdpa"
+) -> None:
+    """Describe the packed row of the next forward (kept for recomputation in backward) and
+    the kernel that attends over it (``packed_kernels.choose_kernel``)."""
+    _CURRENT[:] = [PackedContext(tuple(spans), sp_group, kernel)]
 
 
 def _repeat_kv(x: torch.Tensor, times: int) -> torch.Tensor:
@@ -110,7 +127,12 @@ def varlen_attention(
     value = _repeat_kv(value, query.shape[1] // value.shape[1])
     if query.shape[2] != ctx.total:
         raise RuntimeError(f"packed row has {query.shape[2]} tokens, its spans say {ctx.total}")
-    out = attend_spans(query, key, value, ctx.spans, dropout if module.training else 0.0, scaling)
+    dropout = dropout if module.training else 0.0
+    if ctx.kernel == "grouped_sdpa" or (dropout and ctx.kernel == "torch_varlen"):
+        out = attend_spans(query, key, value, ctx.spans, dropout, scaling)
+    else:  # one call for the whole row
+        kernel = VARLEN_KERNELS[ctx.kernel]
+        out = attend_varlen(query, key, value, ctx.layout(query.device), kernel, dropout, scaling)
     if ctx.sp_group is not None:  # back to [1, h, s/sp, d]
         out = all_to_all(out, ctx.sp_group, 2, 1)
     return out.transpose(1, 2).contiguous(), None

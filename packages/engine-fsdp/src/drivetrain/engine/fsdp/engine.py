@@ -42,6 +42,7 @@ from drivetrain.engine.fsdp.config import FSDPConfig
 from drivetrain.engine.fsdp.distributed import build_meshes, ensure_process_group, resolve_device
 from drivetrain.engine.fsdp.model import DTYPES, TokenOutputModel, load_hf_model, unwrap_peft
 from drivetrain.engine.fsdp.optim import build_optimizer, clip_grad_norm
+from drivetrain.engine.fsdp.packed_kernels import announce, choose_kernel, installed_kernels
 from drivetrain.engine.fsdp.packing import PackedRow, outputs_per_token, pack
 from drivetrain.engine.fsdp.sequence_parallel import gather_sequence, local_slice
 from drivetrain.engine.fsdp.sharding import broadcast_from_rank0, wrap_fsdp1, wrap_fsdp2
@@ -80,6 +81,15 @@ class FSDPEngine(ModalEngine):
         )
         empty = rank0_loads and dist.get_rank() > 0  # built on meta, filled from rank 0
         hf = load_hf_model(cfg.model, cfg.attention, empty=empty)
+        self.packed_kernel = "grouped_sdpa"  # attention="varlen": what attends over a packed row
+        if cfg.attention == "varlen":
+            kinds = installed_kernels(self.device.type)
+            try:
+                self.packed_kernel = choose_kernel(cfg.packed_kernel, self.device.type, kinds)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+            if dist.get_rank() == 0:
+                announce(self.packed_kernel, self.device.type)
         self.hf_config = unwrap_peft(hf).config
         module = TokenOutputModel(
             hf,
@@ -181,7 +191,7 @@ class FSDPEngine(ModalEngine):
             ids, pos, tgt = (
                 local_slice(t, m.sp_group) for t in (row.input_ids, row.position_ids, row.targets)
             )
-            set_packed_row(row.spans, m.sp_group)
+            set_packed_row(row.spans, m.sp_group, self.packed_kernel)
             raw = self.model(
                 ids[None], pos[None], tgt, None, spec.temperature, spec.entropy,
                 row.extra_src, row.extra_targets,
