@@ -1,6 +1,6 @@
-"""Packed attention in engine-fsdp: one SDPA call per group of similar-length documents
-(``attend_documents``) vs one SDPA call per document (its previous form, written at its best:
-views from ``split``), side by side.
+"""Packed attention (engine-core, both engines' CPU path): one SDPA call per group of
+similar-length documents (``attend_documents``) vs one SDPA call per document (its previous
+form, written at its best: views from ``split``), side by side.
 
 Forward + backward over a packed row of 256 documents of 15-35 tokens (GRPO's short answers),
 4 heads of 32, fp32, one thread; the two forms interleaved (``timing.py``: one warm-up round,
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from timing import add_arguments, interleaved, print_result, rounds_of, speedup
 
-from drivetrain.engine.fsdp.attention import attend_documents
+from drivetrain.engine_core.packed_attention import attend_documents
 
 PASSES = 3  # forward + backward passes per timed unit
 

@@ -1,10 +1,7 @@
-"""Packed attention through one variable-length kernel call per layer (``packed_kernels``).
-
-The CUDA kernels (flash-attn's, PyTorch's ``varlen_attn``) do not run on the CPU, so the path
-around them (the layout of spans and shared prefixes, the gathers, the call count, the choice
-of kernel) is checked here with a CPU kernel of the same contract: causal attention per
-document, aligned bottom-right. On a GPU (``gpu`` mark) the real kernels are checked against
-the grouped SDPA path."""
+"""The fsdp engine's packed attention through a variable-length kernel: one call per layer
+whatever the number of documents (with the CPU reference kernel of
+``drivetrain.engine_core.kernel_testing``, whose contract the CUDA kernels share), and a
+kernel that cannot run here refused in one line."""
 
 from __future__ import annotations
 
@@ -13,40 +10,13 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from drivetrain.api import ConfigError, MicroBatchConfig
-from drivetrain.engine.fsdp import packed_kernels
-from drivetrain.engine.fsdp.attention import Span, attend_spans, plain_spans, set_packed_row
-from drivetrain.engine.fsdp.packed_kernels import (
-    attend_varlen,
-    choose_kernel,
-    installed_kernels,
-    varlen_layout,
-)
+from drivetrain.engine.fsdp.attention import NAME, set_packed_row
+from drivetrain.engine_core import packed_kernels
+from drivetrain.engine_core.kernel_testing import ReferenceKernel
+from drivetrain.engine_core.packed_attention import plain_spans
 from fsdp_harness import FSDPHarness, build_tiny_model
-
-
-class ReferenceKernel:
-    """The varlen contract on the CPU, one SDPA call per document; counts its calls."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def __call__(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, dropout):
-        self.calls += 1
-        assert q.dim() == 3 and cu_q.dtype == torch.int32 and cu_k.dtype == torch.int32
-        assert max_q == int((cu_q[1:] - cu_q[:-1]).max()) and max_k == int(
-            (cu_k[1:] - cu_k[:-1]).max()
-        )
-        out = []
-        for (a, b), (c, d) in zip(
-            itertools.pairwise(cu_q.tolist()), itertools.pairwise(cu_k.tolist()), strict=True
-        ):
-            qi, ki, vi = (t.transpose(0, 1) for t in (q[a:b], k[c:d], v[c:d]))
-            visible = torch.ones(b - a, d - c, dtype=torch.bool).tril(diagonal=(d - c) - (b - a))
-            out.append(F.scaled_dot_product_attention(qi, ki, vi, attn_mask=visible, scale=scale))
-        return torch.cat([o.transpose(0, 1) for o in out])
 
 
 @pytest.fixture
@@ -54,62 +24,6 @@ def reference(monkeypatch):
     kernel = ReferenceKernel()
     monkeypatch.setitem(packed_kernels.VARLEN_KERNELS, "reference", kernel)
     return kernel
-
-
-def _prefix_spans(rng: random.Random, groups: int) -> list[Span]:
-    """GRPO's layout: per group a prompt, then each sample's own tokens seeing that prompt."""
-    spans, at = [], 0
-    for _ in range(groups):
-        prompt = rng.randint(2, 12)
-        spans.append(Span(at, prompt))
-        prompt_at, at = at, at + prompt
-        for _ in range(rng.randint(1, 4)):
-            own = rng.randint(1, 20)
-            spans.append(Span(at, own, prompt_at, prompt))
-            at += own
-    spans.append(Span(at, rng.randint(1, 9)))  # a plain document after them
-    return spans
-
-
-def _rows(total: int) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(total)
-    return [
-        torch.randn(1, 4, total, 16, dtype=torch.float64, generator=gen).requires_grad_()
-        for _ in range(3)
-    ]
-
-
-@pytest.mark.parametrize("documents", [1, 10, 100])
-def test_one_call_equals_the_grouped_path_plain_documents(documents, reference):
-    rng = random.Random(documents)
-    cu = list(itertools.accumulate([rng.randint(1, 40) for _ in range(documents)], initial=0))
-    spans = plain_spans(cu)
-    q, k, v = _rows(cu[-1])
-    want = attend_spans(q, k, v, spans, 0.0, None)
-    got = attend_varlen(q, k, v, varlen_layout(spans, q.device), reference, 0.0, None)
-    _same_values_and_grads(got, want, (q, k, v))
-    assert reference.calls == 1
-
-
-def test_one_call_equals_the_grouped_path_with_shared_prefixes(reference):
-    spans = _prefix_spans(random.Random(0), groups=6)
-    q, k, v = _rows(sum(s.length for s in spans))
-    layout = varlen_layout(spans, q.device)
-    assert layout.key_index is not None and len(layout.key_index) == sum(s.keys for s in spans)
-    want = attend_spans(q, k, v, spans, 0.0, 0.3)
-    got = attend_varlen(q, k, v, layout, reference, 0.0, 0.3)
-    _same_values_and_grads(got, want, (q, k, v))
-
-
-def _same_values_and_grads(got, want, inputs):
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
-    g = torch.randn(want.shape, dtype=want.dtype, generator=torch.Generator().manual_seed(1))
-    for a, b in zip(
-        torch.autograd.grad((want * g).sum(), inputs),
-        torch.autograd.grad((got * g).sum(), inputs),
-        strict=True,
-    ):
-        torch.testing.assert_close(b, a, rtol=0, atol=1e-10)
 
 
 @pytest.fixture(scope="module")
@@ -121,8 +35,6 @@ def model_dir(tmp_path_factory):
 def test_a_packed_micro_batch_costs_one_attention_call_per_layer(documents, reference, model_dir):
     """The guard for the GPU path: the call count does not grow with the documents."""
     from transformers import AutoModelForCausalLM
-
-    from drivetrain.engine.fsdp.attention import NAME
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=NAME)
     rng = random.Random(documents)
@@ -140,50 +52,11 @@ def test_a_packed_micro_batch_costs_one_attention_call_per_layer(documents, refe
     torch.testing.assert_close(via_kernel, grouped, rtol=1e-5, atol=1e-5)
 
 
-def test_the_kernel_choice():
-    cuda = ("flash_attn", "torch_varlen", "grouped_sdpa")
-    assert choose_kernel("auto", "cuda", cuda) == "flash_attn"
-    assert choose_kernel("auto", "cuda", cuda[1:]) == "torch_varlen"
-    assert choose_kernel("auto", "cpu", ("grouped_sdpa",)) == "grouped_sdpa"
-    assert choose_kernel("grouped_sdpa", "cuda", cuda) == "grouped_sdpa"
-    assert installed_kernels("cpu") == ("grouped_sdpa",)
-    assert "torch_varlen" in installed_kernels("cuda")  # the locked torch ships varlen_attn
-    with pytest.raises(ValueError, match="needs a CUDA device"):
-        choose_kernel("torch_varlen", "cpu", ("grouped_sdpa",))
-    with pytest.raises(ValueError, match="is not installed"):
-        choose_kernel("flash_attn", "cuda", cuda[1:])
-
-
 def test_a_cuda_kernel_asked_for_on_the_cpu_is_one_config_error(model_dir):
     harness = FSDPHarness(model_dir, overrides={"packed_kernel": "torch_varlen"})
     with pytest.raises(ConfigError, match="packed_kernel='torch_varlen' needs a CUDA device"):
         harness.make_engine(MicroBatchConfig(2))
-    with pytest.raises(ConfigError, match="packed_kernel='xformers' is not one of"):
+    with pytest.raises(ConfigError, match="packed_kernel='xformers' is not one of auto"):
         FSDPHarness(model_dir, overrides={"packed_kernel": "xformers"}).make_engine(
             MicroBatchConfig(2)
         )
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cuda_kernels_equal_the_grouped_path(dtype):
-    spans = _prefix_spans(random.Random(1), groups=8)
-    total = sum(s.length for s in spans)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (
-        torch.randn(1, 8, total, 64, device="cuda", dtype=dtype, generator=gen).requires_grad_()
-        for _ in range(3)
-    )
-    want = attend_spans(q, k, v, spans, 0.0, None)
-    for name in installed_kernels("cuda")[:-1]:
-        kernel = packed_kernels.VARLEN_KERNELS[name]
-        got = attend_varlen(q, k, v, varlen_layout(spans, q.device), kernel, 0.0, None)
-        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2, msg=name)
-        g = torch.randn_like(want)
-        for a, b in zip(
-            torch.autograd.grad((want * g).sum(), (q, k, v), retain_graph=True),
-            torch.autograd.grad((got * g).sum(), (q, k, v)),
-            strict=True,
-        ):
-            torch.testing.assert_close(b, a, rtol=5e-2, atol=5e-2, msg=name)

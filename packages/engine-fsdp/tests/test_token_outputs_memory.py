@@ -25,7 +25,7 @@ class LargestTensor(TorchDispatchMode):
         super().__init__()
         self.bytes, self.op = 0, ""
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.numel() * t.element_size() > self.bytes:

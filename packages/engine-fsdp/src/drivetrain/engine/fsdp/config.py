@@ -8,8 +8,6 @@ from drivetrain.api import ConfigError, EngineConfig
 
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
 ATTENTION = ("varlen", "sdpa", "eager", "flash_attention_2")
-#: ``packed_kernel`` values (``packed_kernels.PACKED_KERNELS``; kept here: no torch import)
-PACKED_KERNELS = ("auto", "flash_attn", "torch_varlen", "grouped_sdpa")
 
 
 @dataclass(frozen=True)
@@ -27,7 +25,9 @@ class FSDPConfig(EngineConfig):
     ``packed_kernel`` (``attention='varlen'``): what attends over a packed row. ``auto``: on CUDA
     one variable-length kernel call per layer (flash-attn's when installed, else PyTorch's
     ``varlen_attn``), on the CPU ``grouped_sdpa`` (one SDPA call per group of similar-length
-    documents, the fastest measured there); or name one. The choice is printed once.
+    documents, the fastest measured there); or name one (``flash_attn``, ``torch_varlen``,
+    ``grouped_sdpa``: ``drivetrain.engine_core.packed_kernels``, checked when the engine
+    starts). The choice is printed once.
     ``remove_padding``: compute on packed sequences whatever the input layout.
     ``share_prefixes``: samples of a micro-batch that carry the api column
     ``shared_prefix_len`` and start with the same tokens (GRPO's n responses to one prompt)
@@ -64,10 +64,6 @@ class FSDPConfig(EngineConfig):
             raise ConfigError(f"strategy={self.strategy!r} is not one of {', '.join(STRATEGIES)}")
         if self.attention not in ATTENTION:
             raise ConfigError(f"attention={self.attention!r} is not one of {', '.join(ATTENTION)}")
-        if self.packed_kernel not in PACKED_KERNELS:
-            raise ConfigError(
-                f"packed_kernel={self.packed_kernel!r} is not one of {', '.join(PACKED_KERNELS)}"
-            )
         if self.reduce_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"reduce_dtype={self.reduce_dtype!r} must be float32 or bfloat16")
         if self.ulysses_size < 1 or self.logits_chunk < 0 or self.logits_chunk_mib < 1:

@@ -42,7 +42,6 @@ from drivetrain.engine.fsdp.config import FSDPConfig
 from drivetrain.engine.fsdp.distributed import build_meshes, ensure_process_group, resolve_device
 from drivetrain.engine.fsdp.model import DTYPES, TokenOutputModel, load_hf_model, unwrap_peft
 from drivetrain.engine.fsdp.optim import build_optimizer, clip_grad_norm
-from drivetrain.engine.fsdp.packed_kernels import announce, choose_kernel, installed_kernels
 from drivetrain.engine.fsdp.packing import PackedRow, outputs_per_token, pack
 from drivetrain.engine.fsdp.sequence_parallel import gather_sequence, local_slice
 from drivetrain.engine.fsdp.sharding import broadcast_from_rank0, wrap_fsdp1, wrap_fsdp2
@@ -53,6 +52,7 @@ from drivetrain.engine_core import (
     on_device,
     to_layout,
 )
+from drivetrain.engine_core.packed_kernels import announce, choose_kernel, installed_kernels
 
 
 class FSDPEngine(ModalEngine):

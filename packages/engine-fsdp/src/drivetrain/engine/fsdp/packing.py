@@ -22,9 +22,9 @@ import torch
 
 from drivetrain.api import Batch
 from drivetrain.api.columns import INPUT_IDS
-from drivetrain.engine.fsdp.attention import Span
 from drivetrain.engine.fsdp.prefix_sharing import prefix_groups
 from drivetrain.engine_core import flat_column
+from drivetrain.engine_core.packed_attention import Span
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Packed attention in one kernel call per layer, whatever the number of documents.
 
-On a GPU the grouped SDPA path of :mod:`drivetrain.engine.fsdp.attention` makes one call per
+On a GPU the grouped SDPA path (:mod:`drivetrain.engine_core.packed_attention`) makes one call per
 group of similar-length documents and pads each group: on the first H100 run packed documents
 reached 0.60 of the dense MFU (0.96 on the CPU, where that path was tuned). A variable-length
 kernel takes the whole row at once, with the documents' offsets (``cu_seqlens``), and computes
@@ -30,13 +30,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from drivetrain.engine.fsdp import config
-
 if TYPE_CHECKING:
-    from drivetrain.engine.fsdp.attention import Span
+    from drivetrain.engine_core.packed_attention import Span
 
-#: what ``packed_kernel`` may name; ``auto`` chooses by device and installation
-PACKED_KERNELS = config.PACKED_KERNELS
+#: what an engine's ``packed_kernel`` may name; ``auto`` chooses by device and installation
+PACKED_KERNELS = ("auto", "flash_attn", "torch_varlen", "grouped_sdpa")
 
 
 class VarlenKernel(Protocol):

@@ -9,7 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from drivetrain.engine.fsdp.attention import Span, attend_documents, attend_spans, length_groups
+from drivetrain.engine_core.packed_attention import (
+    Span,
+    attend_documents,
+    attend_spans,
+    length_groups,
+)
 
 
 def _per_document(q, k, v, cu):
