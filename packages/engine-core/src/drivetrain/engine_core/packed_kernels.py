@@ -98,6 +98,10 @@ def _has(module: str) -> bool:
         return False
 
 
+#: the kernels that need CUDA (a kernel registered under another name runs where it is)
+CUDA_KERNELS = ("flash_attn", "torch_varlen")
+
+
 def installed_kernels(device_type: str) -> tuple[str, ...]:
     """The kernels this installation can run on ``device_type``, best first."""
     found = []
@@ -106,7 +110,8 @@ def installed_kernels(device_type: str) -> tuple[str, ...]:
             found.append("flash_attn")
         if _has("torch.nn.attention.varlen"):
             found.append("torch_varlen")
-    return (*found, "grouped_sdpa")
+    registered = [name for name in VARLEN_KERNELS if name not in CUDA_KERNELS]
+    return (*found, "grouped_sdpa", *registered)
 
 
 def choose_kernel(requested: str, device_type: str, installed: Sequence[str]) -> str:

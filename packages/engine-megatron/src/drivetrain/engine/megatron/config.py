@@ -24,6 +24,12 @@ class MegatronConfig(EngineConfig):
     ``expert_parallel`` (mixture-of-experts models) spreads the experts over that many ranks of
     the data-parallel x context-parallel ranks; ``expert_tensor_parallel`` splits each expert
     (default: ``tensor_parallel``, megatron's default).
+
+    ``packed_kernel``: what attends within each document of a packed row (no ``[T, T]`` mask
+    or score matrix in any case): ``auto`` takes one variable-length kernel call per layer on
+    CUDA (flash-attn's when installed, else PyTorch's ``varlen_attn``) and the grouped SDPA
+    path elsewhere; or name one (``flash_attn``, ``torch_varlen``, ``grouped_sdpa``), checked
+    when the engine starts. With ``context_parallel`` TransformerEngine's attention runs instead.
     """
 
     tensor_parallel: int = 1
@@ -34,6 +40,7 @@ class MegatronConfig(EngineConfig):
     context_parallel: int = 1
     expert_parallel: int = 1
     expert_tensor_parallel: int | None = None
+    packed_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         names = ("tensor_parallel", "pipeline_parallel", "virtual_pipeline", "context_parallel",

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from drivetrain.api import (
     Batch,
     CheckpointInfo,
+    ConfigError,
     EngineConfig,
     EngineStateError,
     LossContext,
@@ -52,6 +53,7 @@ from drivetrain.engine_core import (
     on_device,
     to_layout,
 )
+from drivetrain.engine_core.packed_kernels import announce, choose_kernel, installed_kernels
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +118,16 @@ class MegatronEngine(ModalEngine):
             chunks
         )
         self.tcfg = tcfg
-        chunks = build_model(self.hf_config, tcfg, value_head=cfg.model.value_head)
+        kernels = installed_kernels(self.device.type)
+        try:
+            self.packed_kernel = choose_kernel(cfg.packed_kernel, self.device.type, kernels)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if cfg.context_parallel == 1 and dist.get_rank() == 0:
+            announce(self.packed_kernel, self.device.type)
+        chunks = build_model(
+            self.hf_config, tcfg, value_head=cfg.model.value_head, packed_kernel=self.packed_kernel
+        )
         for chunk in chunks:
             chunk.to(self.device)
         load_hf_weights(chunks, cfg.model.path, self.hf_config, tcfg)

@@ -226,11 +226,15 @@ def _override_inv_freq(model: Any, hf_config: Any) -> None:
     model.rotary_pos_emb.inv_freq = inv_freq.to(device=current.device, dtype=current.dtype)
 
 
-def build_model(hf_config: Any, tcfg: Any, *, value_head: bool = False) -> list[Any]:
+def build_model(
+    hf_config: Any, tcfg: Any, *, value_head: bool = False, packed_kernel: str = "grouped_sdpa"
+) -> list[Any]:
     """This rank's model chunks: one ``GPTModel`` per virtual pipeline stage (one without VP).
 
     Each chunk holds the layers megatron assigns to (pipeline rank, virtual stage); only the
-    first chunk of the first stage embeds and only the last of the last stage has the head."""
+    first chunk of the first stage embeds and only the last of the last stage has the head.
+    Attention runs per document (:class:`~drivetrain.engine.megatron.attention.
+    DocumentAttention` over ``packed_kernel``), or TransformerEngine's under context parallel."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_block import (
@@ -248,6 +252,14 @@ def build_model(hf_config: Any, tcfg: Any, *, value_head: bool = False) -> list[
         from megatron.core.extensions.transformer_engine import TEDotProductAttention
 
         layer.submodules.self_attention.submodules.core_attention = TEDotProductAttention
+    else:  # megatron's local attention would build a [T, T] score matrix per packed row
+        from megatron.core.transformer.spec_utils import ModuleSpec
+
+        from drivetrain.engine.megatron.attention import DocumentAttention
+
+        layer.submodules.self_attention.submodules.core_attention = ModuleSpec(
+            module=DocumentAttention, params={"kernel": packed_kernel}
+        )
     tied = bool(getattr(hf_config, "tie_word_embeddings", False)) and not value_head
     vocab = padded_vocab_size(hf_config.vocab_size, tcfg.tensor_model_parallel_size)
     vp = tcfg.virtual_pipeline_model_parallel_size

@@ -1,9 +1,9 @@
 """A micro-batch as one packed token row for Megatron's ``GPTModel``.
 
-Samples go back to back with position ids restarting at 0; a block-diagonal causal mask keeps
-attention inside each sample (megatron-core's local attention takes an explicit boolean mask,
-True = masked; TransformerEngine's ``thd`` format is the GPU path for long rows). The row is
-padded to a multiple of the tensor-parallel size for sequence parallel. Outputs come back
+Samples go back to back with position ids restarting at 0; attention stays inside each sample
+(:class:`drivetrain.engine.megatron.attention.DocumentAttention` reads the samples' offsets
+where megatron carries the mask: no ``[T, T]`` mask is built). The row is padded to a multiple
+of the tensor-parallel size for sequence parallel. Outputs come back
 aligned with ``input_ids`` (position ``t``: about token ``t``, 0 at each sample's first token)
 in the micro-batch's own layout.
 """
@@ -24,7 +24,7 @@ from drivetrain.engine_core import flat_column
 class PackedRow:
     input_ids: torch.Tensor  # [1, T]
     position_ids: torch.Tensor  # [1, T]
-    attention_mask: torch.Tensor  # [1, 1, T, T] bool, True where attention is not allowed
+    attention_mask: torch.Tensor  # [documents + 1] int64 on the host: the offsets, padding last
     targets: torch.Tensor  # [T] the next token after each position (0 where there is none)
     offsets: tuple[int, ...]  # sample offsets, then the padding tail's
     num_tokens: int  # real tokens
@@ -46,16 +46,11 @@ def pack_row(
     if pad:
         ids = torch.cat([ids, ids.new_zeros(pad)])
         lens.append(pad)
-    total = ids.shape[0]
     positions = torch.cat([torch.arange(n, device=device) for n in lens])
-    segment = torch.repeat_interleave(
-        torch.arange(len(lens), device=device), torch.tensor(lens, device=device)
-    )
-    index = torch.arange(total, device=device)
-    allowed = (segment[:, None] == segment[None, :]) & (index[None, :] <= index[:, None])
     offsets = tuple(accumulate(lens, initial=0))
     targets = torch.cat([ids[1:], ids.new_zeros(1)])
-    return PackedRow(ids[None], positions[None], ~allowed[None, None], targets, offsets, real)
+    documents = torch.tensor(offsets, dtype=torch.long)  # host: read per layer without a sync
+    return PackedRow(ids[None], positions[None], documents, targets, offsets, real)
 
 
 def align_to_inputs(next_values: torch.Tensor, row: PackedRow) -> torch.Tensor:
