@@ -31,3 +31,8 @@ def test_one_kernel_call_per_layer_and_no_score_matrix_over_the_row(results, doc
         assert got["largest_bytes"] < tokens * tokens * 4 / 4, (got["largest_bytes"], tokens)
     for via_kernel, grouped in zip(*got["log_probs"].values(), strict=True):
         assert via_kernel == pytest.approx(grouped, abs=1e-5)
+
+
+def test_log_probs_in_checkpointed_chunks_train_the_same(results):
+    whole, chunked = results["chunked"][None], results["chunked"][7]
+    assert chunked == pytest.approx(whole, rel=1e-6)

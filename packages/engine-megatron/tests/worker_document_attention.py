@@ -1,7 +1,8 @@
 """Worker (one rank): a packed micro-batch of 1, 10 and 100 documents through the megatron
 engine with a variable-length kernel (the CPU reference of ``engine_core.kernel_testing``,
 registered here): kernel calls per forward, the largest tensor of the forward, and log-probs
-against the grouped SDPA path.
+against the grouped SDPA path. Then one training step with the log-prob path in chunks of 7
+tokens (checkpointed) and in one piece: loss and gradient norm.
 
 argv: OUT_DIR MODEL_DIR.
 """
@@ -66,7 +67,28 @@ def main(out_dir: str, model_dir: str) -> None:
         }
     for engine in engines.values():
         engine.close()
+    results["chunked"] = {bytes_: train_step(model_dir, bytes_) for bytes_ in (None, 7)}
     write_result(out_dir, results)
+
+
+def train_step(model_dir: str, chunk_tokens: int | None) -> list[float]:
+    """Loss and gradient norm of one step; ``chunk_tokens`` per log-prob chunk (None: one)."""
+    from drivetrain.api.testing import token_mean_nll
+    from drivetrain.engine.megatron import token_outputs
+    from parity_data import training_batch
+
+    harness = MegatronHarness(model_dir)
+    engine = harness.make_engine(MicroBatchConfig(micro_batch_size=100))
+    vocab = engine.hf_config.vocab_size
+    token_outputs.CHUNK_BYTES = 4 * 128 * chunk_tokens if chunk_tokens else 1 << 40
+    assert vocab <= 128  # the padded vocabulary of a rank: 128 columns
+    batch = harness.make_batch(*training_batch())
+    with engine.train_mode():
+        engine.optimizer_zero_grad()
+        loss = engine.forward_backward(batch, token_mean_nll).loss
+        norm = engine.optimizer_step()
+    engine.close()
+    return [float(loss), float(norm)]
 
 
 if __name__ == "__main__":
