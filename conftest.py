@@ -46,7 +46,7 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
-@pytest.hookimpl
+@pytest.hookimpl(optionalhook=True)  # xdist's hooks: pytest runs without xdist too
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return _cores()
 
@@ -79,6 +79,7 @@ def _set_env(name: str, value: str | None) -> None:
         os.environ[name] = value
 
 
+@pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node: object) -> None:
     """The controller hands each worker its ``COLUMNS``: xdist's worker start sets it to 80,
     and rich consoles created at import would then wrap what tests read as one line."""
@@ -90,6 +91,7 @@ def pytest_configure_node(node: object) -> None:
 SCOPES_FILE = "scopes.json"
 
 
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     from xdist.scheduler import LoadGroupScheduling
 
