@@ -132,28 +132,13 @@ def _group(item: pytest.Item) -> str:
     return "@" + "_".join(groups) if groups else item.nodeid.split("::", 1)[0]
 
 
-def _shared_fixtures(item: pytest.Item) -> set[str]:
-    """The module-, class- or package-scoped fixtures the item uses (built once per worker)."""
-    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
-    return {name for name, d in defs.items() if d and d[-1].scope in ("module", "class", "package")}
-
-
 def _scopes(items: list[pytest.Item]) -> dict[str, str]:
-    """What the scheduler keeps on one worker, per test: its group (or module), with the
-    tests that run alone split off where they share no module fixture with the others, so
-    that a light test of their module does not hold up another module's lone test."""
-    group = {item.nodeid: _group(item) for item in items}
-    light: dict[str, set[str]] = {}
-    for item in items:
-        if not runs_alone(item):
-            light.setdefault(group[item.nodeid], set()).update(_shared_fixtures(item))
-    scopes = {}
-    for item in items:
-        scope = group[item.nodeid]
-        if runs_alone(item) and not _shared_fixtures(item) & light.get(scope, set()):
-            scope += "::alone"
-        scopes[item.nodeid] = scope
-    return scopes
+    """What the scheduler keeps on one worker, per test: its group (or module), the tests
+    that run alone split off into a scope of their own. Otherwise a light test of their
+    module, run by one worker, holds up the other worker's lone tests (vLLM's module: 15
+    light tests of ~25 s beside its two serial ones). A module fixture both parts use is
+    built once on each worker that runs them: today only tiny model directories."""
+    return {item.nodeid: _group(item) + ("::alone" if runs_alone(item) else "") for item in items}
 
 
 def _deselect_slow(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -201,16 +186,19 @@ class _Room:
     def __init__(self, directory: Path) -> None:
         self.gate: IO[str] = open(directory / "gate", "a")  # noqa: SIM115 (held all session)
         self.room: IO[str] = open(directory / "room", "a")  # noqa: SIM115
+        self.held = False
 
     def enter(self, alone: bool) -> None:
         fcntl.flock(self.gate, fcntl.LOCK_EX)
         try:
             fcntl.flock(self.room, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+            self.held = True
         finally:
             fcntl.flock(self.gate, fcntl.LOCK_UN)
 
     def leave(self) -> None:
         fcntl.flock(self.room, fcntl.LOCK_UN)
+        self.held = False
 
 
 _room: _Room | None = None
@@ -223,7 +211,9 @@ def runs_alone(item: pytest.Item) -> bool:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator:
     """Setup, call and teardown (module fixtures included) inside the lock; waiting for it
-    counts neither in the test's duration nor against its timeout."""
+    counts neither in the test's duration nor against its timeout. A test that runs alone
+    and is followed by another on this worker keeps the room for it: released in between,
+    the other worker's light test would get in first and the next one would wait for it."""
     global _room
     if _workers < 2:
         yield
@@ -231,14 +221,16 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     if _room is None:
         _room = _Room(_room_dir())
     alone = runs_alone(item)
-    _room.enter(alone)
+    if not _room.held:
+        _room.enter(alone)
     threads = _AllThreads() if alone else None
     try:
         yield
     finally:
         if threads is not None:
             threads.close()
-        _room.leave()
+        if not (alone and nextitem is not None and runs_alone(nextitem)):
+            _room.leave()
 
 
 class _AllThreads:
