@@ -96,6 +96,7 @@ def test_the_kernel_choice():
     assert choose_kernel("grouped_sdpa", "cuda", cuda) == "grouped_sdpa"
     assert installed_kernels("cpu") == ("grouped_sdpa",)
     assert "torch_varlen" in installed_kernels("cuda")  # the locked torch ships varlen_attn
+    assert installed_kernels("cuda", "float32") == ("grouped_sdpa",)  # flash: 16-bit only
     with pytest.raises(ValueError, match="needs a CUDA device"):
         choose_kernel("torch_varlen", "cpu", ("grouped_sdpa",))
     with pytest.raises(ValueError, match="is not installed"):

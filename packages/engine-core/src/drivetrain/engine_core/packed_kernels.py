@@ -75,13 +75,16 @@ def _torch_varlen(
 
     if dropout:
         raise RuntimeError("packed_kernel='torch_varlen' has no attention dropout")
+    takes = inspect.signature(varlen_attn).parameters
     # torch 2.10 said is_causal=True; later releases say window_size=(-1, 0)
-    causal = (
-        {"window_size": (-1, 0)}
-        if "window_size" in inspect.signature(varlen_attn).parameters
-        else {"is_causal": True}
+    options: dict[str, object] = (
+        {"window_size": (-1, 0)} if "window_size" in takes else {"is_causal": True}
     )
-    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, **causal)
+    if scale is not None and "scale" in takes:
+        options["scale"] = scale
+    elif scale is not None:  # no scale argument: the default is 1/sqrt(dim); scale q instead
+        q = q * (scale * q.shape[-1] ** 0.5)
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **options)
 
 
 #: the variable-length kernels by name (tests add a CPU reference under their own name)
@@ -102,10 +105,11 @@ def _has(module: str) -> bool:
 CUDA_KERNELS = ("flash_attn", "torch_varlen")
 
 
-def installed_kernels(device_type: str) -> tuple[str, ...]:
-    """The kernels this installation can run on ``device_type``, best first."""
+def installed_kernels(device_type: str, dtype: str = "bfloat16") -> tuple[str, ...]:
+    """The kernels this installation can run on ``device_type`` for a model computing in
+    ``dtype``, best first (the flash kernels take float16 and bfloat16 only)."""
     found = []
-    if device_type == "cuda":
+    if device_type == "cuda" and dtype in ("float16", "bfloat16"):
         if _has("flash_attn"):
             found.append("flash_attn")
         if _has("torch.nn.attention.varlen"):
@@ -122,7 +126,10 @@ def choose_kernel(requested: str, device_type: str, installed: Sequence[str]) ->
     if requested == "auto":
         return installed[0]
     if requested not in installed:
-        why = "needs a CUDA device" if device_type != "cuda" else "is not installed"
+        why = (
+            "needs a CUDA device" if device_type != "cuda"
+            else "is not installed or does not take this model dtype (float16/bfloat16 only)"
+        )  # fmt: skip
         raise ValueError(
             f"packed_kernel={requested!r} {why} (this engine runs on {device_type}; "
             f"available: {', '.join(installed)})"

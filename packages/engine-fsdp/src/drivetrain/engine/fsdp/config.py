@@ -24,7 +24,7 @@ class FSDPConfig(EngineConfig):
     rows through its variable-length kernel (transformers reads the restarting position ids).
     ``packed_kernel`` (``attention='varlen'``): what attends over a packed row. ``auto``: on CUDA
     one variable-length kernel call per layer (flash-attn's when installed, else PyTorch's
-    ``varlen_attn``), on the CPU ``grouped_sdpa`` (one SDPA call per group of similar-length
+    ``varlen_attn``; bfloat16/float16 models only), on the CPU ``grouped_sdpa`` (one SDPA call per group of similar-length
     documents, the fastest measured there); or name one (``flash_attn``, ``torch_varlen``,
     ``grouped_sdpa``: ``drivetrain.engine_core.packed_kernels``, checked when the engine
     starts). The choice is printed once.

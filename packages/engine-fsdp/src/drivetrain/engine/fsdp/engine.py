@@ -83,7 +83,7 @@ class FSDPEngine(ModalEngine):
         hf = load_hf_model(cfg.model, cfg.attention, empty=empty)
         self.packed_kernel = "grouped_sdpa"  # attention="varlen": what attends over a packed row
         if cfg.attention == "varlen":
-            kinds = installed_kernels(self.device.type)
+            kinds = installed_kernels(self.device.type, cfg.model.dtype)
             try:
                 self.packed_kernel = choose_kernel(cfg.packed_kernel, self.device.type, kinds)
             except ValueError as exc:

@@ -118,7 +118,7 @@ class MegatronEngine(ModalEngine):
             chunks
         )
         self.tcfg = tcfg
-        kernels = installed_kernels(self.device.type)
+        kernels = installed_kernels(self.device.type, cfg.model.dtype)
         try:
             self.packed_kernel = choose_kernel(cfg.packed_kernel, self.device.type, kernels)
         except ValueError as exc:
