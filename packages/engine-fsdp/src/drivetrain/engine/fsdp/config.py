@@ -24,10 +24,10 @@ class FSDPConfig(EngineConfig):
     rows through its variable-length kernel (transformers reads the restarting position ids).
     ``packed_kernel`` (``attention='varlen'``): what attends over a packed row. ``auto``: on CUDA
     one variable-length kernel call per layer (flash-attn's when installed, else PyTorch's
-    ``varlen_attn``; bfloat16/float16 models only), on the CPU ``grouped_sdpa`` (one SDPA call per group of similar-length
-    documents, the fastest measured there); or name one (``flash_attn``, ``torch_varlen``,
-    ``grouped_sdpa``: ``drivetrain.engine_core.packed_kernels``, checked when the engine
-    starts). The choice is printed once.
+    ``varlen_attn``; bfloat16/float16 models only), elsewhere ``grouped_sdpa`` (one SDPA call
+    per group of similar-length documents, the fastest measured on the CPU); or name one
+    (``flash_attn``, ``torch_varlen``, ``grouped_sdpa``: ``drivetrain.engine_core.
+    packed_kernels``, checked when the engine starts). The choice is printed once.
     ``remove_padding``: compute on packed sequences whatever the input layout.
     ``share_prefixes``: samples of a micro-batch that carry the api column
     ``shared_prefix_len`` and start with the same tokens (GRPO's n responses to one prompt)
