@@ -17,6 +17,7 @@ def job(tmp_path_factory):
     return root, base, train_losses(root / "fsdp")
 
 
+@pytest.mark.slow  # two 2-rank megatron runs and the fsdp reference: 26-37 s each
 @pytest.mark.parametrize("layout", ["engine.tensor_parallel=2", "engine.pipeline_parallel=2"])
 def test_megatron_sft_on_two_ranks_matches_fsdp(job, layout):
     from transformers import AutoModelForCausalLM

@@ -96,6 +96,7 @@ def ray_head(job):
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+@pytest.mark.slow  # a Ray head's start and two actors: 30-37 s
 def test_ray_two_actors_on_an_existing_cluster(job, ray_head):
     root, base, reference = job
     run_sft(root, root / "ray-cluster", *base, "workers.num=2", f"workers.ray_address={ray_head}")
