@@ -42,6 +42,7 @@ from drivetrain.trainer.preflight import (
 from drivetrain.trainer.rl.job import ensure_sft_model
 from drivetrain.trainer.rl.worker import ACTOR, REFERENCE, RoleSpec
 from drivetrain.trainer.run_dir import start_point
+from drivetrain.trainer.run_lock import owning
 from drivetrain.trainer.workers.launch import make_worker_group, writes_files
 
 BUILTIN_CONFIG = Path(__file__).parent.parent / "builtin" / "addition_dpo.yaml"
@@ -160,22 +161,24 @@ def run_dpo(
     out = Path(c.run.output_dir)
     writer = writes_files(c.workers)
     checkpoints = CheckpointManager(out / "checkpoints", keep_last=c.run.keep_last, writer=writer)
-    checkpoints.clean_staging()
-    start_from = start_point(
-        checkpoints, resume, overwrite=overwrite, writer=writer, console=console
-    )
-    group = make_worker_group(functools.partial(PreferenceWorker, role_specs(prepared)), c.workers)
-    try:
-        trainer = DPOTrainer(
-            c, engine_name=prepared.job.engine_name, group=group, data=prepared.data,
-            console=console,
-        )  # fmt: skip
-        result = trainer.fit(start_from=start_from)
-    finally:
-        group.close()
-    if not group.is_writer:
-        return None
-    (out / "config.yaml").write_text(prepared.job.to_yaml())
+    with owning(out, writer=writer):  # before anything in out is read or cleaned
+        checkpoints.clean_staging()
+        start_from = start_point(
+            checkpoints, resume, overwrite=overwrite, writer=writer, console=console
+        )
+        workers = functools.partial(PreferenceWorker, role_specs(prepared))
+        group = make_worker_group(workers, c.workers)
+        try:
+            trainer = DPOTrainer(
+                c, engine_name=prepared.job.engine_name, group=group, data=prepared.data,
+                console=console,
+            )  # fmt: skip
+            result = trainer.fit(start_from=start_from)
+        finally:
+            group.close()
+        if not group.is_writer:
+            return None
+        (out / "config.yaml").write_text(prepared.job.to_yaml())
     return result
 
 

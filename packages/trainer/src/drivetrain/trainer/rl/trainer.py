@@ -74,6 +74,7 @@ from drivetrain.trainer.rl.rewards import RewardScorer
 from drivetrain.trainer.rl.step_metrics import clip_ratio, fmt, mean_stats, reward_stats
 from drivetrain.trainer.rl.worker import ACTOR, CRITIC, REWARD_MODEL, TEACHER, RLWorker
 from drivetrain.trainer.run_dir import adopt_checkpoint, start_point
+from drivetrain.trainer.run_lock import owning
 from drivetrain.trainer.workers.engine_worker import StepStats
 
 TEACHER_LOG_PROBS = "teacher_log_probs"  # on-policy distillation: the teacher's, per token
@@ -502,6 +503,10 @@ class RLTrainer:
         return step
 
     def fit(self, *, resume: str = "auto", overwrite: bool = False) -> RLResult:
+        with owning(self.out, writer=True):  # before anything in out is read or cleaned
+            return self._fit(resume, overwrite)
+
+    def _fit(self, resume: str, overwrite: bool) -> RLResult:
         c = self.config
         began = time.perf_counter()
         self.checkpoints.clean_staging()

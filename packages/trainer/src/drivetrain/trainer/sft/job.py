@@ -38,6 +38,7 @@ from drivetrain.trainer.preflight import (
     model_context,
 )
 from drivetrain.trainer.run_dir import start_point
+from drivetrain.trainer.run_lock import owning
 from drivetrain.trainer.sft.config import SFTConfig, sft_config_type
 from drivetrain.trainer.sft.trainer import SFTResult, SFTTrainer, total_steps
 from drivetrain.trainer.workers.launch import make_group, writes_files
@@ -151,26 +152,29 @@ def run_sft(
     checkpoints = CheckpointManager(
         out / "checkpoints", keep_last=config.run.keep_last, writer=writer
     )
-    checkpoints.clean_staging()
-    start_from = start_point(
-        checkpoints, resume, overwrite=overwrite, writer=writer, console=console
-    )
-    group = make_group(prepared.job.engine_name, engine_config_for_run(prepared), config.workers)
-    try:
-        trainer = SFTTrainer(
-            config,
-            engine_name=prepared.job.engine_name,
-            group=group,
-            data=prepared.data,
-            pad_token_id=prepared.pad_token_id,
-            console=console,
+    with owning(out, writer=writer):  # before anything in out is read or cleaned
+        checkpoints.clean_staging()
+        start_from = start_point(
+            checkpoints, resume, overwrite=overwrite, writer=writer, console=console
         )
-        result = trainer.fit(start_from=start_from)
-    finally:
-        group.close()
-    if not group.is_writer:
-        return None
-    (out / "config.yaml").write_text(prepared.job.to_yaml())
+        group = make_group(
+            prepared.job.engine_name, engine_config_for_run(prepared), config.workers
+        )
+        try:
+            trainer = SFTTrainer(
+                config,
+                engine_name=prepared.job.engine_name,
+                group=group,
+                data=prepared.data,
+                pad_token_id=prepared.pad_token_id,
+                console=console,
+            )
+            result = trainer.fit(start_from=start_from)
+        finally:
+            group.close()
+        if not group.is_writer:
+            return None
+        (out / "config.yaml").write_text(prepared.job.to_yaml())
     return result
 
 
