@@ -61,13 +61,14 @@ def build_model(path: Path, layers: int) -> torch.nn.Module:
     return model
 
 
-def make_batch(lengths: list[int], seed: int) -> Batch:
+def make_batch(lengths: list[int], seed: int, vocab: int = VOCAB) -> Batch:
+    """Random documents of ``lengths`` tokens, one per row; every token but the first counts."""
     rng = random.Random(seed)
     width = max(lengths)
     ids = torch.zeros(len(lengths), width, dtype=torch.long)
     mask = torch.zeros(len(lengths), width)
     for i, n in enumerate(lengths):
-        ids[i, :n] = torch.tensor([rng.randrange(3, VOCAB) for _ in range(n)])
+        ids[i, :n] = torch.tensor([rng.randrange(3, vocab) for _ in range(n)])
         mask[i, 1:n] = 1.0
     return Batch.from_columns({"input_ids": ids, "loss_mask": mask}, seq_lens=lengths)
 

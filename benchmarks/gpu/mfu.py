@@ -37,7 +37,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: flops
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: flops, engine_fsdp
+from engine_fsdp import make_batch
 from flops import matmul_peak, training_flops
 
 from drivetrain.api import Batch, MicroBatchConfig, ModelConfig, OptimConfig
@@ -57,17 +58,6 @@ def build_model(path: Path, shape: dict[str, int], longest: int) -> Any:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(path)
     return model
-
-
-def make_batch(lengths: list[int], vocab: int, seed: int) -> Batch:
-    rng = random.Random(seed)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros(len(lengths), width)
-    for i, n in enumerate(lengths):
-        ids[i, :n] = torch.tensor([rng.randrange(3, vocab) for _ in range(n)])
-        mask[i, 1:n] = 1.0
-    return Batch.from_columns({"input_ids": ids, "loss_mask": mask}, seq_lens=lengths)
 
 
 def plain_step(model_dir: Path, batch: Batch, device: str, dtype: torch.dtype, mbs: int) -> Any:
@@ -161,9 +151,9 @@ def main() -> None:
     dtype = getattr(torch, dtype_name)
     warmup, timed = (1, 1) if smoke else (2, 4)
     rng = random.Random(1)
-    dense = make_batch([longest] * rows, shape["vocab_size"], seed=0)
+    dense = make_batch([longest] * rows, seed=0, vocab=shape["vocab_size"])
     lengths = [rng.randint(longest // 32, longest) for _ in range(26 if not smoke else 6)]
-    packed = make_batch(lengths, shape["vocab_size"], seed=2)
+    packed = make_batch(lengths, seed=2, vocab=shape["vocab_size"])
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "llama"
         model = build_model(model_dir, shape, longest)
