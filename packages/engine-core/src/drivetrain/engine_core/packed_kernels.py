@@ -137,6 +137,20 @@ def choose_kernel(requested: str, device_type: str, installed: Sequence[str]) ->
     return requested
 
 
+def engine_kernel(requested: str, device_type: str, dtype: str, *, say: bool) -> str:
+    """What an engine's ``packed_kernel`` option resolves to here (a ``ConfigError`` in one
+    line when it cannot run), announced once when ``say`` (the writing rank)."""
+    from drivetrain.api import ConfigError
+
+    try:
+        kernel = choose_kernel(requested, device_type, installed_kernels(device_type, dtype))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if say:
+        announce(kernel, device_type)
+    return kernel
+
+
 _announced: set[str] = set()
 
 

@@ -52,7 +52,7 @@ from drivetrain.engine_core import (
     on_device,
     to_layout,
 )
-from drivetrain.engine_core.packed_kernels import announce, choose_kernel, installed_kernels
+from drivetrain.engine_core.packed_kernels import engine_kernel
 
 
 class FSDPEngine(ModalEngine):
@@ -83,13 +83,9 @@ class FSDPEngine(ModalEngine):
         hf = load_hf_model(cfg.model, cfg.attention, empty=empty)
         self.packed_kernel = "grouped_sdpa"  # attention="varlen": what attends over a packed row
         if cfg.attention == "varlen":
-            kinds = installed_kernels(self.device.type, cfg.model.dtype)
-            try:
-                self.packed_kernel = choose_kernel(cfg.packed_kernel, self.device.type, kinds)
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
-            if dist.get_rank() == 0:
-                announce(self.packed_kernel, self.device.type)
+            self.packed_kernel = engine_kernel(
+                cfg.packed_kernel, self.device.type, cfg.model.dtype, say=dist.get_rank() == 0
+            )
         self.hf_config = unwrap_peft(hf).config
         module = TokenOutputModel(
             hf,

@@ -22,7 +22,6 @@ import torch.distributed as dist
 from drivetrain.api import (
     Batch,
     CheckpointInfo,
-    ConfigError,
     EngineConfig,
     EngineStateError,
     LossContext,
@@ -53,7 +52,7 @@ from drivetrain.engine_core import (
     on_device,
     to_layout,
 )
-from drivetrain.engine_core.packed_kernels import announce, choose_kernel, installed_kernels
+from drivetrain.engine_core.packed_kernels import engine_kernel
 
 log = logging.getLogger(__name__)
 
@@ -118,13 +117,10 @@ class MegatronEngine(ModalEngine):
             chunks
         )
         self.tcfg = tcfg
-        kernels = installed_kernels(self.device.type, cfg.model.dtype)
-        try:
-            self.packed_kernel = choose_kernel(cfg.packed_kernel, self.device.type, kernels)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        if cfg.context_parallel == 1 and dist.get_rank() == 0:
-            announce(self.packed_kernel, self.device.type)
+        self.packed_kernel = engine_kernel(
+            cfg.packed_kernel, self.device.type, cfg.model.dtype,
+            say=cfg.context_parallel == 1 and dist.get_rank() == 0,
+        )  # fmt: skip
         chunks = build_model(
             self.hf_config, tcfg, value_head=cfg.model.value_head, packed_kernel=self.packed_kernel
         )
