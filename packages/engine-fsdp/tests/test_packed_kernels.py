@@ -60,3 +60,18 @@ def test_a_cuda_kernel_asked_for_on_the_cpu_is_one_config_error(model_dir):
         FSDPHarness(model_dir, overrides={"packed_kernel": "xformers"}).make_engine(
             MicroBatchConfig(2)
         )
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_ulysses_attends_through_one_kernel_call_per_layer(tmp_path):
+    """Two ranks of a sequence-parallel group: the all-to-alls around one kernel call give the
+    grouped path's values and gradients on the whole row (shared prefixes and one KV head too)."""
+    from launch import launch
+
+    reports = launch("worker_ulysses_kernel.py", tmp_path, timeout=100)
+    for report in reports:
+        assert set(report) == {"plain/kv2", "plain/kv1", "shared_prefix/kv2", "shared_prefix/kv1"}
+        for case, result in report.items():
+            assert result["calls"] == 1, case
+            assert result["max_error"] < 1e-5, (case, result)
