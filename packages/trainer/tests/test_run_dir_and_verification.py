@@ -6,17 +6,23 @@ import pytest
 
 from drivetrain.trainer.checkpoints import CheckpointManager
 from drivetrain.trainer.console import plain_console
-from drivetrain.trainer.errors import CheckpointError, RunDirectoryError
-from drivetrain.trainer.run_dir import claim_run_dir, holds_a_run, resume_point
+from drivetrain.trainer.errors import CheckpointError, NothingToTrain, RunDirectoryError
+from drivetrain.trainer.run_dir import (
+    adopt_checkpoint,
+    check_steps_left,
+    claim_run_dir,
+    holds_a_run,
+    resume_point,
+)
 
 pytestmark = pytest.mark.fault
 
 
-def save(manager, step):
+def save(manager, step, state=None):
     engine_dir = manager.staging(step) / "engine"
     engine_dir.mkdir(parents=True)
     (engine_dir / "weights").write_bytes(bytes([step]) * 4096)
-    return manager.publish(step, {"engine": "e"})
+    return manager.publish(step, state or {"engine": "e"})
 
 
 def test_pruning_removes_only_this_runs_checkpoints(tmp_path):
@@ -73,3 +79,26 @@ def test_overwrite_with_a_checkpoint_inside_the_directory_is_refused(tmp_path):
         resume_point(manager, str(path), overwrite=True, console=plain_console())
     assert resume_point(manager, "auto", overwrite=True, console=plain_console()) is None
     assert resume_point(manager, "auto", overwrite=False, console=plain_console()).step == 1
+
+
+def test_a_run_resumed_at_or_past_its_last_step_trains_nothing(tmp_path):
+    manager = CheckpointManager(tmp_path, keep_last=2, writer=True)
+    save(manager, 10)
+    found = manager.latest()
+    check_steps_left(found, 11, "run.steps")  # one step left
+    for total in (10, 8):
+        said = rf"nothing to train: .*step_00000010 is at step 10 and run.steps makes {total} steps"
+        with pytest.raises(NothingToTrain, match=said) as err:
+            check_steps_left(found, total, "run.steps")
+        assert "\n" not in str(err.value)
+
+
+def test_a_checkpoint_of_another_rollout_backend_is_another_run(tmp_path):
+    """The SmolLM2 README's order: the hf run, then the vLLM run into the same directory."""
+    manager = CheckpointManager(tmp_path, keep_last=2, writer=True)
+    save(manager, 10, {"algorithm": "grpo", "rollout": "hf", "mode": "sync"})
+    found = manager.latest()
+    vllm = {"algorithm": "grpo", "rollout": "vllm", "mode": "sync"}
+    with pytest.raises(CheckpointError, match=r"has rollout='hf', this run 'vllm'; use another"):
+        adopt_checkpoint(found, vllm, manager)
+    adopt_checkpoint(found, {**vllm, "rollout": "hf"}, manager)

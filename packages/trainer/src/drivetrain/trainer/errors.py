@@ -19,3 +19,9 @@ class WorkerError(DrivetrainError):
 
 class RunDirectoryError(DrivetrainError):
     """The output directory holds another run that this one would mix with or overwrite."""
+
+
+class NothingToTrain(DrivetrainError):
+    """The run to resume is already at or past its last step: nothing was run or written (the
+    commands say so in one line and exit 0, so a scheduler's requeue of a finished job is no
+    failure)."""

@@ -23,7 +23,7 @@ from rich.console import Console
 
 from drivetrain.api.atomic_dir import STAGING_SUFFIX
 from drivetrain.trainer.checkpoints import Checkpoint, CheckpointManager, verify_checkpoint
-from drivetrain.trainer.errors import CheckpointError, RunDirectoryError
+from drivetrain.trainer.errors import CheckpointError, NothingToTrain, RunDirectoryError
 
 
 def adopt_checkpoint(
@@ -39,6 +39,21 @@ def adopt_checkpoint(
                 "another run.output_dir or --overwrite"
             )
     checkpoints.run_id = found.run_id or checkpoints.run_id
+
+
+def steps_knob(run: Any) -> str:
+    """Which option of an SFT or DPO ``run`` section sets its number of steps."""
+    return "run.max_steps" if run.max_steps else "run.epochs"
+
+
+def check_steps_left(found: Checkpoint, total: int, knob: str) -> None:
+    """Refuse to resume a run that is already at or past its last step (``total``, set by
+    ``knob``): re-validating and re-exporting it would read as a new result."""
+    if found.step >= total:
+        raise NothingToTrain(
+            f"nothing to train: {found.path} is at step {found.step} and {knob} makes {total} "
+            "steps; for a new run use another run.output_dir or --overwrite"
+        )
 
 
 def resume_point(

@@ -11,6 +11,7 @@ from drivetrain.api import registry
 from drivetrain.api.errors import DrivetrainError
 from drivetrain.trainer.command_flow import prepared_for_training, settled_before_preparing
 from drivetrain.trainer.console import plain_console, print_error
+from drivetrain.trainer.errors import NothingToTrain
 from drivetrain.trainer.run_options import (
     ConfigFiles,
     DryRun,
@@ -58,6 +59,9 @@ def dpo(
         if prepared is None:
             return
         result = run_dpo(prepared, resume=resume, overwrite=overwrite, console=console)
+    except NothingToTrain as exc:  # a finished run requeued: no failure, nothing written
+        console.print(str(exc))
+        return
     except DrivetrainError as exc:
         print_error(console, exc)
         raise typer.Exit(2) from None

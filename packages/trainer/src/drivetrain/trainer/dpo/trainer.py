@@ -28,7 +28,7 @@ from drivetrain.trainer.metrics import METRICS_FILE, MetricsLogger, plot_loss_cu
 from drivetrain.trainer.progress import TrainingProgress
 from drivetrain.trainer.rl.reference import Reference
 from drivetrain.trainer.rl.worker import ACTOR
-from drivetrain.trainer.run_dir import adopt_checkpoint
+from drivetrain.trainer.run_dir import adopt_checkpoint, check_steps_left, steps_knob
 from drivetrain.trainer.workers.group import WorkerGroup
 
 
@@ -144,6 +144,7 @@ class DPOTrainer:
         start = 0
         if start_from is not None:
             adopt_checkpoint(start_from, self.state(), self.checkpoints)
+            check_steps_left(start_from, self.total, steps_knob(self.config.run))
             start = self.group.run_all(
                 PreferenceWorker.load_checkpoint, start_from.engine_path, (ACTOR,)
             )

@@ -15,6 +15,7 @@ from drivetrain.api import registry
 from drivetrain.api.errors import DrivetrainError
 from drivetrain.trainer.command_flow import prepared_for_training, settled_before_preparing
 from drivetrain.trainer.console import plain_console, print_error
+from drivetrain.trainer.errors import NothingToTrain
 from drivetrain.trainer.run_options import ConfigFiles, Overwrite, Resume
 
 console = plain_console()
@@ -82,6 +83,9 @@ def _run(
             )
         finally:
             placement.close()
+    except NothingToTrain as exc:  # a finished run requeued: no failure, nothing written
+        console.print(str(exc))
+        return
     except DrivetrainError as exc:
         print_error(console, exc)
         raise typer.Exit(2) from None

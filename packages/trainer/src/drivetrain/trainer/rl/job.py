@@ -338,6 +338,10 @@ def prepare(job: RLJob) -> PreparedRL:
         "algorithm": job.algorithm,
         **({"env": c.env} if c.env else {}),
         "actor_engine": job.engine,
+        # what generates the samples: the same steps through another backend or mode are
+        # another run (an hf run's directory resumed by a vLLM run re-exported the hf model)
+        "rollout": job.rollout,
+        "mode": c.algorithm.mode,
         "model_path": c.actor.model.path,
         "roles": sorted(roles),
         "seed": c.seed,

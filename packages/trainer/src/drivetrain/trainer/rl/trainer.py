@@ -73,7 +73,7 @@ from drivetrain.trainer.rl.reference import Reference
 from drivetrain.trainer.rl.rewards import RewardScorer
 from drivetrain.trainer.rl.step_metrics import clip_ratio, fmt, mean_stats, reward_stats
 from drivetrain.trainer.rl.worker import ACTOR, CRITIC, REWARD_MODEL, TEACHER, RLWorker
-from drivetrain.trainer.run_dir import adopt_checkpoint, start_point
+from drivetrain.trainer.run_dir import adopt_checkpoint, check_steps_left, start_point
 from drivetrain.trainer.run_lock import owning
 from drivetrain.trainer.workers.engine_worker import StepStats
 
@@ -497,6 +497,7 @@ class RLTrainer:
         if found is None:
             return 0
         adopt_checkpoint(found, self.setup.state, self.checkpoints)
+        check_steps_left(found, self.config.run.steps, "run.steps")
         step = self.group.run_all(RLWorker.load_checkpoint, found.engine_path, self.trainable)
         self.weights.sync(step)  # the rollouts generate with the checkpoint's weights
         self.console.print(f"resumed from {found.path} at step {step}")

@@ -13,6 +13,7 @@ from drivetrain.api.config import EngineConfig
 from drivetrain.api.errors import DrivetrainError, PluginError
 from drivetrain.trainer.command_flow import prepared_for_training
 from drivetrain.trainer.console import plain_console, print_error
+from drivetrain.trainer.errors import NothingToTrain
 from drivetrain.trainer.run_options import (
     ConfigFiles,
     DryRun,
@@ -68,6 +69,9 @@ def sft(
         if prepared is None:
             return
         result = run_sft(prepared, resume=resume, overwrite=overwrite, console=console)
+    except NothingToTrain as exc:  # a finished run requeued: no failure, nothing written
+        console.print(str(exc))
+        return
     except DrivetrainError as exc:
         print_error(console, exc)
         raise typer.Exit(2) from None

@@ -23,6 +23,7 @@ from drivetrain.trainer.data.sft_dataset import SFTData
 from drivetrain.trainer.errors import CheckpointError
 from drivetrain.trainer.metrics import METRICS_FILE, MetricsLogger, plot_loss_curve
 from drivetrain.trainer.progress import TrainingProgress
+from drivetrain.trainer.run_dir import check_steps_left, steps_knob
 from drivetrain.trainer.sft.config import SFTConfig
 from drivetrain.trainer.workers.engine_worker import EngineWorker, StepStats
 from drivetrain.trainer.workers.group import WorkerGroup
@@ -148,6 +149,7 @@ class SFTTrainer:
         start = 0
         if start_from is not None:
             self._check_resumable(start_from)
+            check_steps_left(start_from, self.total, steps_knob(self.config.run))
             start = self.group.run_all(EngineWorker.load_checkpoint, start_from.engine_path)
             self.console.print(f"resumed from {start_from.path} at step {start}")
         result = SFTResult(self.out, final_step=start)
