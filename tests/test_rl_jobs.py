@@ -51,12 +51,15 @@ def test_grpo_dapo_preset_samples_until_the_groups_are_informative(tmp_path):
     base = make_rl_job(tmp_path)
     out = tmp_path / "run"
     env = {**sft_env(tmp_path), "PYTHONPATH": str(REPO / "tests")}
-    summary, _ = run_rl(
+    summary, done = run_rl(
         "grpo", "--preset", "dapo", *base, f"run.output_dir={out}", "run.steps=2",
         "sampling.n=2", "reward.functions=[rl_support:varied_reward]",
         "algorithm.overlong_filter=true", env=env,
     )  # fmt: skip
     assert summary["steps"] == 2
+    # the task's own reward beside the shaped total (the penalty can dominate it)
+    assert "task reward without the overlong penalty" in done.stderr + done.stdout
+    assert summary["task_reward_first_steps_mean"] >= summary["reward_first_steps_mean"]
     rows = [r for r in metrics_rows(out) if "reward/mean" in r]
     for row in rows:
         # 4 informative groups of 2 kept, unless the 4-round cap was reached first
@@ -66,6 +69,8 @@ def test_grpo_dapo_preset_samples_until_the_groups_are_informative(tmp_path):
         assert row["sampling/rounds"] == 1 or row["sampling/generated_groups"] > 4
         assert 0 <= row["sampling/zero_variance_frac"] <= 1
         assert row["reward/overlong"] <= 0  # 6 new tokens, a 20% buffer: a -1 ramp over 1.2
+        task = row["reward/rl_support:varied_reward"]  # the one reward function, weight 1
+        assert row["reward/task"] == pytest.approx(task, abs=1e-6)
         assert 0 <= row["response/overlong_filtered_frac"] <= 1
     config = (out / "config.yaml").read_text()
     assert "clip_high: 0.28" in config and "dynamic_sampling: true" in config

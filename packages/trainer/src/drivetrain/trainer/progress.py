@@ -54,5 +54,7 @@ class TrainingProgress:
     ) -> None:
         self._progress.stop()
 
-    def update(self, *, loss: float, tokens_per_s: float) -> None:
-        self._progress.update(self._task, advance=1, loss=f"{loss:.4f}", tps=f"{tokens_per_s:,.0f}")
+    def update(self, *, loss: float, tokens_per_s: float, task: float | None = None) -> None:
+        """``task``: the task's own reward beside a shaped total shown as ``loss``."""
+        shown = f"{loss:.4f}" if task is None else f"{loss:.4f} (task {task:.4f})"
+        self._progress.update(self._task, advance=1, loss=shown, tps=f"{tokens_per_s:,.0f}")

@@ -92,6 +92,7 @@ def _run(
     out = Path(job.config.run.output_dir)
     (out / "config.yaml").write_text(job.to_yaml())
     rewards = [result.rewards[step] for step in sorted(result.rewards)]
+    tasks = [result.task_rewards[step] for step in sorted(result.task_rewards)]
     window = min(10, len(rewards) // 2)  # steps averaged at each end (one step is noisy)
     summary = {
         "output_dir": str(result.output_dir),
@@ -102,6 +103,15 @@ def _run(
         "reward_last_step": rewards[-1] if rewards else None,
         "reward_first_steps_mean": sum(rewards[:window]) / window if window else None,
         "reward_last_steps_mean": sum(rewards[-window:]) / window if window else None,
+        # with DAPO's overlong shaping: the task's own reward (the penalty can dominate the total)
+        **(
+            {
+                "task_reward_first_steps_mean": sum(tasks[:window]) / window,
+                "task_reward_last_steps_mean": sum(tasks[-window:]) / window,
+            }
+            if window and len(tasks) == len(rewards)
+            else {}
+        ),
         "val_before": result.val_before,
         "val_after": result.val_after,
         "hf_model": str(result.hf_dir) if result.hf_dir else None,
@@ -114,6 +124,12 @@ def _run(
             f"train reward (sampled, mean of {window} steps): "
             f"{summary['reward_first_steps_mean']:.3f} first, "
             f"{summary['reward_last_steps_mean']:.3f} last"
+        )
+    if "task_reward_first_steps_mean" in summary:
+        console.print(
+            f"task reward without the overlong penalty (mean of {window} steps): "
+            f"{summary['task_reward_first_steps_mean']:.3f} first, "
+            f"{summary['task_reward_last_steps_mean']:.3f} last"
         )
     if job.builtin is not None and result.val_before and result.val_after:
         console.print(

@@ -24,6 +24,9 @@ import torch
 from drivetrain.api import Batch, Completion, FinishReason
 from drivetrain.api.columns import LOSS_MASK
 
+#: the reward part holding the overlong penalty: it shapes the reward, it does not score the task
+SHAPING = "overlong"
+
 #: scores closer than this count as equal (rewards are sums of floats)
 SAME_SCORE = 1e-6
 
@@ -53,7 +56,7 @@ class SampledGroup:
     def informative(self) -> bool:
         """The verifier's rewards differ (the overlong shaping is left out, as DAPO filters
         on accuracy: lengths alone make no signal worth a slot)."""
-        shaping = torch.as_tensor(self.parts.get("overlong", [0.0] * len(self.scores)))
+        shaping = torch.as_tensor(self.parts.get(SHAPING, [0.0] * len(self.scores)))
         verdict = self.scores - shaping.to(self.scores.dtype)
         return float(verdict.max() - verdict.min()) > SAME_SCORE
 

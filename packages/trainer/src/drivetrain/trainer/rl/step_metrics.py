@@ -11,6 +11,7 @@ import torch
 from drivetrain.api import FinishReason
 from drivetrain.api.loss import MAX_SUFFIX
 from drivetrain.api.trajectory import Trajectory
+from drivetrain.trainer.rl.dapo import SHAPING
 from drivetrain.trainer.workers.engine_worker import StepStats
 
 
@@ -23,9 +24,12 @@ def clip_ratio(completions: Sequence[Any], lengths: torch.Tensor, max_new_tokens
 
 
 def reward_stats(scores: torch.Tensor, parts: dict[str, list[float]]) -> dict[str, float]:
-    """Mean and std of the rewards, and each part's mean."""
+    """Mean and std of the rewards, each part's mean, and with DAPO's overlong shaping the task's
+    own reward (``reward/task``: the mean without the penalty, which can dominate the total)."""
     metrics = {"reward/mean": float(scores.mean()), "reward/std": float(scores.std())}
     metrics.update({f"reward/{n}": sum(v) / len(v) for n, v in parts.items()})
+    if SHAPING in parts:
+        metrics["reward/task"] = metrics["reward/mean"] - metrics[f"reward/{SHAPING}"]
     return metrics
 
 

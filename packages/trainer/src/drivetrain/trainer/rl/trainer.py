@@ -54,6 +54,7 @@ from drivetrain.trainer.rl.batch_ops import (
 )
 from drivetrain.trainer.rl.config import RLConfig, updates_per_step
 from drivetrain.trainer.rl.dapo import (
+    SHAPING,
     SampledGroup,
     dynamic_sample,
     filter_truncated,
@@ -102,6 +103,8 @@ class RLResult:
     output_dir: Path
     final_step: int
     rewards: dict[int, float] = field(default_factory=dict)  # 1-based step -> mean reward
+    #: with reward shaping (DAPO's overlong penalty): the task's own reward, without it
+    task_rewards: dict[int, float] = field(default_factory=dict)
     val_before: dict[str, float] = field(default_factory=dict)
     val_after: dict[str, float] = field(default_factory=dict)
     hf_dir: Path | None = None
@@ -377,7 +380,7 @@ class RLTrainer:
                 alg.overlong_penalty,
             )
             scores = scores + penalty
-            parts["overlong"] = penalty.tolist()
+            parts[SHAPING] = penalty.tolist()
         return scores, parts
 
     def agent_reward(self, task: Any, text: str) -> float:
@@ -536,11 +539,15 @@ class RLTrainer:
                             metrics.update(self.validate())
                     logger.log(done, metrics)
                     result.rewards[done], result.final_step = metrics["reward/mean"], done
+                    if "reward/task" in metrics:
+                        result.task_rewards[done] = metrics["reward/task"]
                     digest = self.weights.reports[-1].sent.digest if self.weights.reports else None
                     if digest is not None:
                         result.weight_digests[done] = digest
                     progress.update(
-                        loss=metrics["reward/mean"], tokens_per_s=metrics["perf/tokens_per_s"]
+                        loss=metrics["reward/mean"],
+                        tokens_per_s=metrics["perf/tokens_per_s"],
+                        task=metrics.get("reward/task"),
                     )
                     if c.run.save_every and done % c.run.save_every == 0 and done < c.run.steps:
                         self.save(done)
