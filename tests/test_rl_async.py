@@ -65,6 +65,16 @@ def test_the_scripted_schedule_is_bit_identical_across_runs(tmp_path):
     assert max(r["async/partial_samples_frac"] for r in first) > 0
     assert max(r["async/staleness_max"] for r in first) == 1
     assert all("off_policy/is_weight_mean" in r for r in first)
+    # the samples log counts the staleness without the trainer's own metric
+    logged = [
+        json.loads(x) for x in (tmp_path / "a" / "run" / "samples.jsonl").read_text().splitlines()
+    ]
+    assert [row["step"] for row in logged] == [r["step"] for r in first]
+    for row, metrics in zip(logged, first, strict=True):
+        lags = [row["trainer_version"] - low for low, _ in row["versions"]]
+        assert min(lags) >= 0 and max(lags) == metrics["async/staleness_max"] <= 1
+        spanning = sum(low < high for low, high in row["versions"]) / len(row["versions"])
+        assert spanning == pytest.approx(metrics["async/partial_samples_frac"])
 
 
 def _timing(row: dict) -> dict:

@@ -27,6 +27,26 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+class StepLog:
+    """One JSON line per step in ``path``, flushed as written. A resumed run repeats the steps
+    after its checkpoint: what the interrupted run wrote for them is dropped, so the file holds
+    one history."""
+
+    def __init__(self, path: Path, *, resume_step: int = 0) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        kept = [r for r in read_metrics(path) if r.get("step", 0) <= resume_step]
+        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self._file = open(path, "a")  # noqa: SIM115 - open for the run's lifetime
+
+    def write(self, row: Mapping[str, Any]) -> None:
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
 class MetricsLogger:
     def __init__(
         self,
@@ -36,13 +56,8 @@ class MetricsLogger:
         run_config: Mapping[str, Any],
         resume_step: int = 0,
     ) -> None:
-        out_dir.mkdir(parents=True, exist_ok=True)
         self.path = out_dir / METRICS_FILE
-        # A resumed run repeats the steps after its checkpoint: drop what the killed run logged
-        # for them so the file holds one curve.
-        kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        self._file = open(self.path, "a")  # noqa: SIM115 - open for the run's lifetime
+        self._file = StepLog(self.path, resume_step=resume_step)
         self._tb = None
         if config.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -61,9 +76,7 @@ class MetricsLogger:
             )
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
+        self._file.write({"step": step, **{k: float(v) for k, v in metrics.items()}})
         if self._tb is not None:
             for key, value in metrics.items():
                 self._tb.add_scalar(key, value, step)

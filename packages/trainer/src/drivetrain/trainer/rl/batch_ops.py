@@ -113,3 +113,14 @@ def staleness_stats(batch: Batch, trainer_version: int) -> dict[str, float]:
     small = torch.where(mask, versions, torch.iinfo(versions.dtype).max).amin(-1)
     out["async/partial_samples_frac"] = float(((big > small) & mask.any(-1)).float().mean())
     return out
+
+
+def sample_versions(batch: Batch) -> list[list[int]]:
+    """Each sample's ``[first, last]`` weight version over its response tokens (a partial
+    rollout resumed under new weights spans several), for the samples log."""
+    mask = batch[LOSS_MASK].bool()
+    versions = batch[TOKEN_WEIGHT_VERSION]
+    first = torch.where(mask, versions, torch.iinfo(versions.dtype).max).amin(-1)
+    last = torch.where(mask, versions, torch.iinfo(versions.dtype).min).amax(-1)
+    has = mask.any(-1)
+    return [[int(a), int(b)] for a, b, h in zip(first, last, has, strict=True) if h]

@@ -37,7 +37,7 @@ from drivetrain.trainer.agentic.job import EpisodeSetup
 from drivetrain.trainer.agentic.samples import episode_metrics, episode_samples, turn_rewards
 from drivetrain.trainer.checkpoints import CheckpointManager
 from drivetrain.trainer.console import plain_console
-from drivetrain.trainer.metrics import METRICS_FILE, MetricsLogger, plot_curve
+from drivetrain.trainer.metrics import METRICS_FILE, MetricsLogger, StepLog, plot_curve
 from drivetrain.trainer.progress import TrainingProgress
 from drivetrain.trainer.rl.advantages import ADVANTAGES as ESTIMATORS
 from drivetrain.trainer.rl.advantages import AdvantageInputs
@@ -48,6 +48,7 @@ from drivetrain.trainer.rl.batch_ops import (
     group_ids,
     last_token_rewards,
     masked_mean,
+    sample_versions,
     staleness_stats,
     stream_stats,
     taken_batch,
@@ -96,6 +97,11 @@ class RLSetup:
     reward_model: bool
     teacher: bool = False  # on-policy distillation
     episodes: EpisodeSetup | None = None  # env=<name>: multi-turn episodes
+
+
+#: async modes: one line per step, ``{"step", "trainer_version", "versions": [[first, last]]}``
+#: (each trained sample's weight versions over its response tokens)
+SAMPLES_FILE = "samples.jsonl"
 
 
 @dataclass
@@ -163,6 +169,8 @@ class RLTrainer:
             self.out / "checkpoints", keep_last=c.run.keep_last, writer=True
         )
         self.stream: GroupStream | None = None  # generation ahead of training (not sync mode)
+        #: SAMPLES_FILE: each step's samples' weight versions (async modes)
+        self.samples: StepLog | None = None
         self.episodes: EpisodeRunner | AgentRunner | None = None
         if setup.episodes is not None:
             e = setup.episodes
@@ -227,6 +235,11 @@ class RLTrainer:
         lengths = batch[LOSS_MASK].sum(-1).float()
         if self.stream is not None:
             stream_metrics.update(staleness_stats(batch, step))
+            if self.samples is not None:  # staleness countable without the trainer's metric
+                self.samples.write(
+                    {"step": step + 1, "trainer_version": step,
+                     "versions": sample_versions(batch)}
+                )  # fmt: skip
         # sync: colocated rollouts sleep while the trainer uses their device; on leaving, the
         # new weights go to every rollout (the weight path's one sequence, every placement);
         # ahead of training, weights are pushed below, every sync_every steps
@@ -520,6 +533,8 @@ class RLTrainer:
         if result.val_before:
             self.console.print(f"validation before: {fmt(result.val_before)}")
         logger = MetricsLogger(self.out, c.logging, run_config=self.setup.state, resume_step=start)
+        if c.algorithm.mode != "sync":
+            self.samples = StepLog(self.out / SAMPLES_FILE, resume_step=start)
         loop_began = time.perf_counter()
         if c.algorithm.mode != "sync" and start < c.run.steps:
             self.stream = self.group_stream(start)
@@ -569,6 +584,8 @@ class RLTrainer:
                 with contextlib.suppress(Exception):
                     self.episodes.close()
             logger.close()
+            if self.samples is not None:
+                self.samples.close()
         series = [("reward/mean", "train reward"), ("val/reward", "validation reward")]
         plot_curve(self.out / METRICS_FILE, self.out / "reward_curve.png", series, ylabel="reward")
         result.seconds = time.perf_counter() - began
