@@ -340,6 +340,36 @@ def test_limits_refuse_a_turn_and_mark_the_truncation(recording, tokenizer):
         assert len(session.segments) == 1 and len(recording.requests) == 2
 
 
+def test_a_message_that_cannot_fit_is_refused_before_it_is_tokenised(recording, tokenizer):
+    """The drill: 7.8 MB of content (under the 8 MiB body cap) took 31 s to refuse, tokenised
+    whole under a lock every session shared. Now the character bound refuses it at once, and
+    another session's turn is served meanwhile."""
+    with ChatServer([recording], partial(ChatTokens, tokenizer), AlwaysCalls()) as server:
+        big, small = (server.open_session(i, 0, i, TASKS[0], LIMITS, PARAMS) for i in (0, 1))
+        huge = {"messages": [{"role": "user", "content": "7*6 " * 1_950_000}]}
+        served = {}
+
+        def other_session():
+            body = {"messages": [{"role": "user", "content": "What is 2*3?"}]}
+            served["status"], _ = call(
+                server, "POST", f"/sessions/{small.sid}/v1/chat/completions", body,
+                key=server.api_key,
+            )  # fmt: skip
+
+        thread = threading.Thread(target=other_session)
+        began = time.monotonic()
+        thread.start()
+        status, reply = call(
+            server, "POST", f"/sessions/{big.sid}/v1/chat/completions", huge, key=server.api_key
+        )
+        refused_in = time.monotonic() - began
+        thread.join(timeout=30)
+        assert status == 400 and reply["error"]["code"] == "context_length_exceeded"
+        assert "7,800,004 characters" in reply["error"]["message"]
+        assert refused_in < 1.0, refused_in
+        assert served == {"status": 200} and big.segments == [] and len(small.segments) == 1
+
+
 def wait_for(condition, timeout_s=5.0):
     deadline = time.monotonic() + timeout_s
     while not condition():

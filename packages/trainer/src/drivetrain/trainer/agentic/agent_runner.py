@@ -25,6 +25,7 @@ being its last assistant turn as the model wrote it (tool-call markup included).
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import signal
@@ -82,7 +83,9 @@ class AgentRunner:
             raise ValueError("the agent command is empty")
         self.rollouts, self.parser = list(rollouts), parser
         if hasattr(chat, "apply_chat_template"):
-            tokenizer = chat
+            # the endpoint's own copy: its handler threads tokenise at once, and no other
+            # user of the trainer's tokenizer can change its settings under them
+            tokenizer = copy.deepcopy(chat)
             self.chat_for: Callable[[Sequence[Mapping[str, Any]]], ChatTokens] = lambda tools: (
                 ChatTokens(tokenizer, tools)
             )

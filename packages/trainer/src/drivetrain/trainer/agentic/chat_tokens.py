@@ -15,6 +15,7 @@ would have rendered it; a turn cut at its token budget gets the whole end of tur
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -40,6 +41,14 @@ class ChatTokens:
         self.turn_end = self.encode(self._turn_end_text)
         # a template this cannot follow fails here, before any episode runs
         self.observation_text([{"role": "user", "content": "Go on."}])
+
+    @functools.cached_property
+    def longest_token(self) -> int:
+        """The most characters one token stands for: its vocabulary string, which decodes to
+        no more characters (byte-level BPE writes one character per byte, SentencePiece one
+        per character, byte fallback six per byte). A text of ``n`` characters is at least
+        ``n / longest_token`` tokens, known without tokenising it."""
+        return max((len(token) for token in self.tokenizer.get_vocab()), default=1)
 
     def render(self, messages: Sequence[Message], *, generation: bool) -> str:
         return self.tokenizer.apply_chat_template(

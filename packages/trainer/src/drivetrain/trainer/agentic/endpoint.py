@@ -21,6 +21,7 @@ see there.) Routes, all behind ``Authorization: Bearer <api key>`` (401 without 
   ``length``; calls that could not be parsed are listed in the message's extra
   ``tool_call_errors``. A turn the episode's limits leave no room for is refused with 400 and
   code ``context_length_exceeded`` or ``max_turns_exceeded``: the agent should end the episode.
+  Text that cannot fit the context by its characters alone is refused before it is tokenised.
 - ``GET /sessions/<sid>/v1/models``: one model.
 - ``POST /sessions/<sid>/reward`` with ``{"reward": <number>}``: the episode's reward, when the
   agent knows it (else the trainer scores the last turn).
@@ -32,6 +33,7 @@ ended or the server closes), 504 no answer within the request deadline.
 Threads: HTTP handlers (one per connection) never touch a rollout. One dispatcher thread owns
 the rollouts (a rollout has one poller at a time): it submits the queued requests, polls, and
 completes each handler's future when its request finishes. Every wait has a deadline.
+Handlers tokenise under their session's lock only, with the endpoint's own tokenizer copy.
 """
 
 from __future__ import annotations
@@ -317,7 +319,7 @@ class ChatServer:
         self._key = self.api_key.encode()
         self.request_timeout_s, self.max_body_bytes = request_timeout_s, max_body_bytes
         self._chat_for, self._chats = chat_for, {}
-        self._tokens = threading.Lock()  # tokenizers are not shared across threads
+        self._chats_lock = threading.Lock()  # the cache, not the tokenizing (see _complete)
         self._sessions: dict[str, Session] = {}
         self._sessions_lock = threading.Lock()
         self._dispatcher = _Dispatcher(rollouts)
@@ -438,9 +440,26 @@ class ChatServer:
 
     def _chat(self, tools: Sequence[Mapping[str, Any]]) -> ChatTokens:
         key = json.dumps(list(tools), sort_keys=True)
-        if key not in self._chats:
-            self._chats[key] = self._chat_for(tools)
-        return self._chats[key]
+        with self._chats_lock:
+            if key not in self._chats:
+                self._chats[key] = self._chat_for(tools)
+            return self._chats[key]
+
+    def _refuse_certainly_too_long(
+        self, session: Session, messages: Sequence[Any], tools: Sequence[Any]
+    ) -> None:
+        """Refuse, before tokenising anything, a request whose text cannot fit the context:
+        ``n`` characters are at least ``n / longest_token`` tokens (halved again for
+        normalisers that merge characters). A 7.8 MB message took 31 s to tokenise before
+        this; the bound costs one pass over the strings."""
+        chars = _characters(messages) + _characters(tools)
+        fewest = chars // (2 * self._chat(()).longest_token)
+        if fewest > session.limits.context:
+            raise RequestError(
+                f"the request holds {chars:,} characters, at least {fewest:,} tokens: more "
+                f"than the context of {session.limits.context}",
+                "context_length_exceeded",
+            )
 
     def _complete(self, session: Session, payload: Mapping[str, Any]) -> dict[str, Any]:
         messages = check_messages(payload.get("messages"))
@@ -452,14 +471,16 @@ class ChatServer:
             isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
         ):
             raise RequestError("max_tokens must be a positive integer")
+        self._refuse_certainly_too_long(session, messages, tools)
         deadline = time.monotonic() + self.request_timeout_s
         if not session.lock.acquire(timeout=self.request_timeout_s):
             raise _HTTPError(504, "another request of this session is still running", "timeout")
         try:
             if session.closed:
                 raise _HTTPError(404, f"session {session.sid!r} has ended", "session_not_found")
-            with self._tokens:
-                turn = session.plan(messages, tools, max_tokens, self._chat)
+            # tokenised under this session's lock only: another session's turn goes on meanwhile
+            # (a fast tokenizer encodes outside the GIL, and nothing here changes its settings)
+            turn = session.plan(messages, tools, max_tokens, self._chat)
             params: SamplingParams = session.params
             seed = params.seed
             if seed is not None:
@@ -480,8 +501,7 @@ class ChatServer:
                 raise _HTTPError(504, "no answer within the request deadline", "timeout")
             if completion.finish_reason is FinishReason.ABORT or not completion.token_ids:
                 raise _HTTPError(503, "the request was aborted (the episode ended)", "aborted")
-            with self._tokens:
-                text = turn.chat.decode(completion.token_ids)
+            text = turn.chat.decode(completion.token_ids)
             parsed = self.parser.parse(text)
             message = session.record(turn, completion, text, parsed)
         finally:
@@ -524,3 +544,14 @@ class ChatServer:
                 "total_tokens": prompt_tokens + sampled,
             },
         }
+
+
+def _characters(value: Any) -> int:
+    """The characters of every string value in a JSON value (keys are not rendered text)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, Mapping):
+        return sum(_characters(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_characters(v) for v in value)
+    return 0
