@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from drivetrain.api.manifest import verify_manifest
 from sft_support import make_job, run_sft, sft_command, sft_env, train_losses
 
 pytestmark = pytest.mark.timeout(600)
@@ -31,15 +32,18 @@ def logged_steps(out: Path) -> int:
     return max(steps, default=0)
 
 
-@pytest.mark.slow  # a killed run, its resume and a reference: 35 s
-def test_killed_run_resumes_with_the_same_losses(tmp_path):
-    base = make_job(tmp_path)
-    reference = (
-        train_losses(tmp_path / "reference")
-        if run_sft(tmp_path, tmp_path / "reference", *base, *STEPS)
-        else {}
-    )
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """The tiny job the interrupted runs share, and the losses of its run never stopped."""
+    root = tmp_path_factory.mktemp("job")
+    base = make_job(root)
+    run_sft(root, root / "reference", *base, *STEPS)
+    return root, base, train_losses(root / "reference")
 
+
+@pytest.mark.slow  # a killed run and its resume: 25 s
+def test_killed_run_resumes_with_the_same_losses(tmp_path, job):
+    _, base, reference = job
     out = tmp_path / "killed"
     cmd = sft_command(f"run.output_dir={out}", *base, *STEPS)
     proc = subprocess.Popen(
@@ -85,3 +89,76 @@ def test_resume_from_an_explicit_checkpoint_and_bad_paths(tmp_path):
     cmd = sft_command(f"run.output_dir={tmp_path / 'x'}", *base, "--resume", str(tmp_path / "nope"))
     done = subprocess.run(cmd, env=sft_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "not a complete drivetrain checkpoint" in done.stderr
+
+
+def stop_when(cmd, env, condition, signum) -> subprocess.CompletedProcess:
+    """Run ``cmd``; send ``signum`` once ``condition()`` holds; the finished process."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not condition():
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def last_line(done: subprocess.CompletedProcess) -> str:
+    return (done.stdout + done.stderr).strip().splitlines()[-1]
+
+
+@pytest.mark.slow  # four runs: ~50 s
+@pytest.mark.fault
+def test_sigterm_mid_save_and_mid_step_stops_at_a_checkpoint_and_resumes_exactly(tmp_path, job):
+    """What a scheduler's preemption does (issue 34, item 3): SIGTERM while a checkpoint is
+    being written, then while a step runs; each stops at the step's end with one line (exit
+    143), the second after writing that step's checkpoint; resumed, the losses are those of a
+    run never stopped. A SIGINT stops with 130 and, by default, no new checkpoint."""
+    root, base, reference = job
+    out, env = tmp_path / "run", sft_env(root)
+    cmd = sft_command(f"run.output_dir={out}", *base, *STEPS)
+    ckpts = out / "checkpoints"
+
+    saving = stop_when(cmd, env, (ckpts / ".step_00000002.partial").exists, signal.SIGTERM)
+    assert saving.returncode == 143, saving.stderr
+    assert last_line(saving) == (
+        "stopped by SIGTERM: 2 steps done; --resume auto continues from step 2 "
+        f"({ckpts / 'step_00000002'})"
+    )
+    assert logged_steps(out) == 2
+
+    # once step 4's checkpoint is out, step 5 runs: its end has no periodic checkpoint (every
+    # 2 steps), so the stop writes one
+    stepping = stop_when(
+        [*cmd, "--resume", "auto"], env, (ckpts / "step_00000004").exists, signal.SIGTERM
+    )
+    assert stepping.returncode == 143, stepping.stderr
+    stopped_at = logged_steps(out)  # the step that was running finished first
+    assert stopped_at in (5, 6)  # 6 only if step 5 ended before the signal landed
+    grace = ckpts / f"step_{stopped_at:08d}"
+    assert last_line(stepping) == (
+        f"stopped by SIGTERM: {stopped_at} steps done; --resume auto continues from step "
+        f"{stopped_at} ({grace})"
+    )
+    verify_manifest(grace)
+
+    finished = run_sft(root, out, *base, *STEPS, "--resume", "auto")
+    assert finished["steps"] == 8
+    losses = train_losses(out)
+    assert list(losses) == list(range(1, 9))
+    for step, loss in reference.items():
+        assert losses[step] == pytest.approx(loss, abs=1e-6), (step, reference, losses)
+
+    fresh = tmp_path / "interrupted"
+    cmd = sft_command(f"run.output_dir={fresh}", *base, *STEPS)
+    ckpts = fresh / "checkpoints"
+    interrupted = stop_when(cmd, env, (ckpts / "step_00000002").exists, signal.SIGINT)
+    assert interrupted.returncode == 130, interrupted.stderr
+    stopped_at = logged_steps(fresh)
+    kept = stopped_at - stopped_at % 2  # the periodic checkpoints only: SIGINT writes none
+    assert last_line(interrupted) == (
+        f"stopped by SIGINT: {stopped_at} steps done; --resume auto continues from step {kept} "
+        f"({ckpts / f'step_{kept:08d}'})"
+    )
+    assert sorted(p.name for p in ckpts.glob("step_*"))[-1] == f"step_{kept:08d}"

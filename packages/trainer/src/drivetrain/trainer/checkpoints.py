@@ -138,6 +138,10 @@ class CheckpointManager:
         """Same on every rank (SPMD ranks must agree on where the engine writes)."""
         return self.root / f".{PREFIX}{step:08d}{STAGING_SUFFIX}"
 
+    def step_path(self, step: int) -> Path:
+        """Where step ``step``'s checkpoint is published."""
+        return self.root / f"{PREFIX}{step:08d}"
+
     def engine_staging_path(self, step: int) -> str:
         return str(self.staging(step) / ENGINE_DIR)
 
@@ -153,7 +157,7 @@ class CheckpointManager:
             f.flush()
             os.fsync(f.fileno())
         write_manifest(staging)
-        target = self.root / f"{PREFIX}{step:08d}"
+        target = self.step_path(step)
         publish(staging, target)
         ours = [c for c in self.complete() if c.run_id == self.run_id]
         for old in ours[: -self.keep_last]:

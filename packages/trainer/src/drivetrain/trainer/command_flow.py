@@ -1,19 +1,52 @@
 """The steps every training command takes between loading its job and training, written once:
 what a missing prerequisite means for ``--print-config`` and ``--dry-run``, then preparing the
-job, checking the checkpoint to resume from, and the dry run's verdict."""
+job, checking the checkpoint to resume from, and the dry run's verdict; and how a command
+ends in one line instead of a traceback."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import signal
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import typer
 from rich.console import Console
 
+from drivetrain.api.errors import DrivetrainError
 from drivetrain.api.registry import Registry
 from drivetrain.trainer.checkpoints import verify_checkpoint
-from drivetrain.trainer.console import print_ok
+from drivetrain.trainer.console import print_error, print_ok
+from drivetrain.trainer.errors import NothingToTrain, RunStopped
+from drivetrain.trainer.stopping import exit_status
+
+#: a training command's exit statuses (schedulers read them): 0 trained, or nothing left to
+#: train; 2 a one-line error; 128 + the signal when SIGTERM (143) or SIGINT (130) stopped it
+EXIT_ERROR = 2
+
+
+@contextlib.contextmanager
+def ending_in_one_line(console: Console) -> Iterator[None]:
+    """Around a command's work: what ends it early prints one line and exits with its status."""
+    try:
+        yield
+    except NothingToTrain as exc:  # a finished run requeued: no failure, nothing written
+        console.print(str(exc))
+        raise typer.Exit(0) from None
+    except RunStopped as exc:
+        console.print(str(exc))
+        raise typer.Exit(exc.exit_status) from None
+    except DrivetrainError as exc:
+        print_error(console, exc)
+        raise typer.Exit(EXIT_ERROR) from None
+    except KeyboardInterrupt:  # outside the training loop, where SIGINT stops at a step's end
+        console.print(
+            "interrupted by SIGINT outside a training step: no new checkpoint; --resume auto "
+            "continues from the newest one"
+        )
+        raise typer.Exit(exit_status(signal.SIGINT)) from None
+
 
 J = TypeVar("J")
 P = TypeVar("P")

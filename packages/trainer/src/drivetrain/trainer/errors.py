@@ -25,3 +25,12 @@ class NothingToTrain(DrivetrainError):
     """The run to resume is already at or past its last step: nothing was run or written (the
     commands say so in one line and exit 0, so a scheduler's requeue of a finished job is no
     failure)."""
+
+
+class RunStopped(DrivetrainError):
+    """SIGTERM or SIGINT stopped the run (:mod:`drivetrain.trainer.stopping`): the message says
+    where and where ``--resume auto`` continues; ``exit_status`` is 128 + the signal."""
+
+    def __init__(self, message: str, exit_status: int) -> None:
+        super().__init__(message)
+        self.exit_status = exit_status

@@ -8,10 +8,12 @@ import os
 import typer
 
 from drivetrain.api import registry
-from drivetrain.api.errors import DrivetrainError
-from drivetrain.trainer.command_flow import prepared_for_training, settled_before_preparing
-from drivetrain.trainer.console import plain_console, print_error
-from drivetrain.trainer.errors import NothingToTrain
+from drivetrain.trainer.command_flow import (
+    ending_in_one_line,
+    prepared_for_training,
+    settled_before_preparing,
+)
+from drivetrain.trainer.console import plain_console
 from drivetrain.trainer.run_options import (
     ConfigFiles,
     DryRun,
@@ -39,7 +41,7 @@ def dpo(
     from drivetrain.trainer.builtin.prerequisites import untrained_prerequisites
     from drivetrain.trainer.dpo.job import builtin_report, describe, load_dpo_job, prepare, run_dpo
 
-    try:
+    with ending_in_one_line(console):
         job = load_dpo_job(
             engine,
             files=config or (),
@@ -59,12 +61,6 @@ def dpo(
         if prepared is None:
             return
         result = run_dpo(prepared, resume=resume, overwrite=overwrite, console=console)
-    except NothingToTrain as exc:  # a finished run requeued: no failure, nothing written
-        console.print(str(exc))
-        return
-    except DrivetrainError as exc:
-        print_error(console, exc)
-        raise typer.Exit(2) from None
     if result is None:  # a non-zero torchrun rank
         return
     summary = {

@@ -29,7 +29,8 @@ from drivetrain.trainer.progress import TrainingProgress
 from drivetrain.trainer.rl.reference import Reference
 from drivetrain.trainer.rl.worker import ACTOR
 from drivetrain.trainer.run_dir import adopt_checkpoint, check_steps_left, steps_knob
-from drivetrain.trainer.workers.group import WorkerGroup
+from drivetrain.trainer.stopping import Position, run_signals, stop_here
+from drivetrain.trainer.workers.group import WorkerGroup, launched_by_torchrun
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ class DPOTrainer:
         self.checkpoints = CheckpointManager(
             self.out / "checkpoints", keep_last=config.run.keep_last, writer=group.is_writer
         )
+        self.position = Position(self.checkpoints)  # where the run is (for a stop)
 
     def state(self) -> dict[str, Any]:
         """What identifies the run in its checkpoints (a resume must match it)."""
@@ -138,6 +140,7 @@ class DPOTrainer:
         path = self.checkpoints.engine_staging_path(step)
         self.group.run_all(PreferenceWorker.save_checkpoint, path, step, (ACTOR,))
         self.checkpoints.publish(step, {**self.state(), "time": time.time()})
+        self.position.saved = step
 
     def fit(self, *, start_from: Checkpoint | None = None) -> DPOResult:
         began = time.perf_counter()
@@ -150,6 +153,7 @@ class DPOTrainer:
             )
             self.console.print(f"resumed from {start_from.path} at step {start}")
         result = DPOResult(self.out, final_step=start)
+        self.position = Position(self.checkpoints, start, start if start_from else None)
         result.val_before = self.validate()
         if result.val_before:
             self.console.print(f"held-out pairs before: {_fmt(result.val_before)}")
@@ -163,10 +167,14 @@ class DPOTrainer:
             with TrainingProgress(
                 self.total, start, enabled=self.config.logging.progress and writer,
                 console=self.console, description="dpo",
-            ) as progress:  # fmt: skip
+            ) as progress, run_signals(
+                self.config.run, self.position, agree=launched_by_torchrun()
+            ) as stop:  # fmt: skip
                 for step in range(start, self.total):
+                    if stop.requested():
+                        raise stop_here(stop, self.position, self.save)
                     metrics = self.step_metrics(step)
-                    done = step + 1
+                    done = self.position.done = step + 1
                     result.train_loss[done], result.final_step = metrics["train/loss"], done
                     if logger is not None:
                         logger.log(done, metrics)
@@ -176,8 +184,7 @@ class DPOTrainer:
                     save_every = self.config.run.save_every
                     if save_every and done % save_every == 0 and done < self.total:
                         self.save(done)
-            if start < self.total:
-                self.save(self.total)
+            self.save(self.total)
             result.val_after = self.validate()
             if result.val_after:
                 self.console.print(f"held-out pairs after: {_fmt(result.val_after)}")

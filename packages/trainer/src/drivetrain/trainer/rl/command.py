@@ -12,10 +12,12 @@ from typing import Annotated
 import typer
 
 from drivetrain.api import registry
-from drivetrain.api.errors import DrivetrainError
-from drivetrain.trainer.command_flow import prepared_for_training, settled_before_preparing
-from drivetrain.trainer.console import plain_console, print_error
-from drivetrain.trainer.errors import NothingToTrain
+from drivetrain.trainer.command_flow import (
+    ending_in_one_line,
+    prepared_for_training,
+    settled_before_preparing,
+)
+from drivetrain.trainer.console import plain_console
 from drivetrain.trainer.run_options import ConfigFiles, Overwrite, Resume
 
 console = plain_console()
@@ -43,7 +45,7 @@ def _run(
     from drivetrain.trainer.rl.job import describe, load_rl_job, prepare, start
     from drivetrain.trainer.rl.trainer import RLTrainer
 
-    try:
+    with ending_in_one_line(console):
         job = load_rl_job(
             algorithm,
             engine=engine,
@@ -83,12 +85,6 @@ def _run(
             )
         finally:
             placement.close()
-    except NothingToTrain as exc:  # a finished run requeued: no failure, nothing written
-        console.print(str(exc))
-        return
-    except DrivetrainError as exc:
-        print_error(console, exc)
-        raise typer.Exit(2) from None
     out = Path(job.config.run.output_dir)
     (out / "config.yaml").write_text(job.to_yaml())
     rewards = [result.rewards[step] for step in sorted(result.rewards)]

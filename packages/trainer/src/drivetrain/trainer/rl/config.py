@@ -265,11 +265,15 @@ class RLRunConfig:
     save_every: int = 0  # checkpoint every N steps (0: at the end only)
     keep_last: int = 2
     export_hf: bool = True
+    stop_grace_s: float = 25.0  # as SFT's run.stop_grace_s (trainer/stopping.py)
+    checkpoint_on_interrupt: bool = False  # SIGINT also checkpoints; SIGTERM always
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "keep_last"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"run.{name}={getattr(self, name)} must be >= 1")
+        if self.stop_grace_s < 0:
+            raise ConfigError(f"run.stop_grace_s={self.stop_grace_s} must be >= 0")
         for name in ("eval_every", "save_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"run.{name}={getattr(self, name)} must be >= 0")

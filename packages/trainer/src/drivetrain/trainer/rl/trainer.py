@@ -77,6 +77,7 @@ from drivetrain.trainer.rl.step_metrics import clip_ratio, fmt, mean_stats, rewa
 from drivetrain.trainer.rl.worker import ACTOR, CRITIC, REWARD_MODEL, TEACHER, RLWorker
 from drivetrain.trainer.run_dir import adopt_checkpoint, check_steps_left, start_point
 from drivetrain.trainer.run_lock import owning
+from drivetrain.trainer.stopping import Position, run_signals, stop_here
 from drivetrain.trainer.workers.engine_worker import StepStats
 
 TEACHER_LOG_PROBS = "teacher_log_probs"  # on-policy distillation: the teacher's, per token
@@ -168,6 +169,7 @@ class RLTrainer:
         self.checkpoints = CheckpointManager(
             self.out / "checkpoints", keep_last=c.run.keep_last, writer=True
         )
+        self.position = Position(self.checkpoints)  # where the run is (for a stop)
         self.stream: GroupStream | None = None  # generation ahead of training (not sync mode)
         #: SAMPLES_FILE: each step's samples' weight versions (async modes)
         self.samples: StepLog | None = None
@@ -505,6 +507,7 @@ class RLTrainer:
         path = self.checkpoints.engine_staging_path(step)
         self.group.run_all(RLWorker.save_checkpoint, path, step, self.trainable)
         self.checkpoints.publish(step, {**self.setup.state, "step": step, "time": time.time()})
+        self.position.saved = step
 
     def resume(self, how: str, overwrite: bool) -> int:
         found = start_point(
@@ -528,6 +531,7 @@ class RLTrainer:
         began = time.perf_counter()
         self.checkpoints.clean_staging()
         start = self.resume(resume, overwrite)
+        self.position = Position(self.checkpoints, start, start or None)
         result = RLResult(self.out, final_step=start)
         result.val_before = self.validate()
         if result.val_before:
@@ -536,17 +540,19 @@ class RLTrainer:
         if c.algorithm.mode != "sync":
             self.samples = StepLog(self.out / SAMPLES_FILE, resume_step=start)
         loop_began = time.perf_counter()
-        if c.algorithm.mode != "sync" and start < c.run.steps:
+        if c.algorithm.mode != "sync":
             self.stream = self.group_stream(start)
             self.stream.start()
         try:
             with TrainingProgress(
                 c.run.steps, start, enabled=c.logging.progress, console=self.console,
                 description="rl", metric="reward",
-            ) as progress:  # fmt: skip
+            ) as progress, run_signals(c.run, self.position, agree=False) as stop:  # fmt: skip
                 for step in range(start, c.run.steps):
+                    if stop.requested():
+                        raise stop_here(stop, self.position, self.save)
                     metrics = self.step(step)
-                    done = step + 1
+                    done = self.position.done = step + 1
                     if not math.isfinite(metrics["actor/loss"]):
                         raise FloatingPointError(f"actor loss is {metrics['actor/loss']} at {done}")
                     if c.run.eval_every and done % c.run.eval_every == 0 and done < c.run.steps:
@@ -568,8 +574,7 @@ class RLTrainer:
                         self.save(done)
             result.loop_seconds = time.perf_counter() - loop_began
             self.close_stream()
-            if start < c.run.steps:
-                self.save(c.run.steps)
+            self.save(c.run.steps)
             result.val_after = self.validate()
             if result.val_after:
                 logger.log(c.run.steps, result.val_after)

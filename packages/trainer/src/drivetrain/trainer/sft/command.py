@@ -10,10 +10,9 @@ from pathlib import Path
 import typer
 
 from drivetrain.api.config import EngineConfig
-from drivetrain.api.errors import DrivetrainError, PluginError
-from drivetrain.trainer.command_flow import prepared_for_training
-from drivetrain.trainer.console import plain_console, print_error
-from drivetrain.trainer.errors import NothingToTrain
+from drivetrain.api.errors import PluginError
+from drivetrain.trainer.command_flow import ending_in_one_line, prepared_for_training
+from drivetrain.trainer.console import plain_console
 from drivetrain.trainer.run_options import (
     ConfigFiles,
     DryRun,
@@ -58,7 +57,7 @@ def sft(
     # Here, not at module level: it imports torch, which `drivetrain engines` does not need.
     from drivetrain.trainer.sft.job import builtin_report, describe, load_sft_job, prepare, run_sft
 
-    try:
+    with ending_in_one_line(console):
         if print_config:
             typer.echo(_config_yaml(engine, config or (), overrides or ()), nl=False)
             return
@@ -69,12 +68,6 @@ def sft(
         if prepared is None:
             return
         result = run_sft(prepared, resume=resume, overwrite=overwrite, console=console)
-    except NothingToTrain as exc:  # a finished run requeued: no failure, nothing written
-        console.print(str(exc))
-        return
-    except DrivetrainError as exc:
-        print_error(console, exc)
-        raise typer.Exit(2) from None
     if result is None:  # a non-zero torchrun rank
         return
     summary = {

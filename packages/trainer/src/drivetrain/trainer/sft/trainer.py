@@ -25,8 +25,9 @@ from drivetrain.trainer.metrics import METRICS_FILE, MetricsLogger, plot_loss_cu
 from drivetrain.trainer.progress import TrainingProgress
 from drivetrain.trainer.run_dir import check_steps_left, steps_knob
 from drivetrain.trainer.sft.config import SFTConfig
+from drivetrain.trainer.stopping import Position, run_signals, stop_here
 from drivetrain.trainer.workers.engine_worker import EngineWorker, StepStats
-from drivetrain.trainer.workers.group import WorkerGroup
+from drivetrain.trainer.workers.group import WorkerGroup, launched_by_torchrun
 
 
 def total_steps(config: SFTConfig, plan: StepPlan) -> int:
@@ -67,6 +68,7 @@ class SFTTrainer:
         self.checkpoints = CheckpointManager(
             self.out / "checkpoints", keep_last=config.run.keep_last, writer=group.is_writer
         )
+        self.position = Position(self.checkpoints)  # where the run is (for a stop)
 
     # ---- resume -------------------------------------------------------------------------
     def _check_resumable(self, found: Checkpoint) -> None:
@@ -141,6 +143,7 @@ class SFTTrainer:
             EngineWorker.save_checkpoint, self.checkpoints.engine_staging_path(step), step
         )
         self.checkpoints.publish(step, self._state())
+        self.position.saved = step
 
     # ---- the loop -----------------------------------------------------------------------
     def fit(self, *, start_from: Checkpoint | None = None) -> SFTResult:
@@ -153,6 +156,7 @@ class SFTTrainer:
             start = self.group.run_all(EngineWorker.load_checkpoint, start_from.engine_path)
             self.console.print(f"resumed from {start_from.path} at step {start}")
         result = SFTResult(self.out, final_step=start)
+        self.position = Position(self.checkpoints, start, start if start_from else None)
         logger = (
             MetricsLogger(
                 self.out, self.config.logging, run_config=self._state(), resume_step=start
@@ -161,17 +165,22 @@ class SFTTrainer:
             else None
         )
         try:
-            with TrainingProgress(
-                self.total,
-                start,
-                enabled=self.config.logging.progress and self.group.is_writer,
-                console=self.console,
-            ) as progress:
+            with (
+                TrainingProgress(
+                    self.total,
+                    start,
+                    enabled=self.config.logging.progress and self.group.is_writer,
+                    console=self.console,
+                ) as progress,
+                run_signals(run, self.position, agree=launched_by_torchrun()) as stop,
+            ):
                 for step in range(start, self.total):
+                    if stop.requested():
+                        raise stop_here(stop, self.position, self.save)
                     metrics = self.step_metrics(step)
                     done = step + 1
                     result.train_loss[done] = metrics["train/loss"]
-                    result.final_step = done
+                    result.final_step = self.position.done = done
                     if logger is not None:
                         logger.log(done, metrics)
                     progress.update(
@@ -180,10 +189,9 @@ class SFTTrainer:
                     if run.save_every and done % run.save_every == 0 and done < self.total:
                         self.save(done)
             result.val_loss = self.validation_loss()
-            if start < self.total:  # else a finished run was resumed: nothing new to record
-                if logger is not None and result.val_loss is not None:
-                    logger.log(self.total, {"val/loss": result.val_loss})
-                self.save(self.total)
+            if logger is not None and result.val_loss is not None:
+                logger.log(self.total, {"val/loss": result.val_loss})
+            self.save(self.total)
             if run.export_hf:
                 result.hf_dir = self.out / "hf"
                 self.group.run_all(EngineWorker.export_hf, str(result.hf_dir))
