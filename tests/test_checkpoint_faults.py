@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -188,3 +190,52 @@ def test_a_new_run_never_mixes_with_another_runs_directory(trained, tmp_path):
     old_ids = {json.loads((p / "trainer_state.json").read_text())["run_id"]
                for p in (aside / "checkpoints").glob("step_*")}  # fmt: skip
     assert old_ids.isdisjoint({states[0]["run_id"]})
+
+
+def test_a_full_disk_is_one_line_naming_what_to_free(trained, tmp_path):
+    """The drill: the disk filled during a save and the run ended in a 94-line traceback
+    (torch's 'unexpected pos 704 vs 598', no word of space). Here the output directory is a
+    1 MB tmpfs (in a private mount namespace) that fills after a checkpoint or two."""
+    if subprocess.run(["unshare", "--mount", "--map-root-user", "true"]).returncode:
+        pytest.skip("no mount namespace here (unshare --mount --map-root-user)")
+    root, base = trained
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    cmd = sft_command(f"run.output_dir={disk / 'run'}", *base, *STEPS)
+    script = (
+        f"mount -t tmpfs -o size=1m tmpfs {disk} && {shlex.join(cmd)}; status=$?; "
+        f"ls -a {disk / 'run' / 'checkpoints'}; exit $status"
+    )
+    done = subprocess.run(
+        ["unshare", "--mount", "--map-root-user", "sh", "-c", script],
+        env=sft_env(root), capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    error = done.stderr.strip().splitlines()[-1]
+    said = re.fullmatch(
+        rf"error: no space left writing {re.escape(str(disk))}/run/checkpoints/"
+        r"\.step_0000000(\d)\.partial \(\d+ KB free, a checkpoint takes about \d+ KB\); "
+        r"free \d+ MB and rerun with --resume auto",
+        error,
+    )  # fmt: skip
+    assert said, error
+    step = int(said[1])
+    listed = done.stdout.split()  # what the run left on the full disk
+    assert f"step_{step - 1:08d}" in listed and f".step_{step:08d}.partial" not in listed
+
+
+def test_a_full_disk_is_recognised_in_its_real_shapes(tmp_path):
+    """The errors a full device really raises (/dev/full): our own write's ENOSPC is one;
+    torch's zip writer's errno-less short write is one only where little space is left (the
+    test above)."""
+    from drivetrain.trainer.checkpoint_space import out_of_space
+
+    with pytest.raises(OSError) as own, open("/dev/full", "w") as f:
+        f.write("x")
+        f.flush()
+    assert out_of_space(own.value, tmp_path)
+    with pytest.raises(RuntimeError, match="unexpected pos") as torch_writer:
+        torch.save({"w": torch.zeros(1000)}, "/dev/full")
+    assert not out_of_space(torch_writer.value, tmp_path)  # space left here: another cause
+    assert not out_of_space(RuntimeError("shape mismatch"), tmp_path)

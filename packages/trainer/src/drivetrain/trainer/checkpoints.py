@@ -17,6 +17,7 @@ newer ones it skipped and why; pruning removes only the current run's checkpoint
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -29,6 +30,7 @@ from typing import Any
 
 from drivetrain.api.atomic_dir import STAGING_SUFFIX, publish, remove_stale_staging
 from drivetrain.api.manifest import ManifestError, has_manifest, verify_manifest, write_manifest
+from drivetrain.trainer.checkpoint_space import space_checked
 from drivetrain.trainer.errors import CheckpointError
 
 STATE_FILE = "trainer_state.json"
@@ -137,6 +139,12 @@ class CheckpointManager:
     def staging(self, step: int) -> Path:
         """Same on every rank (SPMD ranks must agree on where the engine writes)."""
         return self.root / f".{PREFIX}{step:08d}{STAGING_SUFFIX}"
+
+    def writing(self, step: int) -> contextlib.AbstractContextManager[None]:
+        """Around saving step ``step`` (the engine and :meth:`publish`): a full disk is one
+        line saying what to free (:mod:`drivetrain.trainer.checkpoint_space`)."""
+        newest = self.latest()
+        return space_checked(self.staging(step), newest.path if newest else None)
 
     def step_path(self, step: int) -> Path:
         """Where step ``step``'s checkpoint is published."""

@@ -137,9 +137,10 @@ class DPOTrainer:
         return {f"val/{name}": value / pairs for name, value in sums.items()}
 
     def save(self, step: int) -> None:
-        path = self.checkpoints.engine_staging_path(step)
-        self.group.run_all(PreferenceWorker.save_checkpoint, path, step, (ACTOR,))
-        self.checkpoints.publish(step, {**self.state(), "time": time.time()})
+        with self.checkpoints.writing(step):
+            path = self.checkpoints.engine_staging_path(step)
+            self.group.run_all(PreferenceWorker.save_checkpoint, path, step, (ACTOR,))
+            self.checkpoints.publish(step, {**self.state(), "time": time.time()})
         self.position.saved = step
 
     def fit(self, *, start_from: Checkpoint | None = None) -> DPOResult:

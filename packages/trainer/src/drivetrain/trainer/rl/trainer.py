@@ -504,9 +504,10 @@ class RLTrainer:
             stream.close()
 
     def save(self, step: int) -> None:
-        path = self.checkpoints.engine_staging_path(step)
-        self.group.run_all(RLWorker.save_checkpoint, path, step, self.trainable)
-        self.checkpoints.publish(step, {**self.setup.state, "step": step, "time": time.time()})
+        with self.checkpoints.writing(step):
+            path = self.checkpoints.engine_staging_path(step)
+            self.group.run_all(RLWorker.save_checkpoint, path, step, self.trainable)
+            self.checkpoints.publish(step, {**self.setup.state, "step": step, "time": time.time()})
         self.position.saved = step
 
     def resume(self, how: str, overwrite: bool) -> int:

@@ -139,10 +139,11 @@ class SFTTrainer:
         return nll / max(tokens, 1)
 
     def save(self, step: int) -> None:
-        self.group.run_all(
-            EngineWorker.save_checkpoint, self.checkpoints.engine_staging_path(step), step
-        )
-        self.checkpoints.publish(step, self._state())
+        with self.checkpoints.writing(step):
+            self.group.run_all(
+                EngineWorker.save_checkpoint, self.checkpoints.engine_staging_path(step), step
+            )
+            self.checkpoints.publish(step, self._state())
         self.position.saved = step
 
     # ---- the loop -----------------------------------------------------------------------
