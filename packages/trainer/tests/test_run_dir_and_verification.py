@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
+import io
 
+import pytest
+from rich.console import Console
+
+from drivetrain.api.manifest import MANIFEST_FILE
 from drivetrain.trainer.checkpoints import CheckpointManager
 from drivetrain.trainer.console import plain_console
 from drivetrain.trainer.errors import CheckpointError, NothingToTrain, RunDirectoryError
@@ -102,3 +106,31 @@ def test_a_checkpoint_of_another_rollout_backend_is_another_run(tmp_path):
     with pytest.raises(CheckpointError, match=r"has rollout='hf', this run 'vllm'; use another"):
         adopt_checkpoint(found, vllm, manager)
     adopt_checkpoint(found, {**vllm, "rollout": "hf"}, manager)
+
+
+def test_every_checkpoint_damaged_says_so_and_why(tmp_path):
+    """The drill: with every checkpoint corrupt the message said the directory held 'another
+    run's files' and suggested --overwrite, which would move the damaged run aside."""
+    manager = CheckpointManager(tmp_path, keep_last=5, writer=True)
+    for step in (1, 2):
+        save(manager, step)
+        weights = tmp_path / f"step_{step:08d}" / "engine" / "weights"
+        weights.write_bytes(b"\0" + weights.read_bytes()[1:])
+    with pytest.raises(CheckpointError) as err:
+        resume_point(manager, "auto", overwrite=False, console=plain_console())
+    said = str(err.value)
+    assert said.startswith(f"every checkpoint in {tmp_path} is damaged (step_00000002: ")
+    assert "; step_00000001: " in said and "--resume PATH" in said and "\n" not in said
+
+
+def test_a_checkpoint_without_a_manifest_is_resumed_with_a_warning(tmp_path):
+    manager = CheckpointManager(tmp_path, keep_last=5, writer=True)
+    save(manager, 1)
+    (tmp_path / "step_00000001" / MANIFEST_FILE).unlink()  # as written before manifests existed
+    heard = Console(file=io.StringIO(), soft_wrap=True, markup=False, highlight=False)
+    found = resume_point(manager, "auto", overwrite=False, console=heard)
+    assert found.step == 1
+    assert heard.file.getvalue().strip() == (
+        f"warning: {found.path} has no manifest (written before drivetrain checked its files): "
+        "resuming from it unverified"
+    )

@@ -22,6 +22,7 @@ from typing import Any
 from rich.console import Console
 
 from drivetrain.api.atomic_dir import STAGING_SUFFIX
+from drivetrain.api.manifest import has_manifest
 from drivetrain.trainer.checkpoints import Checkpoint, CheckpointManager, verify_checkpoint
 from drivetrain.trainer.errors import CheckpointError, NothingToTrain, RunDirectoryError
 
@@ -59,7 +60,9 @@ def check_steps_left(found: Checkpoint, total: int, knob: str) -> None:
 def resume_point(
     checkpoints: CheckpointManager, how: str, *, overwrite: bool, console: Console
 ) -> Checkpoint | None:
-    """The verified checkpoint to continue from (``how``: auto, none or a path), or None."""
+    """The verified checkpoint to continue from (``how``: auto, none or a path), or None. One
+    without a manifest (written before drivetrain checked its files) is taken with a warning
+    naming it; a directory whose every checkpoint is damaged is an error saying why each is."""
     if how == "none" or (how == "auto" and overwrite):
         return None
     if how != "auto":
@@ -69,12 +72,30 @@ def resume_point(
                 f"--overwrite moves {checkpoints.root.parent} aside, and --resume {how} is in it:"
                 " resume from a copy outside it, or drop --overwrite"
             )
-        return verify_checkpoint(path)
+        return _unverified_said(verify_checkpoint(path), console)
+    damaged: list[str] = []
 
     def skipped(path: Path, why: str) -> None:
         console.print(f"skipping checkpoint {path}: {why}")
+        damaged.append(f"{path.name}: {why}")
 
-    return checkpoints.latest_verified(skipped)
+    found = checkpoints.latest_verified(skipped)
+    if found is None and damaged:
+        raise CheckpointError(
+            f"every checkpoint in {checkpoints.root} is damaged ({'; '.join(damaged)}): resume "
+            "from a good copy with --resume PATH, or start over with --overwrite (which moves "
+            "this run aside)"
+        )
+    return found if found is None else _unverified_said(found, console)
+
+
+def _unverified_said(found: Checkpoint, console: Console) -> Checkpoint:
+    if not has_manifest(found.path):
+        console.print(
+            f"warning: {found.path} has no manifest (written before drivetrain checked its "
+            "files): resuming from it unverified"
+        )
+    return found
 
 
 def holds_a_run(out: Path) -> bool:
