@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
+import socket
+import struct
 import sys
 import textwrap
 import threading
@@ -525,3 +528,29 @@ def test_a_failing_silent_or_hanging_agent_is_one_clear_error(recording, tokeniz
         pytest.raises(AgentError, match="timed out after 1 s"),
     ):
         agent.play(TASKS, 1, PARAMS)
+
+
+def test_dropped_connections_are_a_line_at_most_not_a_traceback_each(recording, tokenizer, caplog):
+    """The drill: 300 clients that went away mid-request printed ~300 tracebacks (6,400 log
+    lines) into the trainer's log. Each here sends a request's headers and part of its body,
+    then resets the connection."""
+    with ChatServer([recording], partial(ChatTokens, tokenizer), AlwaysCalls()) as server:
+        session = server.open_session(0, 0, 0, TASKS[0], LIMITS, PARAMS)
+        head = (
+            f"POST /sessions/{session.sid}/v1/chat/completions HTTP/1.1\r\n"
+            f"Authorization: Bearer {server.api_key}\r\nContent-Length: 100000\r\n\r\n"
+        ).encode()
+        dropped = server._http._dropped
+        with caplog.at_level(logging.WARNING, logger="drivetrain.trainer.agentic.endpoint"):
+            for _ in range(300):
+                client = socket.create_connection((server.host, server.port))
+                client.sendall(head + b'{"messages": [')
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                client.close()  # a reset, mid-body
+            wait_for(lambda: dropped.count == 300, timeout_s=30)
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 1 and "dropped a connection from" in lines[0], lines
+        assert not any(r.exc_info for r in caplog.records)
+        body = {"messages": [{"role": "user", "content": "What is 2*3?"}]}
+        chat = f"/sessions/{session.sid}/v1/chat/completions"
+        assert call(server, "POST", chat, body, key=server.api_key)[0] == 200  # still serving
