@@ -25,6 +25,7 @@ import torch
 from drivetrain.api import FinishReason, SamplingParams
 from drivetrain.api.config import RolloutConfig
 from drivetrain.api.environment import ToolCall
+from drivetrain.api.errors import DrivetrainError
 from drivetrain.api.registry import rollouts
 from drivetrain.api.requests import Chunk
 from drivetrain.api.tool_parsers import ParsedTurn, tool_parser
@@ -516,6 +517,7 @@ def test_a_failing_silent_or_hanging_agent_is_one_clear_error(recording, tokeniz
         agent.play(TASKS, 1, PARAMS)
     assert "status 3" in str(error.value) and "boom: no model" in str(error.value)
     assert "\n" not in str(error.value)
+    assert isinstance(error.value, DrivetrainError)  # the commands print it as one line
 
     silent = [sys.executable, "-c", "pass"]
     with runner(recording, tokenizer, silent) as agent, pytest.raises(AgentError) as error:

@@ -38,6 +38,7 @@ from typing import Any
 
 from drivetrain.api import Rollout, SamplingParams
 from drivetrain.api.environment import Task
+from drivetrain.api.errors import DrivetrainError
 from drivetrain.api.tool_parsers import ToolParser
 from drivetrain.trainer.agentic.chat_tokens import ChatTokens
 from drivetrain.trainer.agentic.endpoint import ChatServer
@@ -48,8 +49,9 @@ from drivetrain.trainer.agentic.sessions import Session
 STDERR_TAIL = 2000
 
 
-class AgentError(RuntimeError):
-    """The agent program failed, timed out, or left an episode unplayed."""
+class AgentError(DrivetrainError, RuntimeError):
+    """The agent program failed, timed out, or left an episode unplayed (one line: the
+    command prints it as such, with the agent's stderr tail joined by ' | ')."""
 
 
 class AgentRunner:

@@ -47,7 +47,15 @@ def ensure_ray(workers: WorkersConfig, *, min_cpus: float = 1.0) -> bool:
             num_cpus=max(os.cpu_count() or 1, int(-(-min_cpus // 1))),
             include_dashboard=False,
         )
-    ray.init(**init)
+    try:
+        ray.init(**init)
+    except Exception as exc:  # its own errors are many lines of log and traceback
+        first = next((line for line in str(exc).splitlines() if line.strip()), "")
+        where = workers.ray_address or "a local Ray"
+        raise WorkerError(
+            f"{where} did not start ({type(exc).__name__}: {first.strip()}); with a busy "
+            "machine retry, check `ray status` and free memory, or set workers.ray_address"
+        ) from None
     return True
 
 
