@@ -129,3 +129,24 @@ def verify_manifest(directory: str | os.PathLike[str], *, allow_extra: bool = Fa
                 "or changed since it was saved"
             )
     return sum(size for size, _digest in actual.values())
+
+
+def read_verified(path: str | os.PathLike[str]) -> bytes:
+    """The bytes of ``path``, read once and checked against the manifest of the nearest
+    directory above it that has one (a file that manifest does not list, or a directory with
+    none, is returned as read): whoever uses the bytes uses what was checked, not a second read
+    someone could have swapped in between."""
+    source = Path(path)
+    data = source.read_bytes()
+    for root in source.parents:
+        if has_manifest(root):
+            entry = _read(root).get(source.relative_to(root).as_posix())
+            if entry is not None and hashlib.new(ALGORITHM, data).hexdigest() != entry.get(
+                ALGORITHM
+            ):
+                raise ManifestError(
+                    f"{source} differs from what was written ({ALGORITHM} mismatch): corrupt "
+                    "or changed since it was saved"
+                )
+            break
+    return data

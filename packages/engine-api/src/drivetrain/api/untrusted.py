@@ -8,10 +8,11 @@ as safetensors or JSON, and reads the two pickled formats it cannot avoid this w
   always with ``weights_only=True``. :func:`torch_loads_weights_only` extends that to
   ``torch.load`` calls inside libraries we call (DCP's planner passes ``weights_only=False``
   for non-tensor entries), through torch's own ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` switch.
-- **DCP's ``.metadata``** (``pickle.load`` inside torch): :func:`check_pickle` reads it first
-  with an unpickler that resolves only allow-listed names (:data:`DCP_METADATA_GLOBALS`), so a
-  file naming anything else is refused before torch reads it. The manifest check
-  (:mod:`drivetrain.api.manifest`) runs before, so the bytes checked are the bytes written.
+- **DCP's ``.metadata``** (``pickle.load`` inside torch): :func:`load_pickle` unpickles it
+  resolving only allow-listed names (:data:`DCP_METADATA_GLOBALS`), so a file naming anything
+  else is refused; the engines hand torch that object, from one read whose bytes were also
+  checked against the checkpoint's manifest (``drivetrain.engine_core.dcp_metadata``): nothing
+  swapped in after the check is ever read.
 
 This module is the only place in drivetrain that unpickles (a test enforces it).
 """
@@ -19,6 +20,7 @@ This module is the only place in drivetrain that unpickles (a test enforces it).
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import pickle
 from collections.abc import Iterator
@@ -103,17 +105,22 @@ class _AllowListUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
+def load_pickle(data: bytes, allowed: frozenset[str], source: str | os.PathLike[str]) -> object:
+    """What the pickle ``data`` (read from ``source``) holds, resolving only ``allowed``
+    globals (``module.name``); :class:`UnsafeFileError` names the first other one, or says the
+    bytes are not a pickle."""
+    try:
+        return _AllowListUnpickler(io.BytesIO(data), allowed, Path(source)).load()
+    except UnsafeFileError:
+        raise
+    except Exception as exc:  # truncated or not a pickle: still never executed
+        raise UnsafeFileError(f"{source} is not a readable pickle: {exc}") from None
+
+
 def check_pickle(path: str | os.PathLike[str], allowed: frozenset[str]) -> None:
     """Read the pickle at ``path`` resolving only ``allowed`` globals (``module.name``);
     :class:`UnsafeFileError` names the first other one, or says the file is not a pickle."""
-    source = Path(path)
-    with open(source, "rb") as file:
-        try:
-            _AllowListUnpickler(file, allowed, source).load()
-        except UnsafeFileError:
-            raise
-        except Exception as exc:  # truncated or not a pickle: still never executed
-            raise UnsafeFileError(f"{source} is not a readable pickle: {exc}") from None
+    load_pickle(Path(path).read_bytes(), allowed, path)
 
 
 _FORCE = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"

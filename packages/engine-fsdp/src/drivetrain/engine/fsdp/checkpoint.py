@@ -27,7 +27,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from drivetrain.api import CheckpointInfo
 from drivetrain.api.atomic_dir import publish, staging_path
-from drivetrain.api.untrusted import DCP_METADATA_GLOBALS, check_pickle, torch_loads_weights_only
+from drivetrain.api.untrusted import torch_loads_weights_only
+from drivetrain.engine_core.dcp_metadata import metadata_read_once
 
 MARKER = "drivetrain.json"
 
@@ -98,10 +99,10 @@ def load(
     source = Path(path).absolute()
     if not is_complete(str(source)):
         raise FileNotFoundError(f"{source} is not a complete drivetrain checkpoint (no {MARKER})")
-    check_pickle(source / ".metadata", DCP_METADATA_GLOBALS)  # DCP unpickles it
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    with torch_loads_weights_only(source):  # DCP's planner unpickles non-tensor entries
+    # DCP's .metadata from one checked read; its planner unpickles non-tensor entries
+    with metadata_read_once(source), torch_loads_weights_only(source):
         dcp.load(state, checkpoint_id=str(source))
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]

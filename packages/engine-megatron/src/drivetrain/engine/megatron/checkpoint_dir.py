@@ -20,7 +20,8 @@ from megatron.core import tensor_parallel
 
 from drivetrain.api import CheckpointInfo
 from drivetrain.api.atomic_dir import publish, staging_path
-from drivetrain.api.untrusted import DCP_METADATA_GLOBALS, check_pickle, torch_loads_weights_only
+from drivetrain.api.untrusted import torch_loads_weights_only
+from drivetrain.engine_core.dcp_metadata import metadata_read_once
 
 MARKER = "drivetrain.json"
 
@@ -71,10 +72,10 @@ def read_marker(path: str) -> dict[str, Any]:
 @contextlib.contextmanager
 def loading_safely(path: str) -> Iterator[None]:
     """Around a checkpoint load: DCP's ``.metadata`` (which torch and megatron-core unpickle) is
-    first read with an allow-list unpickler, and every ``torch.load`` inside is weights-only,
-    so a checkpoint directory cannot run code."""
-    check_pickle(Path(path) / ".metadata", DCP_METADATA_GLOBALS)
-    with torch_loads_weights_only(path):
+    read once, checked against the manifest and unpickled through an allow-list, and every
+    reader gets that object; every ``torch.load`` inside is weights-only. So a checkpoint
+    directory cannot run code, not even by swapping a file between a check and a read."""
+    with metadata_read_once(path), torch_loads_weights_only(path):
         yield
 
 
