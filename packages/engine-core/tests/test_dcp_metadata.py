@@ -38,6 +38,7 @@ def load(engine):
     return state["w"]
 
 
+@pytest.mark.fault
 def test_a_swap_after_the_check_is_never_read(checkpoint, tmp_path):
     marker = tmp_path / "pwned"
     with metadata_read_once(checkpoint):
@@ -48,6 +49,7 @@ def test_a_swap_after_the_check_is_never_read(checkpoint, tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.fault
 def test_changed_or_hostile_metadata_is_refused_before_torch_reads_it(checkpoint, tmp_path):
     metadata = checkpoint / ".metadata"
     metadata.write_bytes(metadata.read_bytes() + b"\0")  # not what the manifest says

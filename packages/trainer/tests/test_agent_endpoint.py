@@ -344,6 +344,7 @@ def test_limits_refuse_a_turn_and_mark_the_truncation(recording, tokenizer):
         assert len(session.segments) == 1 and len(recording.requests) == 2
 
 
+@pytest.mark.fault
 def test_a_message_that_cannot_fit_is_refused_before_it_is_tokenised(recording, tokenizer):
     """The drill: 7.8 MB of content (under the 8 MiB body cap) took 31 s to refuse, tokenised
     whole under a lock every session shared. Now the character bound refuses it at once, and
@@ -507,6 +508,7 @@ def test_a_reported_reward_wins_over_the_score(recording, tokenizer, scripted, t
     assert [p.reward for p in again] == [0.75]
 
 
+@pytest.mark.fault
 def test_a_failing_silent_or_hanging_agent_is_one_clear_error(recording, tokenizer):
     fails = [
         sys.executable,
@@ -532,6 +534,7 @@ def test_a_failing_silent_or_hanging_agent_is_one_clear_error(recording, tokeniz
         agent.play(TASKS, 1, PARAMS)
 
 
+@pytest.mark.fault
 def test_dropped_connections_are_a_line_at_most_not_a_traceback_each(recording, tokenizer, caplog):
     """The drill: 300 clients that went away mid-request printed ~300 tracebacks (6,400 log
     lines) into the trainer's log. Each here sends a request's headers and part of its body,
