@@ -8,7 +8,7 @@ import math
 import random
 import shlex
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -236,12 +236,7 @@ class RLTrainer:
         batch = completions_batch(completions, self.setup.pad_token_id)
         lengths = batch[LOSS_MASK].sum(-1).float()
         if self.stream is not None:
-            stream_metrics.update(staleness_stats(batch, step))
-            if self.samples is not None:  # staleness countable without the trainer's metric
-                self.samples.write(
-                    {"step": step + 1, "trainer_version": step,
-                     "versions": sample_versions(batch)}
-                )  # fmt: skip
+            stream_metrics.update(self.staleness(batch, step))
         # sync: colocated rollouts sleep while the trainer uses their device; on leaving, the
         # new weights go to every rollout (the weight path's one sequence, every placement);
         # ahead of training, weights are pushed below, every sync_every steps
@@ -503,6 +498,15 @@ class RLTrainer:
         if stream is not None:
             stream.close()
 
+    def staleness(self, batch: Batch, step: int) -> dict[str, float]:
+        """Generation ahead of training: how far the batch's tokens lag the weights of
+        ``step``, and each sample's versions to the samples log (countable without this
+        metric)."""
+        if self.samples is not None:
+            versions = sample_versions(batch)
+            self.samples.write({"step": step + 1, "trainer_version": step, "versions": versions})
+        return staleness_stats(batch, step)
+
     def save(self, step: int) -> None:
         with self.checkpoints.writing(step):
             path = self.checkpoints.engine_staging_path(step)
@@ -523,6 +527,15 @@ class RLTrainer:
         self.console.print(f"resumed from {found.path} at step {step}")
         return step
 
+    def _record(self, result: RLResult, done: int, metrics: Mapping[str, float]) -> None:
+        """What the end-of-run summary keeps of step ``done``."""
+        result.rewards[done], result.final_step = metrics["reward/mean"], done
+        if "reward/task" in metrics:
+            result.task_rewards[done] = metrics["reward/task"]
+        digest = self.weights.reports[-1].sent.digest if self.weights.reports else None
+        if digest is not None:
+            result.weight_digests[done] = digest
+
     def fit(self, *, resume: str = "auto", overwrite: bool = False) -> RLResult:
         with owning(self.out, writer=True):  # before anything in out is read or cleaned
             return self._fit(resume, overwrite)
@@ -538,10 +551,9 @@ class RLTrainer:
         if result.val_before:
             self.console.print(f"validation before: {fmt(result.val_before)}")
         logger = MetricsLogger(self.out, c.logging, run_config=self.setup.state, resume_step=start)
-        if c.algorithm.mode != "sync":
-            self.samples = StepLog(self.out / SAMPLES_FILE, resume_step=start)
         loop_began = time.perf_counter()
         if c.algorithm.mode != "sync":
+            self.samples = StepLog(self.out / SAMPLES_FILE, resume_step=start)
             self.stream = self.group_stream(start)
             self.stream.start()
         try:
@@ -560,12 +572,7 @@ class RLTrainer:
                         with self.stream.suspended() if self.stream else contextlib.nullcontext():
                             metrics.update(self.validate())
                     logger.log(done, metrics)
-                    result.rewards[done], result.final_step = metrics["reward/mean"], done
-                    if "reward/task" in metrics:
-                        result.task_rewards[done] = metrics["reward/task"]
-                    digest = self.weights.reports[-1].sent.digest if self.weights.reports else None
-                    if digest is not None:
-                        result.weight_digests[done] = digest
+                    self._record(result, done, metrics)
                     progress.update(
                         loss=metrics["reward/mean"],
                         tokens_per_s=metrics["perf/tokens_per_s"],
