@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from golden import check_golden
 from sft_support import sft_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -55,6 +56,7 @@ def test_builtin_calculator_job(tmp_path, shared):
     assert summary["loop_seconds"] < 600
     steps = steps_of(out)
     assert len(steps) == 100
+    check_golden("grpo_calculator", steps, steps=4)
     last = steps[-1]
     assert last["tools/success_rate"] > 0.9 and 2.5 < last["episode/turns_mean"] <= 4
     # token-exact: the actor's log-probs of the sampled tokens are the rollout's

@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from builtin_run import BUILTIN_ADDITION
+from golden import check_golden
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500), BUILTIN_ADDITION]
 
@@ -35,6 +36,7 @@ def test_default_grpo_job(builtin_addition):
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward/mean" in r]
     assert len(steps) == 120
+    check_golden("grpo_builtin", rows, steps=4)
     assert max(r["actor/rollout_log_prob_diff"] for r in steps) < 1e-4
     for produced in ("reward_curve.png", "config.yaml", "hf/model.safetensors"):
         assert (out / produced).is_file(), produced
@@ -55,7 +57,9 @@ def test_default_dpo_job(tmp_path, builtin_addition):
     after, before = summary["val_after"], summary["val_before"]
     assert after["val/loss"] < before["val/loss"] and after["val/rewards/margins"] > 0
     assert "held-out preference accuracy" in done.stderr
-    assert (tmp_path / "runs" / "dpo-addition" / "hf" / "model.safetensors").is_file()
+    out = tmp_path / "runs" / "dpo-addition"
+    assert (out / "hf" / "model.safetensors").is_file()
+    check_golden("dpo_builtin", [json.loads(x) for x in (out / "metrics.jsonl").open()], steps=4)
 
 
 def test_default_distill_job(tmp_path, builtin_addition):
@@ -71,5 +75,6 @@ def test_default_distill_job(tmp_path, builtin_addition):
     before = summary["val_before"]["val/exact_match"]
     assert summary["val_after"]["val/exact_match"] >= before + 0.02, summary
     rows = [json.loads(x) for x in (tmp_path / summary["output_dir"] / "metrics.jsonl").open()]
+    check_golden("distill_builtin", rows, steps=4)
     kl = [r["distill/reverse_kl"] for r in rows if "distill/reverse_kl" in r]
     assert sum(kl[-20:]) < sum(kl[:20])  # the student moves toward the teacher

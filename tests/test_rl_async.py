@@ -11,6 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from golden import check_golden
 from rl_support import kill_mid_run, make_rl_job, metrics_rows, run_rl
 from sft_support import sft_env
 
@@ -63,6 +64,7 @@ def test_the_scripted_schedule_is_bit_identical_across_runs(tmp_path):
     first = grpo_steps(tmp_path, "a", *overrides)
     second = grpo_steps(tmp_path, "b", *overrides)
     assert first == [dict(r, **_timing(s)) for r, s in zip(second, first, strict=True)]
+    check_golden("grpo_async_scripted", first, steps=5)
     assert max(r["async/partial_samples_frac"] for r in first) > 0
     assert max(r["async/staleness_max"] for r in first) == 1
     assert all("off_policy/is_weight_mean" in r for r in first)

@@ -11,6 +11,7 @@ import psutil
 import pytest
 
 from drivetrain.trainer.builtin.tiny_model import build_tiny_chat_model
+from golden import check_golden
 from rl_support import kill_mid_run, make_rl_job, metrics_rows, rl_command, run_rl
 from sft_support import sft_env
 
@@ -62,6 +63,7 @@ def test_grpo_dapo_preset_samples_until_the_groups_are_informative(tmp_path):
     assert "task reward without the overlong penalty" in done.stderr + done.stdout
     assert summary["task_reward_first_steps_mean"] >= summary["reward_first_steps_mean"]
     rows = [r for r in metrics_rows(out) if "reward/mean" in r]
+    check_golden("grpo_dapo_preset", rows, steps=2)
     for row in rows:
         # 4 informative groups of 2 kept, unless the 4-round cap was reached first
         assert row["sampling/kept_groups"] == 4 or row["sampling/rounds"] == 4
@@ -97,6 +99,7 @@ def test_distill_scores_the_students_tokens_with_the_teacher(tmp_path):
     )  # fmt: skip
     rows = [r for r in metrics_rows(out) if "distill/reverse_kl" in r]
     assert len(rows) == 2 and rows[0]["advantages/abs_mean"] > 0
+    check_golden("distill_tiny", rows, steps=2)
     assert "time/teacher_log_probs_s" in rows[0]
     state = json.loads(next((out / "checkpoints").glob("step_*/trainer_state.json")).read_text())
     assert state["roles"] == ["actor", "teacher"]
@@ -111,6 +114,7 @@ def test_ppo_with_critic_reference_and_reward_model(tmp_path):
         f"reward.model_path={tmp_path / 'model'}", env=sft_env(tmp_path),
     )  # fmt: skip
     assert summary["steps"] == 2
+    check_golden("ppo_tiny", metrics_rows(out), steps=2)
     row = metrics_rows(out)[0]
     assert row["critic/value_loss"] > 0 and row["critic/grad_norm"] > 0
     assert row["rollout/log_prob_diff"] < 1e-4  # PPO epochs: old log-probs recomputed

@@ -16,6 +16,7 @@ import pytest
 
 from builtin_run import BUILTIN_ADDITION
 from drivetrain.trainer.builtin.addition import SFT_REPORT, cached_sft_model
+from golden import check_golden
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500), BUILTIN_ADDITION]
 
@@ -24,6 +25,7 @@ def test_default_sft_job(builtin_addition):
     out = builtin_addition.sft_out
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert max(r["step"] for r in rows if "train/loss" in r) == 600
+    check_golden("sft_builtin", rows, steps=10)
     for produced in ("loss_curve.png", "metrics.jsonl", "config.yaml", "hf/model.safetensors"):
         assert (out / produced).is_file(), produced
     assert any((out / "tensorboard").iterdir())

@@ -1,0 +1,54 @@
+"""Golden metrics: a job's first steps, recorded once, compared bit for bit afterwards.
+
+The trainer's restructurings must leave what a job computes unchanged. Each test that runs a
+job already passes its metric rows here; the first ``steps`` rows, without the wall-clock
+entries, must equal ``tests/data/golden/<name>.json`` exactly (JSON floats round-trip, and every
+job here is deterministic on the CPU: fixed seeds, one thread per process).
+
+``DRIVETRAIN_RECORD_GOLDEN=1`` writes the file instead (record before changing the trainer,
+on a tree whose behaviour is the reference; the file names the commit it was recorded at)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+GOLDEN = Path(__file__).resolve().parent / "data" / "golden"
+#: entries that measure the machine, not the computation
+WALL_CLOCK = ("time/", "perf/", "weight_sync/")
+
+
+def computed(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` without its wall-clock entries."""
+    return {
+        k: v
+        for k, v in row.items()
+        if not k.startswith(WALL_CLOCK) and not k.endswith(("per_s", "_seconds", "_s"))
+    }
+
+
+def check_golden(name: str, rows: list[dict[str, Any]], *, steps: int) -> None:
+    """Assert that the first ``steps`` metric rows (those with a step) are the recorded ones."""
+    got = [computed(r) for r in rows if "step" in r][:steps]
+    assert len(got) == steps, f"{name}: {len(got)} metric rows, {steps} recorded"
+    path = GOLDEN / f"{name}.json"
+    if os.environ.get("DRIVETRAIN_RECORD_GOLDEN") == "1":
+        GOLDEN.mkdir(parents=True, exist_ok=True)
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+            cwd=GOLDEN, check=False,
+        ).stdout.strip()  # fmt: skip
+        path.write_text(json.dumps({"recorded_at": commit, "rows": got}, indent=1) + "\n")
+        return
+    want = json.loads(path.read_text())["rows"]
+    for index, (mine, recorded) in enumerate(zip(got, want, strict=True)):
+        if mine != recorded:
+            keys = sorted(set(mine) | set(recorded))
+            differ = [k for k in keys if mine.get(k, "absent") != recorded.get(k, "absent")]
+            detail = {k: (recorded.get(k, "absent"), mine.get(k, "absent")) for k in differ[:6]}
+            raise AssertionError(
+                f"{name}: row {index} differs from {path.name} (recorded, now): {detail}"
+            )
