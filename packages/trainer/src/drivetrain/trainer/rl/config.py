@@ -109,6 +109,11 @@ class AlgorithmConfig:
     overlong_filter: bool = False  # truncated samples (finish reason length) carry no loss
 
     def __post_init__(self) -> None:
+        self._check_loss()
+        self._check_generation_ahead()
+        self._check_dapo()
+
+    def _check_loss(self) -> None:
         if self.aggregation not in AGGREGATIONS:
             raise ConfigError(
                 f"algorithm.aggregation={self.aggregation!r} is not one of {AGGREGATIONS}"
@@ -125,6 +130,12 @@ class AlgorithmConfig:
             raise ConfigError(f"algorithm.dual_clip={self.dual_clip} must be > 1 (or 0: off)")
         if self.kl_coef < 0:
             raise ConfigError(f"algorithm.kl_coef={self.kl_coef} must be >= 0")
+        if not (self.correction_cap > 0 and 0 <= self.correction_low <= self.correction_high):
+            raise ConfigError(
+                "algorithm.correction_cap must be > 0 and 0 <= correction_low <= correction_high"
+            )
+
+    def _check_generation_ahead(self) -> None:
         choices = {
             "mode": MODES,
             "stale_samples": ("drop", "keep"),
@@ -145,6 +156,8 @@ class AlgorithmConfig:
                 f"{self.sync_every - 1} versions behind, beyond max_staleness="
                 f"{self.max_staleness}: raise max_staleness or lower sync_every"
             )
+
+    def _check_dapo(self) -> None:
         if self.dynamic_sampling and self.mode != "sync":
             raise ConfigError(
                 f"algorithm.dynamic_sampling works in mode=sync, not {self.mode!r} (generation "
@@ -156,10 +169,6 @@ class AlgorithmConfig:
             raise ConfigError(
                 "algorithm.overlong_buffer must be in [0, 1) (a fraction of "
                 "sampling.max_new_tokens), overlong_penalty >= 0"
-            )
-        if not (self.correction_cap > 0 and 0 <= self.correction_low <= self.correction_high):
-            raise ConfigError(
-                "algorithm.correction_cap must be > 0 and 0 <= correction_low <= correction_high"
             )
 
     @property
@@ -196,7 +205,7 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class TeacherConfig:
-    """On-policy distillation (``RLTrainer.advantages``, the ``distill`` estimator): a teacher
+    """On-policy distillation (``rl/stages.Advantages``, the ``distill`` estimator): a teacher
     model (the actor's engine backend, ``infer`` only) scores every token the student sampled;
     ``coef`` x the per-token reverse KL ``log pi_student - log pi_teacher`` is subtracted from
     the token's reward. Empty

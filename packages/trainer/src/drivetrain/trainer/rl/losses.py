@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -60,6 +60,11 @@ class ActorLoss:
     #: the off-policy correction of the rollout↔trainer gap (rl/off_policy.py), per token
     correction: str = "none"
     correction_config: CorrectionConfig = field(default_factory=CorrectionConfig)
+    #: the batch columns it reads beside the engine's own, where the batch has them: what an
+    #: update sends
+    reads: ClassVar[tuple[str, ...]] = (
+        OLD_LOG_PROBS, ADVANTAGES, REF_LOG_PROBS, ROLLOUT_LOG_PROBS,
+    )  # fmt: skip
 
     @property
     def outputs(self) -> OutputSpec:
@@ -136,6 +141,7 @@ class CriticLoss:
     clip_range: float = 0.5  # 0 disables value clipping
     aggregation: str = "token-mean"
     max_length: int = 0  # seq-mean-token-sum-norm's fixed normaliser
+    reads: ClassVar[tuple[str, ...]] = (RETURNS, OLD_VALUES)  # beside the engine's own
 
     @property
     def outputs(self) -> OutputSpec:

@@ -1,0 +1,54 @@
+"""Each sample's reward on the controller: the weighted reward functions on the decoded
+response, plus DAPO's overlong shaping where configured."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from drivetrain.trainer.rl.config import RLConfig
+from drivetrain.trainer.rl.dapo import SHAPING, overlong_penalty
+from drivetrain.trainer.rl.prompts import RLPrompt
+from drivetrain.trainer.rl.rewards import RewardScorer
+
+
+class SampleScorer:
+    """``reward.functions`` (weighted) over completions, decoded with the run's tokenizer."""
+
+    def __init__(self, config: RLConfig, tokenizer: Any) -> None:
+        self.config, self.tokenizer = config, tokenizer
+        self.functions = RewardScorer(config.reward.functions, config.reward.weights)
+
+    def __call__(
+        self, completions: Sequence[Any], prompts: Sequence[RLPrompt], shaping: bool = True
+    ) -> tuple[torch.Tensor, dict[str, list[float]]]:
+        """Each sample's reward (the weighted reward functions, plus DAPO's overlong penalty
+        when configured and ``shaping``) and each part's values."""
+        decode = self.tokenizer.decode
+        totals, parts = [], {name: [] for name in self.functions.names}
+        for c in completions:
+            text = decode(list(c.token_ids), skip_special_tokens=True)
+            total, each = self.functions(text, prompts[c.prompt_index].ground_truth)
+            totals.append(total)
+            for name, value in each.items():
+                parts[name].append(value)
+        scores = torch.tensor(totals, dtype=torch.float32)
+        alg = self.config.algorithm
+        if shaping and alg.overlong_buffer > 0:
+            penalty = overlong_penalty(
+                [len(c.token_ids) for c in completions],
+                self.config.sampling.max_new_tokens,
+                alg.overlong_buffer,
+                alg.overlong_penalty,
+            )
+            scores = scores + penalty
+            parts[SHAPING] = penalty.tolist()
+        return scores, parts
+
+    def agent_reward(self, task: Any, text: str) -> float:
+        """An agent's episode that reported no reward: the reward functions on its last turn
+        against the task's ``data.answer_key``."""
+        answer = task.get(self.config.data.answer_key, "") if hasattr(task, "get") else ""
+        return self.functions(text, str(answer))[0]
