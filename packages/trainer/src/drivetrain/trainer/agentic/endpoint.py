@@ -30,20 +30,19 @@ Errors are OpenAI-style JSON (``{"error": {"message", "type", "code"}}``): 400 b
 request, 401 key, 404 unknown session or route, 411/413 body length, 503 aborted (the play
 ended or the server closes), 504 no answer within the request deadline.
 
-Threads: HTTP handlers (one per connection) never touch a rollout. One dispatcher thread owns
-the rollouts (a rollout has one poller at a time): it submits the queued requests, polls, and
-completes each handler's future when its request finishes. Every wait has a deadline.
+Threads: HTTP handlers (one per connection) never touch a rollout. The
+:class:`~drivetrain.trainer.rollout_service.RolloutService` owns the rollouts (a rollout has one
+poller at a time): it submits the queued requests, polls, and completes each handler's future
+when its request finishes. Every wait has a deadline.
 Handlers tokenise under their session's lock only, with the endpoint's own tokenizer copy.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hmac
 import json
 import logging
 import math
-import queue
 import re
 import secrets
 import socket
@@ -61,18 +60,15 @@ from urllib.parse import urlsplit
 
 from drivetrain.api import Completion, FinishReason, Rollout, SamplingParams
 from drivetrain.api.environment import Task
-from drivetrain.api.requests import Collector, Request, sample_seed
+from drivetrain.api.requests import Request, sample_seed
 from drivetrain.api.tool_parsers import ToolParser
 from drivetrain.trainer.agentic.chat_tokens import ChatTokens
 from drivetrain.trainer.agentic.episodes import EpisodeLimits
 from drivetrain.trainer.agentic.sessions import RequestError, Session, check_messages
+from drivetrain.trainer.rollout_service import SETTLE_S, RolloutService, ServiceClosed
 
 log = logging.getLogger(__name__)
 
-#: longest wait in one poll while requests run (seconds)
-POLL_S = 0.02
-#: how long aborted requests may take to end when the server closes (seconds)
-SETTLE_S = 30.0
 #: a client that sends nothing this long on its connection is dropped (seconds)
 SOCKET_TIMEOUT_S = 120.0
 #: a session's requests are seeded ``sample_seed(seed, number * SEED_STRIDE + turn)``
@@ -82,134 +78,10 @@ _ROUTE = re.compile(r"/sessions/([A-Za-z0-9_-]{1,64})/(v1/chat/completions|v1/mo
 _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error"}
 
 
-class ServerClosed(RuntimeError):
-    """The server closed while a request was generating."""
-
-
 class _HTTPError(Exception):
     def __init__(self, status: int, message: str, code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.code = status, code
-
-
-class _Dispatcher:
-    """The one thread that drives the rollouts: submits, polls, completes futures."""
-
-    def __init__(self, rollouts: Sequence[Rollout]) -> None:
-        self.rollouts = list(rollouts)
-        self.commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        self.collectors = [Collector() for _ in self.rollouts]
-        self.waiting: list[dict[str, Future[Completion]]] = [{} for _ in self.rollouts]
-        self.failure: BaseException | None = None
-        #: a submit either reaches the queue before the stop drains it, or sees the failure
-        self._closing = threading.Lock()
-        self.thread = threading.Thread(target=self._run, name="chat-dispatcher", daemon=True)
-        self.thread.start()
-
-    def submit(self, replica: int, request: Request) -> Future[Completion]:
-        future: Future[Completion] = Future()
-        with self._closing:
-            if self.failure is not None:
-                future.set_exception(ServerClosed(f"the dispatcher stopped: {self.failure}"))
-            else:
-                self.commands.put(("submit", replica, request, future))
-        return future
-
-    def abort(self, request_id: str) -> None:
-        self.commands.put(("abort", request_id))
-
-    def close(self, timeout_s: float = SETTLE_S + 5) -> None:
-        self.commands.put(("stop",))
-        self.thread.join(timeout_s)
-
-    # ---- the thread ---------------------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            while True:
-                busy = any(self.waiting)
-                try:  # idle: wait for a command; busy: take what is queued, then poll (a
-                    # rollout its poller drives advances one token step per poll: no wait here)
-                    command = self.commands.get_nowait() if busy else self.commands.get(timeout=1.0)
-                except queue.Empty:
-                    command = None
-                while command is not None:
-                    if command[0] == "stop":
-                        self._stop()
-                        return
-                    self._command(command)
-                    try:
-                        command = self.commands.get_nowait()
-                    except queue.Empty:
-                        command = None
-                for replica, waiting in enumerate(self.waiting):
-                    if waiting:
-                        self._poll(replica)
-        except BaseException as exc:  # a bug here: fail every waiter instead of hanging them
-            with self._closing:
-                self.failure = exc
-            log.exception("the chat endpoint's dispatcher failed")
-            self._fail_all(ServerClosed(f"the dispatcher failed: {exc}"))
-
-    def _command(self, command: tuple[Any, ...]) -> None:
-        if command[0] == "submit":
-            _, replica, request, future = command
-            try:
-                self.rollouts[replica].submit([request])
-            except Exception as exc:  # a refused request (too long...): its waiter's error
-                future.set_exception(exc)
-                return
-            self.collectors[replica].track(request)
-            self.waiting[replica][request.request_id] = future
-        elif command[0] == "abort":
-            for replica, waiting in enumerate(self.waiting):
-                if command[1] in waiting:
-                    self.rollouts[replica].abort([command[1]])
-
-    def _poll(self, replica: int) -> None:
-        waiting = self.waiting[replica]
-        try:
-            chunks = self.rollouts[replica].poll(POLL_S if self.commands.empty() else 0.0)
-            finished = self.collectors[replica].add(chunks)
-        except Exception as exc:  # the rollout failed: its requests' waiters get the error
-            log.exception("rollout %d failed while polling", replica)
-            with contextlib.suppress(Exception):
-                self.rollouts[replica].abort(list(waiting))
-            for future in waiting.values():
-                future.set_exception(exc)
-            waiting.clear()
-            self.collectors[replica] = Collector()
-            return
-        for request_id in finished:
-            future = waiting.pop(request_id)
-            future.set_result(self.collectors[replica].pop(request_id))
-
-    def _stop(self) -> None:
-        closed = ServerClosed("the chat endpoint closed")
-        with self._closing:  # no submit reaches the queue after this
-            self.failure = closed
-        while True:  # submits queued behind the stop: failed, never left waiting
-            try:
-                command = self.commands.get_nowait()
-            except queue.Empty:
-                break
-            if command[0] == "submit":
-                command[3].set_exception(closed)
-        deadline = time.monotonic() + SETTLE_S
-        for replica, waiting in enumerate(self.waiting):
-            if not waiting:
-                continue
-            with contextlib.suppress(Exception):
-                self.rollouts[replica].abort(list(waiting))
-                while waiting and time.monotonic() < deadline:
-                    self._poll(replica)
-        self._fail_all(closed)
-
-    def _fail_all(self, exc: BaseException) -> None:
-        for waiting in self.waiting:
-            for future in waiting.values():
-                if not future.done():
-                    future.set_exception(exc)
-            waiting.clear()
 
 
 class _HTTPServer(ThreadingHTTPServer):
@@ -361,7 +233,7 @@ class ChatServer:
         self._chats_lock = threading.Lock()  # the cache, not the tokenizing (see _complete)
         self._sessions: dict[str, Session] = {}
         self._sessions_lock = threading.Lock()
-        self._dispatcher = _Dispatcher(rollouts)
+        self._rollouts = RolloutService(rollouts, name="chat-endpoint")
         self._http = _HTTPServer((host, port), self)
         self.host, self.port = self._http.server_address[:2]
         self._serving = threading.Thread(
@@ -406,7 +278,7 @@ class ChatServer:
         for session in sessions:
             session.closed = True
             if session.running:
-                self._dispatcher.abort(session.running)
+                self._rollouts.abort(session.running)
         deadline = time.monotonic() + timeout_s
         for session in sessions:
             # not raised: this runs after a play, failed or not, whose own error is the one
@@ -418,10 +290,10 @@ class ChatServer:
         return sessions
 
     def close(self) -> None:
-        """Stop serving and the dispatcher; requests in flight are aborted (their agents get
+        """Stop serving and the rollout service; requests in flight are aborted (their agents get
         503)."""
         self._http.shutdown()  # no new request first; those being answered fail at the stop
-        self._dispatcher.close()
+        self._rollouts.close()
         self._http.server_close()
         self._serving.join(5.0)
 
@@ -531,12 +403,12 @@ class ChatServer:
                 prompt_index=session.number,
             )
             session.running = request.request_id
-            future = self._dispatcher.submit(session.replica, request)
+            future = self._rollouts.submit(session.replica, request)
             if session.closed:  # ended while this was planned: end_sessions may not have seen
-                self._dispatcher.abort(request.request_id)  # it running (queued after submit)
+                self._rollouts.abort(request.request_id)  # it running (queued after submit)
             completion = self._wait(future, deadline)
             if completion is None:
-                self._dispatcher.abort(request.request_id)
+                self._rollouts.abort(request.request_id)
                 raise _HTTPError(504, "no answer within the request deadline", "timeout")
             if completion.finish_reason is FinishReason.ABORT or not completion.token_ids:
                 raise _HTTPError(503, "the request was aborted (the episode ended)", "aborted")
@@ -554,7 +426,7 @@ class ChatServer:
             return future.result(timeout=max(0.0, deadline - time.monotonic()))
         except FutureTimeout:
             return None
-        except ServerClosed as exc:
+        except ServiceClosed as exc:
             raise _HTTPError(503, str(exc), "server_closed") from None
         except ValueError as exc:  # the rollout refused the request
             raise _HTTPError(400, f"the rollout refused the request: {exc}") from None
