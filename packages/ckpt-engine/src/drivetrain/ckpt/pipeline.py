@@ -127,6 +127,36 @@ def _read_ahead(link: ReceiverLink, out: queue.Queue[Any], stop: threading.Event
         out.put(exc)
 
 
+def _next_message(messages: queue.Queue[Any], timeout_s: float) -> tuple[str, Any, Any]:
+    """The reader's next message; its failure (or silence) as a :class:`WeightSyncError`."""
+    try:
+        message = messages.get(timeout=timeout_s)
+    except queue.Empty:
+        raise WeightSyncError(f"no weight-sync data for {timeout_s:.0f} s") from None
+    if isinstance(message, WeightSyncError):
+        raise message
+    if isinstance(message, BaseException):
+        raise WeightSyncError(f"receiving failed: {message}") from message
+    return message
+
+
+def _confirm_end(
+    link: ReceiverLink, header: dict[str, Any], mine: dict[str, Any], verify: bool
+) -> None:
+    """Compare what arrived (``mine``) with the end header; confirm to the sender either way,
+    raise on a mismatch."""
+    wrong = {k: (v, header.get(k)) for k, v in mine.items() if v != header.get(k)}
+    if verify and header.get("digest") is None:
+        wrong["digest"] = (mine["digest"], "not sent (the sender does not verify)")
+    if not verify:
+        wrong.pop("digest", None)
+    if wrong:
+        detail = ", ".join(f"{k}: received {a}, sent {b}" for k, (a, b) in wrong.items())
+        link.confirm(False, detail)
+        raise WeightSyncError(f"weight stream version {header['version']} differs: {detail}")
+    link.confirm(True, "")
+
+
 def receive_stream(
     link: ReceiverLink,
     *,
@@ -152,15 +182,7 @@ def receive_stream(
     completed = False
     try:
         while True:
-            try:
-                message = messages.get(timeout=timeout_s)
-            except queue.Empty:
-                raise WeightSyncError(f"no weight-sync data for {timeout_s:.0f} s") from None
-            if isinstance(message, BaseException):
-                if isinstance(message, WeightSyncError):
-                    raise message
-                raise WeightSyncError(f"receiving failed: {message}") from message
-            kind, header, index = message
+            kind, header, index = _next_message(messages, timeout_s)
             if kind == "end":
                 break
             buffer = link.buffers[index]
@@ -184,16 +206,7 @@ def receive_stream(
             "bytes": total_bytes,
             "digest": digest.hexdigest() if digest is not None else None,
         }
-        wrong = {k: (v, header.get(k)) for k, v in mine.items() if v != header.get(k)}
-        if verify and header.get("digest") is None:
-            wrong["digest"] = (mine["digest"], "not sent (the sender does not verify)")
-        if not verify:
-            wrong.pop("digest", None)
-        if wrong:
-            detail = ", ".join(f"{k}: received {a}, sent {b}" for k, (a, b) in wrong.items())
-            link.confirm(False, detail)
-            raise WeightSyncError(f"weight stream version {header['version']} differs: {detail}")
-        link.confirm(True, "")
+        _confirm_end(link, header, mine, verify)
         seconds = time.perf_counter() - start
         on_stats(
             SyncStats(

@@ -367,23 +367,29 @@ def check_updates_between_steps(h: RolloutHarness) -> None:
             raise failure[0]
         if thread.is_alive():
             raise AssertionError("polling did not finish while weights were updated")
-        fresh = 0
-        for c in collector.completions():
-            versions = c.token_versions
-            if list(versions) != sorted(versions) or not set(versions) <= {0, 1}:
-                raise AssertionError(f"token versions {versions} (one update, to version 1)")
-            old = versions.count(0)
-            what = f"request {c.prompt_index}"
-            if old:
-                segment = replace(c, token_ids=c.token_ids[:old], log_probs=c.log_probs[:old])
-                _assert_log_probs(h, segment, 0, False, f"{what}: tokens under version 0")
-            elif versions:
-                fresh += 1
-                _assert_log_probs(h, c, 0, True, f"{what}: a request run under version 1")
-        if not fresh:
-            raise AssertionError("no request ran under the new weights")
+        _assert_split_at_the_update(h, collector.completions())
 
     _with_rollout(h, check)
+
+
+def _assert_split_at_the_update(h: RolloutHarness, completions: list[Completion]) -> None:
+    """Each completion's tokens under version 0 score as the old weights sampled them, and at
+    least one request ran wholly under version 1, scoring as the new weights do."""
+    fresh = 0
+    for c in completions:
+        versions = c.token_versions
+        if list(versions) != sorted(versions) or not set(versions) <= {0, 1}:
+            raise AssertionError(f"token versions {versions} (one update, to version 1)")
+        old = versions.count(0)
+        what = f"request {c.prompt_index}"
+        if old:
+            segment = replace(c, token_ids=c.token_ids[:old], log_probs=c.log_probs[:old])
+            _assert_log_probs(h, segment, 0, False, f"{what}: tokens under version 0")
+        elif versions:
+            fresh += 1
+            _assert_log_probs(h, c, 0, True, f"{what}: a request run under version 1")
+    if not fresh:
+        raise AssertionError("no request ran under the new weights")
 
 
 def check_generate_helper(h: RolloutHarness) -> None:
