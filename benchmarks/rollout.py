@@ -40,9 +40,10 @@ from transformers import (
 )
 
 from drivetrain.api.registry import rollouts
-from drivetrain.api.requests import Request, generate_with_requests
+from drivetrain.api.requests import Request
 from drivetrain.api.rollout import SamplingParams
 from drivetrain.rollout.config import HFRolloutConfig, VLLMRolloutConfig
+from drivetrain.runtime.collector import generate_with_requests
 from drivetrain.trainer.builtin import addition
 from drivetrain.trainer.builtin.char_tokenizer import build_char_tokenizer
 from drivetrain.trainer.rl.job import ensure_sft_model

@@ -96,9 +96,9 @@ def receiver(
     torch.set_num_threads(1)
     from drivetrain.api.config import WeightSyncConfig
     from drivetrain.api.registry import ckpt_engines, rollouts
-    from drivetrain.api.weight_receiver import WeightReceiver
     from drivetrain.api.weight_sync import Topology
     from drivetrain.rollout.config import HFRolloutConfig
+    from drivetrain.runtime.weight_receiver import WeightReceiver
 
     rollout = rollouts.load("hf")(
         HFRolloutConfig(model_path=model_dir, dtype="bfloat16", device=device, num_threads=1)

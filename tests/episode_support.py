@@ -12,9 +12,9 @@ import torch
 from drivetrain.api import SamplingParams
 from drivetrain.api.columns import INPUT_IDS, LOSS_MASK, ROLLOUT_LOG_PROBS
 from drivetrain.api.environment import AssistantTurn, Environment, Episode, StepResult, Task
-from drivetrain.api.tool_parsers import tool_parser
 from drivetrain.trainer.agentic.chat_tokens import ChatTokens
 from drivetrain.trainer.agentic.episodes import EpisodeLimits, EpisodeRunner
+from drivetrain.trainer.agentic.tool_parsers import tool_parser
 from rollout_support import as_batch, fsdp_engine, recomputed_log_probs
 
 TURNS = 3

@@ -25,13 +25,14 @@ from drivetrain.api import (
     SamplingParams,
 )
 from drivetrain.api.registry import engines
-from drivetrain.api.requests import Collector, Request
+from drivetrain.api.requests import Request
 from drivetrain.api.rollout import Rollout
-from drivetrain.api.rollout_batch import completions_to_batch
 from drivetrain.api.testing import token_mean_nll
 from drivetrain.api.testing.rollout_kit import RolloutHarness, abort_after
+from drivetrain.runtime.collector import Collector
 from drivetrain.trainer.builtin.tiny_model import build_tiny_chat_model
 from drivetrain.trainer.hf_export import write_hf_model
+from drivetrain.trainer.rollout_batch import completions_to_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,11 +11,11 @@ import torch
 from drivetrain.api import SamplingParams
 from drivetrain.api.columns import LOSS_MASK
 from drivetrain.api.registry import rollouts
-from drivetrain.api.tool_parsers import tool_parser
 from drivetrain.rollout.config import HFRolloutConfig
 from drivetrain.trainer.agentic.chat_tokens import ChatTokens
 from drivetrain.trainer.agentic.episodes import EpisodeLimits, EpisodeRunner
 from drivetrain.trainer.agentic.samples import episode_metrics, turn_rewards
+from drivetrain.trainer.agentic.tool_parsers import tool_parser
 from episode_support import TOOLS, TURNS, ThreeTurnEpisode, ThreeTurns, play_and_check
 from rollout_support import build_model
 

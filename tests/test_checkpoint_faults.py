@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from drivetrain.api.manifest import verify_manifest, write_manifest
+from drivetrain.runtime.manifest import verify_manifest, write_manifest
 from sft_support import make_job, run_sft, sft_command, sft_env, train_losses
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(300)]

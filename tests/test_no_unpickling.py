@@ -15,7 +15,7 @@ import pytest
 pytestmark = pytest.mark.fault
 
 ROOT = Path(__file__).resolve().parents[1]
-ALLOWED = {"packages/engine-api/src/drivetrain/api/untrusted.py"}
+ALLOWED = {"packages/runtime/src/drivetrain/runtime/untrusted.py"}
 UNPICKLERS = {"pickle", "dill", "cloudpickle", "marshal", "_pickle"}
 
 
@@ -85,7 +85,7 @@ def test_libraries_asking_for_full_unpickling_get_weights_only_inside_the_contex
     """DCP's planner calls ``torch.load(..., weights_only=False)`` for non-tensor entries."""
     import torch
 
-    from drivetrain.api.untrusted import UnsafeFileError, torch_loads_weights_only
+    from drivetrain.runtime.untrusted import UnsafeFileError, torch_loads_weights_only
 
     marker, path = tmp_path / "pwned", tmp_path / "entry.pt"
     torch.save({"lr": 0.1, "evil": _RunsACommand(marker)}, path)

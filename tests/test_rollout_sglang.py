@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from drivetrain.api import SamplingParams
-from drivetrain.api.requests import Request, generate_with_requests
+from drivetrain.api.requests import Request
 from drivetrain.api.testing.rollout_kit import RolloutConformance
 from drivetrain.rollout.config import SGLangRolloutConfig
+from drivetrain.runtime.collector import generate_with_requests
 from rollout_support import (
     KeptRollout,
     TransformersRolloutHarness,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from drivetrain.api.manifest import verify_manifest
+from drivetrain.runtime.manifest import verify_manifest
 from sft_support import make_job, run_sft, sft_command, sft_env, train_losses
 
 pytestmark = pytest.mark.timeout(600)

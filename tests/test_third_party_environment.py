@@ -24,6 +24,7 @@ def env(venv_factory):
     venv = venv_factory("third-party-environment")
     venv.install(
         PACKAGES / "engine-api",
+        PACKAGES / "runtime",
         PACKAGES / "trainer",
         PACKAGES / "engine-core",
         PACKAGES / "engine-fsdp",

@@ -112,6 +112,7 @@ def env(venv_factory, tmp_path_factory):
     venv = venv_factory("third-party")
     venv.install(
         PACKAGES / "engine-api",
+        PACKAGES / "runtime",
         PACKAGES / "trainer",
         make_project(root, "acme-engine", "acme"),
         make_project(root, "broken-engine", "broken", preamble="import megatron.core"),

@@ -21,9 +21,9 @@ import torch.distributed as dist
 from drivetrain.api import Completion, FinishReason, Prompt, SamplingParams
 from drivetrain.api.config import WeightSyncConfig
 from drivetrain.api.registry import ckpt_engines, rollouts
-from drivetrain.api.sync_manager import WeightSyncManager, connect_transport, engine_sender
 from drivetrain.ckpt.buckets import digest_of
 from drivetrain.rollout.config import HFRolloutConfig, VLLMRolloutConfig
+from drivetrain.trainer.sync_manager import WeightSyncManager, connect_transport, engine_sender
 from rollout_support import fsdp_engine, log_prob_gap, train_step
 
 TRANSPORTS = ("broadcast", "colocated", "disk")

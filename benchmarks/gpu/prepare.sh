@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepare the folder benchmarks/gpu/run.sh installs from, on a machine with uv and PyPI, for a
 # GPU machine with no network (Python 3.12, its own torch): the workspace's own wheels (~0.6
-# MB for all eight) plus the few dependencies such a machine lacks or has older (FACTS.md,
+# MB for all nine) plus the few dependencies such a machine lacks or has older (FACTS.md,
 # "On an H100": 16 MB in all). Usage: bash benchmarks/gpu/prepare.sh [OUT] [--own-only]
 #   OUT defaults to .whl; --own-only builds the workspace's wheels only (the CPU smoke run,
 #   whose Python already has every dependency).

@@ -25,7 +25,8 @@ from drivetrain.api.environment import (
     StepResult,
     Task,
 )
-from drivetrain.api.tools import Tool, run_tool_calls
+from drivetrain.api.tools import Tool
+from drivetrain.runtime.tool_calls import run_tool_calls
 
 INVENTORY = {"apple": 3, "pear": 5, "plum": 2, "fig": 7, "kiwi": 4, "lime": 6, "date": 9}
 SYSTEM = "Answer with a number. Use the lookup tool to read stock counts."

@@ -4,7 +4,7 @@ import pytest
 
 from drivetrain.api import ConfigError, MicroBatchConfig, OptimConfig
 from drivetrain.api.config import LoraConfig, ModelConfig
-from drivetrain.api.schedule import lr_multiplier
+from drivetrain.runtime.schedule import lr_multiplier
 
 
 @pytest.mark.parametrize(

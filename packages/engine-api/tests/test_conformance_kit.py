@@ -11,7 +11,6 @@ import pytest
 
 from drivetrain.api import Batch, CheckpointInfo, LossContext, OutputSpec, merge_metrics
 from drivetrain.api.columns import SHARED_PREFIX_LEN
-from drivetrain.api.schedule import lr_multiplier
 from drivetrain.api.testing import (
     EngineConformance,
     FakeEngine,
@@ -21,6 +20,7 @@ from drivetrain.api.testing import (
 )
 from drivetrain.api.testing import conformance as kit
 from drivetrain.api.testing.nested import flatten
+from drivetrain.runtime.schedule import lr_multiplier
 
 
 class TestFakeEngineConforms(EngineConformance):

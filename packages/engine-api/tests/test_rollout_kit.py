@@ -123,8 +123,9 @@ def test_the_kit_catches_a_broken_rollout(broken, check, message):
 def test_a_failing_step_ends_every_request_and_the_rollout_serves_again():
     """A backend step that raises: the error reaches the poller, every request it held ends
     with abort at the next poll, and new requests run."""
-    from drivetrain.api.requests import Collector, Request
+    from drivetrain.api.requests import Request
     from drivetrain.api.rollout import FinishReason, SamplingParams
+    from drivetrain.runtime.collector import Collector
 
     class Flaky(FakeRollout):
         fail = True
@@ -155,8 +156,9 @@ def test_a_failing_step_ends_every_request_and_the_rollout_serves_again():
 
 
 def test_an_unknown_chunk_or_a_chunk_after_the_end_is_refused():
-    from drivetrain.api.requests import Chunk, Collector, Request
+    from drivetrain.api.requests import Chunk, Request
     from drivetrain.api.rollout import FinishReason, SamplingParams
+    from drivetrain.runtime.collector import Collector
 
     collector = Collector()
     collector.track(Request("a", (1,), SamplingParams()))
@@ -168,8 +170,9 @@ def test_an_unknown_chunk_or_a_chunk_after_the_end_is_refused():
 
 
 def test_pop_returns_a_resumed_sequence_whole_and_forgets_every_segment():
-    from drivetrain.api.requests import Chunk, Collector, Request
+    from drivetrain.api.requests import Chunk, Request
     from drivetrain.api.rollout import FinishReason, SamplingParams
+    from drivetrain.runtime.collector import Collector
 
     collector = Collector()
     collector.track(Request("a", (1,), SamplingParams(max_new_tokens=4)))

@@ -1,4 +1,6 @@
-"""drivetrain-engine-api installs alone and imports nothing outside the standard library."""
+"""drivetrain-engine-api installs alone and its contracts import nothing outside the standard
+library; with drivetrain-runtime (also stdlib-only), which the kits' fakes are built on, the
+whole api, kits included, and the runtime import nothing else either."""
 
 import shutil
 import subprocess
@@ -11,38 +13,54 @@ import pytest
 from drivetrain.api.testing.conformance import ENGINE_CHECKS
 
 PACKAGE = Path(__file__).resolve().parents[1]
+RUNTIME = PACKAGE.parent / "runtime"
 
 CHECK = textwrap.dedent(
     """
     import importlib, pkgutil, sys
-    import drivetrain.api
-    names = [m.name for m in pkgutil.walk_packages(drivetrain.api.__path__, "drivetrain.api.")]
+    roots = sys.argv[1:]
+    names = []
+    for root in roots:
+        package = importlib.import_module(root)
+        names += [m.name for m in pkgutil.walk_packages(package.__path__, root + ".")]
     for name in names:
         importlib.import_module(name)
-    roots = {m.split(".")[0] for m in sys.modules}
-    foreign = sorted(roots - set(sys.stdlib_module_names) - {"drivetrain", "__main__"})
+    found = {m.split(".")[0] for m in sys.modules}
+    foreign = sorted(found - set(sys.stdlib_module_names) - {"drivetrain", "__main__"})
     print(len(names), "modules;", "third-party:", foreign)
     sys.exit(1 if foreign else 0)
     """
 )
 
 
-@pytest.fixture(scope="module")
-def lonely_venv(tmp_path_factory):
+def _venv(tmp_path_factory, name: str, *packages: Path) -> str:
     uv = shutil.which("uv")
     assert uv, "needs the uv executable on PATH"
-    venv = tmp_path_factory.mktemp("api-only") / "venv"
+    venv = tmp_path_factory.mktemp(name) / "venv"
     subprocess.run([uv, "venv", "-q", "--python", sys.executable, str(venv)], check=True)
     python = str(venv / "bin" / "python")
-    subprocess.run(
-        [uv, "pip", "install", "-q", "--python", python, str(PACKAGE)], check=True, timeout=600
-    )
+    install = [uv, "pip", "install", "-q", "--python", python, *map(str, packages)]
+    subprocess.run(install, check=True, timeout=600)
     return python
+
+
+@pytest.fixture(scope="module")
+def lonely_venv(tmp_path_factory):
+    return _venv(tmp_path_factory, "api-only", PACKAGE)
+
+
+@pytest.fixture(scope="module")
+def runtime_venv(tmp_path_factory):
+    return _venv(tmp_path_factory, "api-and-runtime", PACKAGE, RUNTIME)
 
 
 LIST_DISTRIBUTIONS = (
     "import importlib.metadata as m; print(sorted(d.metadata['Name'] for d in m.distributions()))"
 )
+
+
+def _walk(python: str, *roots: str) -> subprocess.CompletedProcess:
+    return subprocess.run([python, "-c", CHECK, *roots], capture_output=True, text=True)
 
 
 def test_installs_without_any_other_distribution(lonely_venv):
@@ -52,17 +70,32 @@ def test_installs_without_any_other_distribution(lonely_venv):
     assert out.stdout.strip() == "['drivetrain-engine-api']"
 
 
-def test_every_module_imports_only_the_standard_library(lonely_venv):
-    out = subprocess.run([lonely_venv, "-c", CHECK], capture_output=True, text=True)
+def test_the_contracts_import_alone_and_only_the_standard_library(lonely_venv):
+    code = (
+        "import importlib, pkgutil, sys, drivetrain.api as a; "
+        "names = [m.name for m in pkgutil.iter_modules(a.__path__, 'drivetrain.api.') "
+        "if m.name != 'drivetrain.api.testing']; [importlib.import_module(n) for n in names]; "
+        "found = {m.split('.')[0] for m in sys.modules}; "
+        "print(len(names), sorted(found - set(sys.stdlib_module_names) - {'drivetrain', "
+        "'__main__'}))"
+    )
+    out = subprocess.run([lonely_venv, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    count, foreign = out.stdout.split(maxsplit=1)
+    assert foreign.strip() == "[]" and int(count) >= 15
+
+
+def test_every_module_with_the_runtime_imports_only_the_standard_library(runtime_venv):
+    out = _walk(runtime_venv, "drivetrain.api", "drivetrain.runtime")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "third-party: []" in out.stdout
-    assert int(out.stdout.split()[0]) >= 20  # walked the whole package, testing kit included
+    assert int(out.stdout.split()[0]) >= 35  # walked both packages, the testing kit included
 
 
-def test_kit_and_fakes_run_without_pytest(lonely_venv):
+def test_kit_and_fakes_run_without_pytest(runtime_venv):
     code = (
         "from drivetrain.api.testing import FakeHarness, run_conformance; "
         "r = run_conformance(FakeHarness()); print(all(x.passed for x in r), len(r))"
     )
-    out = subprocess.run([lonely_venv, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run([runtime_venv, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True", str(len(ENGINE_CHECKS))]

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from drivetrain.api.manifest import ManifestError, write_manifest
-from drivetrain.api.untrusted import UnsafeFileError
 from drivetrain.engine_core.dcp_metadata import metadata_read_once
+from drivetrain.runtime.manifest import ManifestError, write_manifest
+from drivetrain.runtime.untrusted import UnsafeFileError
 
 
 class RunsACommand:

@@ -1,4 +1,4 @@
-"""The api's micro-batch driver over torch.distributed (gloo, two ranks), and the layouts."""
+"""The runtime's micro-batch driver over torch.distributed (gloo, two ranks), and the layouts."""
 
 from pathlib import Path
 
@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from drivetrain.api import Batch, MicroBatchConfig
-from drivetrain.api.micro_batching import loss_totals, plan_micro_batches
 from drivetrain.engine_core import (
     InferOutputs,
     TorchCollectives,
@@ -15,6 +14,7 @@ from drivetrain.engine_core import (
     to_layout,
 )
 from drivetrain.engine_core.testing import launch_ranks
+from drivetrain.runtime.micro_batching import loss_totals, plan_micro_batches
 
 HERE = Path(__file__).parent
 

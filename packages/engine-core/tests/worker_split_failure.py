@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 
 from drivetrain.api import Batch, BatchError, MicroBatchConfig
-from drivetrain.api.micro_batching import loss_totals, plan_micro_batches
 from drivetrain.engine_core import TorchCollectives
 from drivetrain.engine_core.testing import write_result
+from drivetrain.runtime.micro_batching import loss_totals, plan_micro_batches
 
 
 def batch(lengths: list[int]) -> Batch:

@@ -9,11 +9,12 @@ import asyncio
 
 import pytest
 
-from drivetrain.api.request_queue import RequestQueue
-from drivetrain.api.requests import Collector, Request
+from drivetrain.api.requests import Request
 from drivetrain.api.rollout import FinishReason, SamplingParams
 from drivetrain.rollout.sglang.requests import stream_event
 from drivetrain.rollout.sglang.streams import LoopStreams
+from drivetrain.runtime.collector import Collector
+from drivetrain.runtime.request_queue import RequestQueue
 
 pytestmark = pytest.mark.timeout(60)
 

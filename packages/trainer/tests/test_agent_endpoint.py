@@ -28,11 +28,11 @@ from drivetrain.api.environment import ToolCall
 from drivetrain.api.errors import DrivetrainError
 from drivetrain.api.registry import rollouts
 from drivetrain.api.requests import Chunk
-from drivetrain.api.tool_parsers import ParsedTurn, tool_parser
 from drivetrain.trainer.agentic.agent_runner import AgentError, AgentRunner
 from drivetrain.trainer.agentic.chat_tokens import ChatTokens
 from drivetrain.trainer.agentic.endpoint import ChatServer
 from drivetrain.trainer.agentic.episodes import EpisodeLimits
+from drivetrain.trainer.agentic.tool_parsers import ParsedTurn, tool_parser
 from drivetrain.trainer.builtin.char_tokenizer import ROLES, build_char_tokenizer
 from drivetrain.trainer.builtin.tiny_model import build_llama_model
 

@@ -7,7 +7,7 @@ import io
 import pytest
 from rich.console import Console
 
-from drivetrain.api.manifest import MANIFEST_FILE
+from drivetrain.runtime.manifest import MANIFEST_FILE
 from drivetrain.trainer.checkpoints import CheckpointManager
 from drivetrain.trainer.console import plain_console
 from drivetrain.trainer.errors import CheckpointError, NothingToTrain, RunDirectoryError

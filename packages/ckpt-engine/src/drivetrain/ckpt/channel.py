@@ -1,7 +1,7 @@
 """The control channel of the colocated transport: authenticated loopback connections from
 every receiver to the sender, with deadlines on every wait (a dead or hung peer raises
 :class:`WeightSyncError` instead of blocking). Messages are plain data as JSON
-(:mod:`drivetrain.api.wire`): ``Connection.send``/``recv`` would pickle, and reading a pickle
+(:mod:`drivetrain.runtime.wire`): ``Connection.send``/``recv`` would pickle, and reading a pickle
 can run code."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
 from drivetrain.api.weight_sync import WeightSyncError
-from drivetrain.api.wire import PLAIN, WireError
+from drivetrain.runtime.wire import PLAIN, WireError
 
 
 def listen(host: str) -> tuple[Listener, dict[str, Any]]:

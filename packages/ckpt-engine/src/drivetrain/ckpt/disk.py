@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 
-from drivetrain.api.atomic_dir import remove_stale_staging, staging_path
 from drivetrain.api.engine import NamedTensor
 from drivetrain.api.weight_sync import (
     Destination,
@@ -49,6 +48,7 @@ from drivetrain.ckpt.config import DiskConfig
 from drivetrain.ckpt.devices import resolve_device
 from drivetrain.ckpt.heartbeat import Heartbeat, Watch
 from drivetrain.ckpt.shard_files import aligned, read_shard, write_shard
+from drivetrain.runtime.atomic_dir import remove_stale_staging, staging_path
 
 POLL_S = 0.005  # between looks at the directory; every wait also has a deadline
 ALIVE = "alive"

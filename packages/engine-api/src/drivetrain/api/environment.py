@@ -9,7 +9,7 @@ An :class:`Environment` is a plugin (entry-point group ``drivetrain.environments
    ``content``); the trainer renders them with the tokenizer's chat template and the
    environment's :meth:`Environment.tools` (JSON schemas).
 2. The policy samples an assistant turn; the trainer parses its tool calls
-   (:mod:`drivetrain.api.tool_parsers`) and calls :meth:`Episode.step` with the
+   (:mod:`drivetrain.trainer.agentic.tool_parsers`) and calls :meth:`Episode.step` with the
    :class:`AssistantTurn`.
 3. The :class:`StepResult` holds observation messages (tool results: appended to the
    conversation as prompt tokens, never trained on), this turn's reward, and ``done``.
@@ -71,7 +71,7 @@ class StepResult:
     """What follows an assistant turn: observation messages (the next turn's prompt), this
     turn's reward, whether the episode is over, and numbers the trainer averages into its
     metrics (``tools/calls``, ``tools/succeeded`` are standard: see
-    :func:`drivetrain.api.tools.run_tool_calls`)."""
+    :func:`drivetrain.runtime.tool_calls.run_tool_calls`)."""
 
     observations: tuple[Message, ...] = ()
     reward: float = 0.0
@@ -93,7 +93,7 @@ class Episode(abc.ABC):
     @abc.abstractmethod
     def step(self, turn: AssistantTurn) -> StepResult:
         """React to the assistant's turn. Must not raise for anything the policy wrote: a bad
-        tool call is an error observation (:func:`drivetrain.api.tools.run_tool_calls`)."""
+        tool call is an error observation (:func:`drivetrain.runtime.tool_calls.run_tool_calls`)."""
 
     def truncated(self, reason: str) -> float:
         """The trainer ended the episode before ``done`` (one of ``TRUNCATION_REASONS``);

@@ -152,7 +152,7 @@ class Rollout(abc.ABC):
         (``result[i * n + j]`` is sample ``j`` of prompt ``i``). A prompt longer than the
         context, or invalid params, raise ``ValueError`` before anything is generated.
         Request-level rollouts implement it with
-        :func:`drivetrain.api.requests.generate_with_requests`.
+        :func:`drivetrain.runtime.collector.generate_with_requests`.
         """
 
     @abc.abstractmethod
@@ -162,7 +162,7 @@ class Rollout(abc.ABC):
         The stream may cover all weights or a subset (e.g. LoRA adapters); a name the model
         does not have raises ``KeyError``. A backend may apply tensors as they arrive: then a
         stream that fails after a weight changed leaves it refusing requests until a whole
-        update lands (:meth:`~drivetrain.api.request_queue.QueuedRollout.updating_weights`);
+        update lands (:meth:`~drivetrain.runtime.request_queue.QueuedRollout.updating_weights`);
         one that fails before leaves the old weights in use. After it returns, every
         generation uses the new weights and reports ``version``.
         """

@@ -1,5 +1,5 @@
-"""``torch.distributed`` behind the api's micro-batch driver (:class:`~drivetrain.api.
-micro_batching.Collectives`)."""
+"""``torch.distributed`` behind the runtime's micro-batch driver
+(:class:`~drivetrain.runtime.micro_batching.Collectives`)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """DCP's ``.metadata`` read once, checked once, and handed to torch from memory.
 
 torch's ``FileSystemReader.read_metadata`` unpickles the file itself. Checking the file first
-(allow-listed unpickling, :mod:`drivetrain.api.untrusted`) and letting torch read it again
+(allow-listed unpickling, :mod:`drivetrain.runtime.untrusted`) and letting torch read it again
 left a window: a writer able to swap the file in between got past the check. Within
 :func:`metadata_read_once`, every ``FileSystemReader`` of the checkpoint (torch's own, and the
 ones megatron-core's dist_checkpointing builds several times per load) gets the object
@@ -20,8 +20,8 @@ from typing import Any
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from drivetrain.api.manifest import read_verified
-from drivetrain.api.untrusted import DCP_METADATA_GLOBALS, load_pickle
+from drivetrain.runtime.manifest import read_verified
+from drivetrain.runtime.untrusted import DCP_METADATA_GLOBALS, load_pickle
 
 _METADATA = ".metadata"
 

@@ -6,8 +6,9 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from drivetrain.api.requests import Request, call_requests, generate_with_requests
+from drivetrain.api.requests import Request
 from drivetrain.api.rollout import Completion, Prompt, Rollout, SamplingParams
+from drivetrain.runtime.collector import call_requests, generate_with_requests
 
 
 def render_prompts(prompts: Sequence[Prompt], tokenizer: Any, vocab_size: int) -> list[list[int]]:
@@ -91,7 +92,7 @@ def generate_prompts(
     max_model_len: int,
 ) -> list[Completion]:
     """Batch ``generate`` of a request-level rollout with a tokenizer: prompts rendered and
-    checked, ``n`` requests per prompt (:func:`~drivetrain.api.requests.call_requests`) served
+    checked, ``n`` requests per prompt (:func:`~drivetrain.runtime.collector.call_requests`) served
     through ``rollout``'s own submit/poll, each completion with its decoded text."""
     prompt_ids = render_prompts(prompts, tokenizer, vocab_size)
     budgets = new_token_budgets(prompt_ids, params, max_model_len)

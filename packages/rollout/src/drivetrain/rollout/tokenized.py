@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from drivetrain.api.request_queue import QueuedRollout
 from drivetrain.api.requests import Request
 from drivetrain.api.rollout import Completion, Prompt, SamplingParams
 from drivetrain.rollout.prompts import check_request, generate_prompts
+from drivetrain.runtime.request_queue import QueuedRollout
 
 
 class TokenizedRollout(QueuedRollout):

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from drivetrain.api.engine import NamedTensor
-from drivetrain.api.request_queue import WeightUpdate
+from drivetrain.runtime.request_queue import WeightUpdate
 
 
 def collect_weights(weights: Iterable[NamedTensor]) -> list[tuple[str, torch.Tensor]]:

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from drivetrain.api.atomic_dir import STAGING_SUFFIX, publish, remove_stale_staging
-from drivetrain.api.manifest import ManifestError, has_manifest, verify_manifest, write_manifest
+from drivetrain.runtime.atomic_dir import STAGING_SUFFIX, publish, remove_stale_staging
+from drivetrain.runtime.manifest import ManifestError, has_manifest, verify_manifest, write_manifest
 from drivetrain.trainer.checkpoint_space import space_checked
 from drivetrain.trainer.errors import CheckpointError
 

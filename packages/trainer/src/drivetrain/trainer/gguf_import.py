@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from drivetrain.api.atomic_dir import publish, staging_path
 from drivetrain.api.errors import ConfigError
+from drivetrain.runtime.atomic_dir import publish, staging_path
 
 
 def import_gguf(gguf_file: Path, out_dir: Path, *, dtype: str = "bfloat16") -> Path:

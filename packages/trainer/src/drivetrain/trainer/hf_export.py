@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from drivetrain.api import NamedTensor
-from drivetrain.api.atomic_dir import publish, staging_path
-from drivetrain.api.manifest import ManifestError, has_manifest, verify_manifest, write_manifest
+from drivetrain.runtime.atomic_dir import publish, staging_path
+from drivetrain.runtime.manifest import ManifestError, has_manifest, verify_manifest, write_manifest
 from drivetrain.trainer.errors import DataError
 
 #: Files copied from the source model directory next to the weights, when present.

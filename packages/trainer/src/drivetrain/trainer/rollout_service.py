@@ -15,7 +15,8 @@ from concurrent.futures import Future
 from typing import Any
 
 from drivetrain.api import Completion, Rollout
-from drivetrain.api.requests import Collector, Request
+from drivetrain.api.requests import Request
+from drivetrain.runtime.collector import Collector
 
 log = logging.getLogger(__name__)
 

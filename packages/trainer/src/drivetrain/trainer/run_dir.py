@@ -21,8 +21,8 @@ from typing import Any
 
 from rich.console import Console
 
-from drivetrain.api.atomic_dir import STAGING_SUFFIX
-from drivetrain.api.manifest import has_manifest
+from drivetrain.runtime.atomic_dir import STAGING_SUFFIX
+from drivetrain.runtime.manifest import has_manifest
 from drivetrain.trainer.checkpoints import Checkpoint, CheckpointManager, verify_checkpoint
 from drivetrain.trainer.errors import CheckpointError, NothingToTrain, RunDirectoryError
 

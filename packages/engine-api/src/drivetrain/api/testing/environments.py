@@ -22,7 +22,8 @@ from drivetrain.api.environment import (
     StepResult,
     Task,
 )
-from drivetrain.api.tools import Tool, run_tool_calls
+from drivetrain.api.tools import Tool
+from drivetrain.runtime.tool_calls import run_tool_calls
 
 
 def _echo(text: str) -> str:

@@ -2,9 +2,9 @@
 
 An engine's ranks run collectives in lockstep: a rank that raises before a collective its peers
 have entered leaves them waiting until the process group's timeout (30 minutes by default), and
-the job looks hung instead of failed. The engine-api's micro-batch driver
-(:mod:`drivetrain.api.micro_batching`) shares the failure with every rank first; this check holds
-any engine to that.
+the job looks hung instead of failed. The micro-batch driver
+(:mod:`drivetrain.runtime.micro_batching`) shares the failure with every rank first; this check
+holds any engine to that.
 """
 
 from __future__ import annotations

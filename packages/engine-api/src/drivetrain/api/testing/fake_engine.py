@@ -24,18 +24,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from drivetrain.api.atomic_dir import publish, staging_path
 from drivetrain.api.batch import Batch, Layout
 from drivetrain.api.columns import ENTROPY, INPUT_IDS, LOG_PROBS, LOSS_MASK
 from drivetrain.api.config import EngineConfig, coerce_config
 from drivetrain.api.engine import CheckpointInfo, NamedTensor, ParallelInfo, StepResult
 from drivetrain.api.errors import EngineStateError
 from drivetrain.api.loss import LossContext, LossFn, OutputSpec, merge_metrics
-from drivetrain.api.modes import ModalEngine
 from drivetrain.api.partition import inverse_permutation
-from drivetrain.api.schedule import lr_multiplier
 from drivetrain.api.testing import fake_model
 from drivetrain.api.testing.autodiff import Array, Scalar, lift, logsumexp
+from drivetrain.runtime.atomic_dir import publish, staging_path
+from drivetrain.runtime.modes import ModalEngine
+from drivetrain.runtime.schedule import lr_multiplier
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,12 @@ from typing import Any
 
 from drivetrain.api.config import RolloutConfig, coerce_config
 from drivetrain.api.engine import NamedTensor
-from drivetrain.api.request_queue import QueuedRollout, RequestQueue, TokenEvent
-from drivetrain.api.requests import Request, call_requests, generate_with_requests
+from drivetrain.api.requests import Request
 from drivetrain.api.rollout import Completion, FinishReason, Prompt, SamplingParams
 from drivetrain.api.testing import fake_model
 from drivetrain.api.testing.nested import shape_of
+from drivetrain.runtime.collector import call_requests, generate_with_requests
+from drivetrain.runtime.request_queue import QueuedRollout, RequestQueue, TokenEvent
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ class _Sequence:
 
 class FakeRollout(QueuedRollout):
     """Request-level: generation advances one token per running request each time the caller
-    polls (:class:`~drivetrain.api.request_queue.RequestQueue`); every request samples from
+    polls (:class:`~drivetrain.runtime.request_queue.RequestQueue`); every request samples from
     its own seeded generator, so a seeded request gives the same tokens in any batch."""
 
     config: FakeRolloutConfig

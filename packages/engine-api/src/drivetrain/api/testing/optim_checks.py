@@ -16,7 +16,6 @@ from typing import Any
 from drivetrain.api.batch import Batch
 from drivetrain.api.config import MicroBatchConfig, OptimConfig
 from drivetrain.api.loss import LossContext
-from drivetrain.api.schedule import lr_multiplier
 from drivetrain.api.testing.harness import EngineHarness
 from drivetrain.api.testing.steps import (
     assert_close,
@@ -30,6 +29,7 @@ from drivetrain.api.testing.steps import (
     train_step,
     weights,
 )
+from drivetrain.runtime.schedule import lr_multiplier
 
 SPLIT = MicroBatchConfig(micro_batch_size=3)
 

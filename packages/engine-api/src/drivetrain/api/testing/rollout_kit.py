@@ -16,8 +16,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from drivetrain.api.engine import NamedTensor
-from drivetrain.api.requests import Chunk, Collector, Request
+from drivetrain.api.requests import Chunk, Request
 from drivetrain.api.rollout import Completion, FinishReason, Prompt, Rollout, SamplingParams
+from drivetrain.runtime.collector import Collector
 
 
 class RolloutHarness(abc.ABC):

@@ -26,9 +26,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from drivetrain.api import CheckpointInfo
-from drivetrain.api.atomic_dir import publish, staging_path
-from drivetrain.api.untrusted import torch_loads_weights_only
 from drivetrain.engine_core.dcp_metadata import metadata_read_once
+from drivetrain.runtime.atomic_dir import publish, staging_path
+from drivetrain.runtime.untrusted import torch_loads_weights_only
 
 MARKER = "drivetrain.json"
 

@@ -34,8 +34,6 @@ from drivetrain.api import (
 )
 from drivetrain.api.columns import ENTROPY, INPUT_IDS, LOG_PROBS, VALUES
 from drivetrain.api.config import coerce_config
-from drivetrain.api.micro_batching import loss_totals, plan_micro_batches
-from drivetrain.api.modes import TRAIN, ModalEngine
 from drivetrain.engine.fsdp import checkpoint, offload, weights
 from drivetrain.engine.fsdp.attention import set_packed_row
 from drivetrain.engine.fsdp.config import FSDPConfig
@@ -53,6 +51,8 @@ from drivetrain.engine_core import (
     to_layout,
 )
 from drivetrain.engine_core.packed_kernels import engine_kernel
+from drivetrain.runtime.micro_batching import loss_totals, plan_micro_batches
+from drivetrain.runtime.modes import TRAIN, ModalEngine
 
 
 class FSDPEngine(ModalEngine):

@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from drivetrain.api import OptimConfig
-from drivetrain.api.schedule import lr_multiplier
+from drivetrain.runtime.schedule import lr_multiplier
 
 
 def build_optimizer(

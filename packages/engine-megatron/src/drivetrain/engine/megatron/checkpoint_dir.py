@@ -19,9 +19,9 @@ import torch.distributed as dist
 from megatron.core import tensor_parallel
 
 from drivetrain.api import CheckpointInfo
-from drivetrain.api.atomic_dir import publish, staging_path
-from drivetrain.api.untrusted import torch_loads_weights_only
 from drivetrain.engine_core.dcp_metadata import metadata_read_once
+from drivetrain.runtime.atomic_dir import publish, staging_path
+from drivetrain.runtime.untrusted import torch_loads_weights_only
 
 MARKER = "drivetrain.json"
 

@@ -34,9 +34,6 @@ from drivetrain.api import (
 )
 from drivetrain.api.columns import ENTROPY, INPUT_IDS, LOG_PROBS, VALUES
 from drivetrain.api.config import coerce_config
-from drivetrain.api.micro_batching import loss_totals, plan_micro_batches
-from drivetrain.api.modes import ModalEngine
-from drivetrain.api.schedule import lr_multiplier
 from drivetrain.engine.megatron import checkpoint
 from drivetrain.engine.megatron.config import MegatronConfig
 from drivetrain.engine.megatron.context import gather_outputs, pack_row_cp
@@ -53,6 +50,9 @@ from drivetrain.engine_core import (
     to_layout,
 )
 from drivetrain.engine_core.packed_kernels import engine_kernel
+from drivetrain.runtime.micro_batching import loss_totals, plan_micro_batches
+from drivetrain.runtime.modes import ModalEngine
+from drivetrain.runtime.schedule import lr_multiplier
 
 log = logging.getLogger(__name__)
 

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from drivetrain.api.request_queue import TokenEvent
 from drivetrain.api.requests import Request
 from drivetrain.api.rollout import FinishReason, SamplingParams
+from drivetrain.runtime.request_queue import TokenEvent
 
 
 @dataclass
@@ -65,7 +65,7 @@ def finish_reason(
 
 
 class ContinuousBatcher:
-    """The ``step`` of a :class:`~drivetrain.api.request_queue.RequestQueue` for an HF model.
+    """The ``step`` of a :class:`~drivetrain.runtime.request_queue.RequestQueue` for an HF model.
 
     ``eos_ids`` end a request unless it sets ``ignore_eos``; ``seed_for`` gives an unseeded
     request its seed; ``decode`` renders tokens for stop strings.

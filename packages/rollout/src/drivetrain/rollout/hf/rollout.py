@@ -10,13 +10,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from drivetrain.api.engine import NamedTensor
-from drivetrain.api.request_queue import RequestQueue
 from drivetrain.api.rollout import MEMORY_TAGS
 from drivetrain.rollout.config import HFRolloutConfig
 from drivetrain.rollout.devices import model_dir, resolve_device
 from drivetrain.rollout.hf.batcher import ContinuousBatcher
 from drivetrain.rollout.tokenized import TokenizedRollout
 from drivetrain.rollout.weights import apply_weights, destination
+from drivetrain.runtime.request_queue import RequestQueue
 
 
 class HFRollout(TokenizedRollout):

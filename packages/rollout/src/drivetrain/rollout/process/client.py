@@ -1,7 +1,7 @@
 """Run a rollout backend in a server process, possibly of another Python environment.
 
 :func:`start_server_rollout` returns the one remote-rollout proxy
-(:class:`~drivetrain.api.remote_rollout.RemoteRollout`) over a :class:`ServerProcess` channel.
+(:class:`~drivetrain.runtime.remote_rollout.RemoteRollout`) over a :class:`ServerProcess` channel.
 The server (:mod:`server`) is started with the given interpreter in its own session (so its
 children, e.g. vLLM's workers, go down with it), connects back over an authenticated loopback
 connection (:mod:`listener`; messages are JSON, :mod:`wire`), and builds the backend there.
@@ -29,13 +29,13 @@ from typing import Any
 
 from drivetrain.api.config import RolloutConfig
 from drivetrain.api.engine import NamedTensor
-from drivetrain.api.remote_rollout import RemoteRollout
 from drivetrain.rollout.config import BackendConfig
 from drivetrain.rollout.errors import ProtocolError, RolloutProcessError
 from drivetrain.rollout.process import wire
 from drivetrain.rollout.process.listener import AuthenticatedListener
 from drivetrain.rollout.process.protocol import ADDRESS_ENV, AUTHKEY_ENV, remote_error
 from drivetrain.rollout.weights import tensor_to_bytes
+from drivetrain.runtime.remote_rollout import RemoteRollout
 
 # Variables that would make the other interpreter load this environment's packages.
 _ISOLATE = ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")
@@ -105,7 +105,7 @@ class FairRLock:
 
 class ServerProcess:
     """The channel to a rollout backend in a server process (``call`` by name, see
-    :class:`~drivetrain.api.remote_rollout.Channel`)."""
+    :class:`~drivetrain.runtime.remote_rollout.Channel`)."""
 
     def __init__(self, backend: str, config: RolloutConfig, launch: BackendConfig) -> None:
         python = Path(launch.python).expanduser()

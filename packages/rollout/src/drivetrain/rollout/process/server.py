@@ -1,6 +1,6 @@
 """``python -m drivetrain.rollout.process.server``: hosts one rollout backend for a
 :class:`~drivetrain.rollout.process.client.ServerProcess` channel, in whatever environment runs
-it. Calls are dispatched by name by :class:`~drivetrain.api.remote_rollout.RolloutHost`; the
+it. Calls are dispatched by name by :class:`~drivetrain.runtime.remote_rollout.RolloutHost`; the
 server itself answers only ``start`` and the tensor stream of ``update_weights``."""
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import traceback
 from multiprocessing.connection import Client, Connection
 from typing import Any
 
-from drivetrain.api.remote_rollout import RolloutHost
 from drivetrain.api.rollout import Rollout
 from drivetrain.rollout.errors import ProtocolError
 from drivetrain.rollout.frontends import IMPLEMENTATIONS, load_backend_class
 from drivetrain.rollout.process import wire
 from drivetrain.rollout.process.protocol import ADDRESS_ENV, AUTHKEY_ENV, send_at_once
 from drivetrain.rollout.weights import tensor_from_bytes
+from drivetrain.runtime.remote_rollout import RolloutHost
 
 
 def _versions(backend: str) -> dict[str, str]:

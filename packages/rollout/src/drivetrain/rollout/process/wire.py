@@ -1,4 +1,4 @@
-"""Messages on the rollout server connection: :mod:`drivetrain.api.wire` JSON (reading one never
+"""Messages on the rollout server connection: :mod:`drivetrain.runtime.wire` JSON (reading one never
 runs code), with tensors as raw bytes after a JSON header (see :mod:`protocol`).
 
 A class is rebuilt only if it is on the allow-list: the api's plain-data classes, the base
@@ -18,9 +18,9 @@ from drivetrain.api.errors import PluginError
 from drivetrain.api.requests import Chunk, Request
 from drivetrain.api.rollout import Completion, FinishReason, Prompt, SamplingParams
 from drivetrain.api.weight_sync import SyncStats, Topology
-from drivetrain.api.wire import Codec, WireError, class_name
 from drivetrain.rollout.config import BackendConfig
 from drivetrain.rollout.errors import ProtocolError
+from drivetrain.runtime.wire import Codec, WireError, class_name
 
 
 def _declared_config(name: str) -> type | None:

@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from drivetrain.api.request_queue import TokenEvent
 from drivetrain.api.requests import Request
 from drivetrain.api.rollout import FinishReason, SamplingParams
+from drivetrain.runtime.request_queue import TokenEvent
 
 #: SGLang's ``MAX_STOP_COUNT`` (sglang.srt.sampling.sampling_params)
 MAX_STOP_STRINGS = 32

@@ -36,7 +36,6 @@ from typing import Any
 import torch
 
 from drivetrain.api.engine import NamedTensor
-from drivetrain.api.request_queue import RequestQueue, WeightUpdate
 from drivetrain.api.requests import SEED_MODULUS, Request
 from drivetrain.api.rollout import SamplingParams
 from drivetrain.rollout.checkpoint_names import checkpoint_shapes
@@ -62,6 +61,7 @@ from drivetrain.rollout.weight_dirs import (
     write_adapter,
 )
 from drivetrain.rollout.weights import collect_weights, device_buckets
+from drivetrain.runtime.request_queue import RequestQueue, WeightUpdate
 
 MIN_SGLANG = "0.5.22"
 #: how long SGLang may take to end aborted requests before weights or memory change

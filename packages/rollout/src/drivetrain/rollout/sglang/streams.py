@@ -1,5 +1,5 @@
 """Requests served by an asyncio streaming API whose event loop runs only while its caller
-drives it: the step function of a :class:`~drivetrain.api.request_queue.RequestQueue`.
+drives it: the step function of a :class:`~drivetrain.runtime.request_queue.RequestQueue`.
 
 SGLang's ``Engine`` keeps its tokenizer manager on an event loop (``Engine.loop``) that nothing
 runs in the background: its own blocking calls (weight updates, memory) run it with
@@ -28,8 +28,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from drivetrain.api.request_queue import TokenEvent
 from drivetrain.api.requests import Request
+from drivetrain.runtime.request_queue import TokenEvent
 
 #: opens the stream of outputs (each the request's output so far) of a request under its
 #: backend id

@@ -1,6 +1,6 @@
 """The ``vllm`` rollout: vLLM's ``LLM`` in this process, serving requests through its
 ``LLMEngine`` (``add_request``/``step``/``abort_request``, outputs as per-step deltas), stepped
-by whoever polls (:class:`~drivetrain.api.request_queue.RequestQueue`).
+by whoever polls (:class:`~drivetrain.runtime.request_queue.RequestQueue`).
 
 Weights: with vLLM's engine core in this process (``multiprocessing=False``, the default, which
 needs tensor-parallel size 1) new weights go in as tensors through vLLM's public
@@ -26,7 +26,6 @@ from typing import Any
 import torch
 
 from drivetrain.api.engine import NamedTensor
-from drivetrain.api.request_queue import RequestQueue, TokenEvent
 from drivetrain.api.requests import Request
 from drivetrain.api.rollout import (
     MEMORY_TAGS,
@@ -45,6 +44,7 @@ from drivetrain.rollout.weight_dirs import (
     write_weights_dir,
 )
 from drivetrain.rollout.weights import checked_clones, collect_weights, stage_weights
+from drivetrain.runtime.request_queue import RequestQueue, TokenEvent
 
 
 def _configure_environment(config: VLLMRolloutConfig) -> None:

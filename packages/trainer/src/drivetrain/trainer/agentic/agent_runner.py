@@ -39,11 +39,11 @@ from typing import Any
 from drivetrain.api import Rollout, SamplingParams
 from drivetrain.api.environment import Task
 from drivetrain.api.errors import DrivetrainError
-from drivetrain.api.tool_parsers import ToolParser
 from drivetrain.trainer.agentic.chat_tokens import ChatTokens
 from drivetrain.trainer.agentic.endpoint import ChatServer
 from drivetrain.trainer.agentic.episodes import EpisodeLimits, PlayedEpisode
 from drivetrain.trainer.agentic.sessions import Session
+from drivetrain.trainer.agentic.tool_parsers import ToolParser
 
 #: how much of the agent's stderr an error quotes (characters)
 STDERR_TAIL = 2000

@@ -61,10 +61,10 @@ from urllib.parse import urlsplit
 from drivetrain.api import Completion, FinishReason, Rollout, SamplingParams
 from drivetrain.api.environment import Task
 from drivetrain.api.requests import Request, sample_seed
-from drivetrain.api.tool_parsers import ToolParser
 from drivetrain.trainer.agentic.chat_tokens import ChatTokens
 from drivetrain.trainer.agentic.episodes import EpisodeLimits
 from drivetrain.trainer.agentic.sessions import RequestError, Session, check_messages
+from drivetrain.trainer.agentic.tool_parsers import ToolParser
 from drivetrain.trainer.rollout_service import SETTLE_S, RolloutService, ServiceClosed
 
 log = logging.getLogger(__name__)

@@ -24,11 +24,12 @@ from typing import Any
 
 from drivetrain.api import FinishReason, Rollout, SamplingParams
 from drivetrain.api.environment import Environment, Episode, StepResult, Task
-from drivetrain.api.requests import Collector, Request, sample_seed
-from drivetrain.api.tool_parsers import ToolParser, parse_turn
-from drivetrain.api.trajectory import Trajectory
+from drivetrain.api.requests import Request, sample_seed
+from drivetrain.runtime.collector import Collector
 from drivetrain.trainer.agentic.chat_tokens import ChatTokens
 from drivetrain.trainer.agentic.growing import GrowingTrajectory
+from drivetrain.trainer.agentic.tool_parsers import ToolParser, parse_turn
+from drivetrain.trainer.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
 

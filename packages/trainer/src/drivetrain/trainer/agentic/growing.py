@@ -1,5 +1,5 @@
 """A trajectory grown turn by turn: what the episode runner and the endpoint's sessions both
-record, in one place, so both build the same :class:`~drivetrain.api.trajectory.Trajectory`."""
+record, in one place, so both build the same :class:`~drivetrain.trainer.trajectory.Trajectory`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from drivetrain.api import Completion, FinishReason
-from drivetrain.api.trajectory import OBSERVATION_VERSION, Trajectory
+from drivetrain.trainer.trajectory import OBSERVATION_VERSION, Trajectory
 
 
 @dataclass

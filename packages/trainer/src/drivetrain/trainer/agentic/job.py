@@ -9,9 +9,9 @@ from typing import Any
 from drivetrain.api import registry
 from drivetrain.api.environment import Environment, Task
 from drivetrain.api.errors import ConfigError
-from drivetrain.api.tool_parsers import ToolParser, tool_parser
 from drivetrain.trainer.agentic.chat_tokens import ChatTokens
 from drivetrain.trainer.agentic.episodes import EpisodeLimits
+from drivetrain.trainer.agentic.tool_parsers import ToolParser, tool_parser
 from drivetrain.trainer.data.files import iter_rows
 from drivetrain.trainer.errors import DataError
 from drivetrain.trainer.preflight import Context

@@ -10,9 +10,9 @@ import torch
 
 from drivetrain.api import Batch
 from drivetrain.api.columns import LOSS_MASK
-from drivetrain.api.rollout_batch import PROMPT_LENGTH
-from drivetrain.api.trajectory import Trajectory
 from drivetrain.trainer.agentic.episodes import PlayedEpisode
+from drivetrain.trainer.rollout_batch import PROMPT_LENGTH
+from drivetrain.trainer.trajectory import Trajectory
 
 CALLS, SUCCEEDED = "tools/calls", "tools/succeeded"
 

@@ -26,10 +26,10 @@ from typing import Any
 
 from drivetrain.api import Completion, FinishReason, SamplingParams
 from drivetrain.api.environment import Task
-from drivetrain.api.tool_parsers import ParsedTurn
 from drivetrain.trainer.agentic.chat_tokens import ChatTokens
 from drivetrain.trainer.agentic.episodes import EpisodeLimits
 from drivetrain.trainer.agentic.growing import GrowingTrajectory
+from drivetrain.trainer.agentic.tool_parsers import ParsedTurn
 
 #: a message as compared: role, content, ((tool name, arguments as JSON), ...)
 Normal = tuple[str, str, tuple[tuple[str, str], ...]]

@@ -22,7 +22,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from drivetrain.api.atomic_dir import publish, staging_path
+from drivetrain.runtime.atomic_dir import publish, staging_path
 from drivetrain.trainer.builtin.build_once import build_once
 from drivetrain.trainer.builtin.char_tokenizer import build_char_tokenizer
 from drivetrain.trainer.builtin.tiny_model import build_llama_model

@@ -7,7 +7,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from drivetrain.api.atomic_dir import fsync_dir, staging_path
+from drivetrain.runtime.atomic_dir import fsync_dir, staging_path
 
 
 def build_once(target: Path, build: Callable[[Path], None]) -> None:

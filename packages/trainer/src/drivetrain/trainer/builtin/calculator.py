@@ -19,7 +19,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from drivetrain.api.environment import AssistantTurn, Environment, Episode, StepResult, Task
-from drivetrain.api.tools import Tool, run_tool_calls
+from drivetrain.api.tools import Tool
+from drivetrain.runtime.tool_calls import run_tool_calls
 
 OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 _EXPRESSION = re.compile(r"\s*(-?\d{1,12})\s*([+\-*])\s*(-?\d{1,12})\s*")

@@ -21,9 +21,9 @@ from typing import Any
 
 from rich.console import Console
 
-from drivetrain.api.atomic_dir import publish, staging_path
 from drivetrain.api.environment import ToolCall
-from drivetrain.api.tool_parsers import HermesParser
+from drivetrain.runtime.atomic_dir import publish, staging_path
+from drivetrain.trainer.agentic.tool_parsers import HermesParser
 from drivetrain.trainer.builtin import calculator
 from drivetrain.trainer.builtin.addition import cache_dir
 from drivetrain.trainer.builtin.build_once import build_once

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from drivetrain.api.atomic_dir import publish, staging_path
+from drivetrain.runtime.atomic_dir import publish, staging_path
 from drivetrain.trainer.builtin import addition
 from drivetrain.trainer.builtin.tiny_model import build_llama_model
 from drivetrain.trainer.console import plain_console

@@ -18,10 +18,10 @@ from drivetrain.api.columns import (
     SHARED_PREFIX_LEN,
     TOKEN_WEIGHT_VERSION,
 )
-from drivetrain.api.rollout_batch import PROMPT_INDEX, PROMPT_LENGTH, completions_to_batch
 from drivetrain.trainer.column_contract import check_columns
 from drivetrain.trainer.rl.group_stream import Taken
 from drivetrain.trainer.rl.worker import RLWorker
+from drivetrain.trainer.rollout_batch import PROMPT_INDEX, PROMPT_LENGTH, completions_to_batch
 from drivetrain.trainer.workers.group import WorkerGroup
 
 #: What the engines get: token ids, the loss mask, the prompt length as a prefix-sharing hint

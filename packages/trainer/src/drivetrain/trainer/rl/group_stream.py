@@ -18,7 +18,7 @@ GRPO's baseline always has ``n`` samples, even across versions).
 
 Partial rollouts: a request the rollout aborted (a weight update with ``abort_inflight``, or
 :meth:`suspended`) is resumed at once as a continuation (its prompt plus its tokens so far,
-:meth:`~drivetrain.api.requests.Collector.resume`), which waits in the rollout's queue until
+:meth:`~drivetrain.runtime.collector.Collector.resume`), which waits in the rollout's queue until
 generation resumes under the new weights; each token keeps its own version.
 
 Who polls: one thread per replica (the replica's one poller), or, with ``scripted_rounds``,
@@ -37,7 +37,8 @@ from functools import partial
 
 from drivetrain.api import Completion, FinishReason, Rollout, SamplingParams
 from drivetrain.api.partition import chunk_sizes
-from drivetrain.api.requests import Chunk, Collector, Request, sample_seed
+from drivetrain.api.requests import Chunk, Request, sample_seed
+from drivetrain.runtime.collector import Collector
 
 #: how long a replica's thread waits, at most, before polling again after a poll that found
 #: nothing; and how long the drain waits in one poll (seconds)

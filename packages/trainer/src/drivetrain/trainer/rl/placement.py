@@ -22,13 +22,13 @@ from typing import Any
 from drivetrain.api import registry
 from drivetrain.api.config import RolloutConfig, WeightSyncConfig
 from drivetrain.api.errors import ConfigError
-from drivetrain.api.remote_rollout import RemoteRollout
-from drivetrain.api.sync_manager import WeightSyncManager, connect_rollouts
 from drivetrain.api.weight_sync import Topology
+from drivetrain.runtime.remote_rollout import RemoteRollout
 from drivetrain.trainer.job_config import WorkersConfig
 from drivetrain.trainer.rl.config import PlacementConfig
 from drivetrain.trainer.rl.rollout_pool import RayChannel, RolloutActor, RolloutPool
 from drivetrain.trainer.rl.worker import RLWorker, RoleSpec
+from drivetrain.trainer.sync_manager import WeightSyncManager, connect_rollouts
 from drivetrain.trainer.workers.group import LocalWorkerGroup, WorkerGroup
 from drivetrain.trainer.workers.ray_runtime import driver_env, ensure_ray, wait_all
 

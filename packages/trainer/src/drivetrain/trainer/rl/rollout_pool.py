@@ -1,5 +1,5 @@
 """Rollout replicas as the controller sees them: in this process, or Ray actors reached
-through the one remote-rollout proxy (:class:`~drivetrain.api.remote_rollout.RemoteRollout`
+through the one remote-rollout proxy (:class:`~drivetrain.runtime.remote_rollout.RemoteRollout`
 over a :class:`RayChannel`, so the weight-sync manager drives both alike), and a pool that
 splits each step's prompts over the replicas."""
 
@@ -16,7 +16,7 @@ from drivetrain.api import Completion, Prompt, Rollout, SamplingParams, registry
 from drivetrain.api.config import RolloutConfig
 from drivetrain.api.engine import NamedTensor
 from drivetrain.api.partition import chunk_sizes
-from drivetrain.api.remote_rollout import RolloutHost
+from drivetrain.runtime.remote_rollout import RolloutHost
 from drivetrain.trainer.workers.ray_runtime import wait_all
 
 

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from drivetrain.api import Batch, Prompt, SamplingParams
-from drivetrain.api.sync_manager import SyncReport, WeightSyncManager
 from drivetrain.trainer.rl.batch_ops import completions_batch
 from drivetrain.trainer.rl.config import RLConfig
 from drivetrain.trainer.rl.dapo import (
@@ -30,6 +29,7 @@ from drivetrain.trainer.rl.prompts import PromptSampler, RLPrompt
 from drivetrain.trainer.rl.rollout_pool import RolloutPool
 from drivetrain.trainer.rl.scoring import SampleScorer
 from drivetrain.trainer.rl.step_metrics import reward_stats
+from drivetrain.trainer.sync_manager import SyncReport, WeightSyncManager
 
 
 class PhaseTimer:

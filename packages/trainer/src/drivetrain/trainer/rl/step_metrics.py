@@ -10,8 +10,8 @@ import torch
 
 from drivetrain.api import FinishReason
 from drivetrain.api.loss import MAX_SUFFIX
-from drivetrain.api.trajectory import Trajectory
 from drivetrain.trainer.rl.dapo import SHAPING
+from drivetrain.trainer.trajectory import Trajectory
 from drivetrain.trainer.workers.engine_worker import StepStats
 
 

@@ -16,7 +16,6 @@ from rich.console import Console
 
 from drivetrain.api import SamplingParams
 from drivetrain.api.columns import LOSS_MASK
-from drivetrain.api.sync_manager import SyncReport
 from drivetrain.trainer.agentic.job import EpisodeSetup
 from drivetrain.trainer.checkpoints import CheckpointManager
 from drivetrain.trainer.console import plain_console
@@ -36,6 +35,7 @@ from drivetrain.trainer.rl.worker import ACTOR, CRITIC, RLWorker
 from drivetrain.trainer.run_dir import adopt_checkpoint, check_steps_left, start_point
 from drivetrain.trainer.run_lock import owning
 from drivetrain.trainer.stopping import Position, run_signals, stop_here
+from drivetrain.trainer.sync_manager import SyncReport
 from drivetrain.trainer.workers.engine_worker import StepStats
 
 

@@ -17,9 +17,9 @@ from typing import Any
 
 from drivetrain.api import Batch, EngineConfig, LossFn, OutputSpec, ParallelInfo, registry
 from drivetrain.api.config import WeightSyncConfig
-from drivetrain.api.sync_manager import engine_sender
 from drivetrain.api.weight_sync import SyncStats, Topology, TransportRole, WeightTransport
 from drivetrain.trainer.rl.registry import import_plugins
+from drivetrain.trainer.sync_manager import engine_sender
 from drivetrain.trainer.workers.engine_worker import EngineWorker, StepStats
 
 ACTOR, REFERENCE, CRITIC, REWARD_MODEL = "actor", "reference", "critic", "reward_model"

@@ -9,11 +9,11 @@ import pytest
 
 from drivetrain.api import Prompt, SamplingParams
 from drivetrain.api.registry import ckpt_engines
-from drivetrain.api.sync_manager import WeightSyncManager, connect_transport, engine_sender
 from drivetrain.api.testing import FakeEngine, FakeEngineConfig, FakeRollout, FakeRolloutConfig
 from drivetrain.api.testing.fake_transport import FakeTransportConfig
-from drivetrain.api.weight_receiver import WeightReceiver
 from drivetrain.api.weight_sync import WeightSyncError
+from drivetrain.runtime.weight_receiver import WeightReceiver
+from drivetrain.trainer.sync_manager import WeightSyncManager, connect_transport, engine_sender
 
 
 class RecordingRollout(FakeRollout):

@@ -10,7 +10,7 @@ A :class:`Trajectory` is a :class:`~drivetrain.api.rollout.Completion` whose ``t
 (after the first prompt) interleave both: ``sampled[i]`` is 1 where ``token_ids[i]`` was
 sampled, 0 on observation tokens, whose ``log_probs`` are 0 and ``token_versions`` -1. Code
 that handles completions (lengths, finish reasons, batching) handles trajectories too;
-:func:`~drivetrain.api.rollout_batch.completions_to_batch` gives observation tokens loss
+:func:`~drivetrain.trainer.rollout_batch.completions_to_batch` gives observation tokens loss
 mask 0.
 """
 

@@ -4,10 +4,10 @@
 
 where the channel is a pipe to a server process (another Python environment) or a Ray actor.
 
-Every call is a method name and positional arguments (plain data: :mod:`drivetrain.api.wire`
+Every call is a method name and positional arguments (plain data: :mod:`drivetrain.runtime.wire`
 on a pipe), dispatched by name on the far side among :data:`ROLLOUT_CALLS` and nothing else.
 The host keeps the rollout's receiving end of the weight path
-(:class:`~drivetrain.api.weight_receiver.WeightReceiver`) next to the weights; the proxy's
+(:class:`~drivetrain.runtime.weight_receiver.WeightReceiver`) next to the weights; the proxy's
 :meth:`RemoteRollout.weight_receiver` reaches it.
 """
 
@@ -21,8 +21,8 @@ from drivetrain.api.config import RolloutConfig, WeightSyncConfig
 from drivetrain.api.engine import NamedTensor
 from drivetrain.api.requests import Chunk, Request
 from drivetrain.api.rollout import Completion, Prompt, Rollout, SamplingParams
-from drivetrain.api.weight_receiver import Receiving, WeightReceiver
 from drivetrain.api.weight_sync import SyncStats, Topology
+from drivetrain.runtime.weight_receiver import Receiving, WeightReceiver
 
 #: what a proxy may ask of the far side
 ROLLOUT_CALLS = frozenset(

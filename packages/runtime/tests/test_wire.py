@@ -8,7 +8,7 @@ import pickle
 import pytest
 
 from drivetrain.api.rollout import FinishReason, SamplingParams
-from drivetrain.api.wire import PLAIN, Codec, WireError
+from drivetrain.runtime.wire import PLAIN, Codec, WireError
 
 pytestmark = pytest.mark.fault
 

@@ -6,7 +6,12 @@ import json
 
 import pytest
 
-from drivetrain.api.manifest import MANIFEST_FILE, ManifestError, verify_manifest, write_manifest
+from drivetrain.runtime.manifest import (
+    MANIFEST_FILE,
+    ManifestError,
+    verify_manifest,
+    write_manifest,
+)
 
 pytestmark = pytest.mark.fault
 

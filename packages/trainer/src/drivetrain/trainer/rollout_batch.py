@@ -2,7 +2,7 @@
 
 Columns (token columns aligned with ``input_ids``, prompt then response):
 ``input_ids``, ``response_mask`` and ``loss_mask`` (1 on generated tokens: a multi-turn
-:class:`~drivetrain.api.trajectory.Trajectory`'s observation tokens are 0),
+:class:`~drivetrain.trainer.trajectory.Trajectory`'s observation tokens are 0),
 ``rollout_log_probs`` (the sampled log-prob on generated tokens, 0 on the prompt),
 ``token_weight_version`` (each generated token's weight version, -1 on the prompt), and per
 sample ``prompt_index``, ``weight_version`` and ``finish_reason``. Values are plain lists; pass
@@ -25,7 +25,7 @@ from drivetrain.api.columns import (
     WEIGHT_VERSION,
 )
 from drivetrain.api.rollout import Completion
-from drivetrain.api.trajectory import OBSERVATION_VERSION, sampled_mask
+from drivetrain.trainer.trajectory import OBSERVATION_VERSION, sampled_mask
 
 PROMPT_INDEX = "prompt_index"
 FINISH_REASON = "finish_reason"

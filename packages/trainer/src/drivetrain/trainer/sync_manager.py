@@ -12,10 +12,10 @@
 
 Nothing here touches tensors: the sender is any function ``send(version)`` (an engine rank
 exporting into a transport, or a Ray call doing so); each rollout (in this process, or behind
-a :class:`~drivetrain.api.remote_rollout.RemoteRollout` proxy) has a receiving end
-(:class:`~drivetrain.api.weight_receiver.WeightReceiver`, kept here or by the rollout's host)
+a :class:`~drivetrain.runtime.remote_rollout.RemoteRollout` proxy) has a receiving end
+(:class:`~drivetrain.runtime.weight_receiver.WeightReceiver`, kept here or by the rollout's host)
 joined to the same transport by :func:`connect_rollouts`. In-process placement uses the
-``direct`` transport (:mod:`drivetrain.api.direct_transport`; ``colocated`` for a rollout in a
+``direct`` transport (:mod:`drivetrain.runtime.direct_transport`; ``colocated`` for a rollout in a
 server process), so one sequence serves every placement.
 """
 
@@ -29,9 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from drivetrain.api.engine import NamedTensor
-from drivetrain.api.remote_rollout import RemoteRollout
 from drivetrain.api.rollout import Rollout
-from drivetrain.api.weight_receiver import Receiving, WeightReceiver
 from drivetrain.api.weight_sync import (
     SyncStats,
     Topology,
@@ -40,6 +38,8 @@ from drivetrain.api.weight_sync import (
     WeightTransport,
     drain,
 )
+from drivetrain.runtime.remote_rollout import RemoteRollout
+from drivetrain.runtime.weight_receiver import Receiving, WeightReceiver
 
 SendFn = Callable[[int], SyncStats | None]
 

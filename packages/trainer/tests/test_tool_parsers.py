@@ -9,10 +9,10 @@ from importlib.metadata import EntryPoint
 
 import pytest
 
-from drivetrain.api import tool_parsers
 from drivetrain.api.environment import AssistantTurn, ToolCall
 from drivetrain.api.errors import PluginError
-from drivetrain.api.tool_parsers import (
+from drivetrain.trainer.agentic import tool_parsers
+from drivetrain.trainer.agentic.tool_parsers import (
     BUILTIN_PARSERS,
     HermesParser,
     Llama3JsonParser,

@@ -8,7 +8,7 @@ import pytest
 
 from drivetrain.api import Batch, BatchError, EngineConfig, MicroBatchConfig
 from drivetrain.api.config import coerce_config
-from drivetrain.api.micro_batching import loss_totals, plan_micro_batches
+from drivetrain.runtime.micro_batching import loss_totals, plan_micro_batches
 
 
 class ThreadCollectives:

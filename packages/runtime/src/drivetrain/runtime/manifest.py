@@ -14,7 +14,7 @@ Hashing streams each file (no file is held in memory) on a few threads: ``hashli
 the GIL while it hashes, so files are hashed in parallel (about 1.6 GB/s per core here).
 
 A manifest detects corruption, not an attacker: whoever can rewrite the files can rewrite the
-manifest. What keeps a hostile file from running code is :mod:`drivetrain.api.untrusted`.
+manifest. What keeps a hostile file from running code is :mod:`drivetrain.runtime.untrusted`.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from drivetrain.api.untrusted import DCP_METADATA_GLOBALS, UnsafeFileError, check_pickle
+from drivetrain.runtime.untrusted import DCP_METADATA_GLOBALS, UnsafeFileError, check_pickle
 
 pytestmark = pytest.mark.fault
 

@@ -8,7 +8,7 @@ from drivetrain.api.columns import (
     ROLLOUT_LOG_PROBS,
     TOKEN_WEIGHT_VERSION,
 )
-from drivetrain.api.rollout_batch import FINISH_REASON, PROMPT_INDEX, completions_to_batch
+from drivetrain.trainer.rollout_batch import FINISH_REASON, PROMPT_INDEX, completions_to_batch
 
 
 def completion(index, prompt, tokens, version=3):
@@ -65,7 +65,7 @@ def test_token_weight_versions_come_from_the_completion_or_its_version():
 
 def test_trajectory_observation_tokens_are_not_trained_on() -> None:
     from drivetrain.api.columns import LOSS_MASK, ROLLOUT_LOG_PROBS, TOKEN_WEIGHT_VERSION
-    from drivetrain.api.trajectory import Trajectory
+    from drivetrain.trainer.trajectory import Trajectory
 
     episode = Trajectory(
         prompt_index=0,

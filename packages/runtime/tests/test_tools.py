@@ -9,7 +9,8 @@ import time
 import pytest
 
 from drivetrain.api.environment import AssistantTurn, ToolCall
-from drivetrain.api.tools import CUT_MARKER, Tool, check_arguments, run_tool_calls
+from drivetrain.api.tools import Tool
+from drivetrain.runtime.tool_calls import CUT_MARKER, check_arguments, run_tool_calls
 
 
 def _add(a: int, b: int) -> int:

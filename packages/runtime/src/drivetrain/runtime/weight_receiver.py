@@ -1,8 +1,8 @@
 """The receiving end of the weight path: one rollout joined to a weight-sync transport.
 
 It lives in the process that holds the rollout's weights and belongs to the sync side (the
-:class:`~drivetrain.api.sync_manager.WeightSyncManager` keeps one per rollout; a server process
-or Ray actor hosting a rollout keeps one next to it, see :mod:`drivetrain.api.remote_rollout`).
+:class:`~drivetrain.trainer.sync_manager.WeightSyncManager` keeps one per rollout; a server process
+or Ray actor hosting a rollout keeps one next to it, see :mod:`drivetrain.runtime.remote_rollout`).
 Every sync is one call chain::
 
     transport.receive(into=rollout.weight_destination)  ->  rollout.update_weights(stream)
@@ -75,7 +75,7 @@ class WeightReceiver:
     def receive(self, version: int) -> SyncStats:
         """One sync into the rollout, applied as it arrives (a stream that fails part-way
         leaves the rollout refusing requests until the next sync, see
-        :meth:`~drivetrain.api.request_queue.QueuedRollout.updating_weights`)."""
+        :meth:`~drivetrain.runtime.request_queue.QueuedRollout.updating_weights`)."""
         if self.transport is None:
             raise WeightSyncError(
                 "receive before connect: the rollout is not joined to a transport"
