@@ -15,28 +15,20 @@ room (the episode's token budget or the context), and gives the environment a la
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from drivetrain.api import FinishReason, Rollout, SamplingParams
+from drivetrain.api import Completion, FinishReason, Rollout, SamplingParams
 from drivetrain.api.environment import Environment, Episode, StepResult, Task
 from drivetrain.api.requests import Request, sample_seed
-from drivetrain.runtime.collector import Collector
 from drivetrain.trainer.agentic.chat_tokens import ChatTokens
 from drivetrain.trainer.agentic.growing import GrowingTrajectory
 from drivetrain.trainer.agentic.tool_parsers import ToolParser, parse_turn
+from drivetrain.trainer.rollout_service import RolloutService
 from drivetrain.trainer.trajectory import Trajectory
-
-log = logging.getLogger(__name__)
-
-#: longest wait in one poll when nothing else is due (seconds)
-POLL_S = 0.02
-#: how long aborted requests may take to end after a failure (seconds)
-SETTLE_S = 60.0
 
 
 class EpisodeError(RuntimeError):
@@ -130,13 +122,17 @@ class EpisodeRunner:
         play = _Play(self, tasks, n, params, f"p{self.plays}")
         self.plays += 1
         pool = ThreadPoolExecutor(self.workers, thread_name_prefix="episode")
-        play.pool = pool
+        # the play's requests go through one rollout service; closing it aborts and drains
+        # whatever a failed play left running, so the rollouts are free for the next
+        service = RolloutService(self.rollouts, name=f"episodes-{play.name}")
+        play.pool, play.service = pool, service
         try:
             play.run()
         except BaseException:
             pool.shutdown(wait=False, cancel_futures=True)  # queued environment calls: dropped
-            play.abort_requests()
             raise
+        finally:
+            service.close()
         pool.shutdown()
         return [play.result(live) for live in play.live]
 
@@ -161,35 +157,23 @@ class _Play:
         self.live = [
             _Live(number=k, task=k // n, replica=k % replicas) for k in range(len(tasks) * n)
         ]
-        self.collectors = [Collector() for _ in runner.rollouts]
-        self.outbox: list[list[Request]] = [[] for _ in runner.rollouts]
-        self.in_flight: list[set[str]] = [set() for _ in runner.rollouts]
-        self.owner: dict[str, _Live] = {}
+        self.generating: dict[Future[Completion], _Live] = {}  # each episode's running turn
         self.stepping: dict[Future[Any], tuple[_Live, Callable[[_Live, Any], None]]] = {}
         self.started: dict[Future[Any], float] = {}  # when each environment call began
         self.pool: ThreadPoolExecutor | None = None
+        self.service: RolloutService | None = None
 
     # ---- the loop ------------------------------------------------------------------------
     def run(self) -> None:
+        """Until every episode is done: apply each turn or environment call that finished
+        (in this thread, which alone touches the tokenizer and the episodes' state)."""
         for live in self.live:
             self._in_thread(live, self._reset, self._started)
         while not all(live.done for live in self.live):
-            progressed = self._collect_steps(block=not any(self.in_flight) and not any(self.outbox))
-            for index, rollout in enumerate(self.runner.rollouts):
-                if self.outbox[index]:
-                    requests, self.outbox[index] = self.outbox[index], []
-                    rollout.submit(requests)
-                    self.in_flight[index].update(r.request_id for r in requests)
-                if not self.in_flight[index]:
-                    continue
-                # a backend driven by its poller advances here (one token step, at once); one
-                # generating on its own is waited on a little when nothing came back, rather
-                # than polled in a spin (an environment call ending meanwhile waits that long)
-                chunks = rollout.poll(0.0 if progressed else POLL_S)
-                for request_id in self.collectors[index].add(chunks):
-                    self.in_flight[index].discard(request_id)
-                    self._turn_done(self.owner.pop(request_id), index, request_id)
-                    progressed = True
+            done = self._wait()
+            for future in [f for f in done if f in self.generating]:
+                self._turn_done(self.generating.pop(future), future.result())
+            self._collect_steps([f for f in done if f in self.stepping])
 
     def _in_thread(
         self, live: _Live, work: Callable[[_Live], Any], then: Callable[[_Live, Any], None]
@@ -199,24 +183,25 @@ class _Play:
         self.stepping[future] = (live, then)
         self.started[future] = time.monotonic()
 
-    def _collect_steps(self, *, block: bool) -> bool:
-        """Apply the environment calls that finished (waiting for one when ``block``); one
-        running longer than the runner's ``step_timeout_s`` fails the play."""
-        if not self.stepping:
-            return False
+    def _wait(self) -> set[Future[Any]]:
+        """The turns and environment calls that finished, waiting for one; an environment
+        call running longer than the runner's ``step_timeout_s`` fails the play."""
         limit = self.runner.step_timeout_s
-        oldest = min(self.started.values())
-        left = max(0.0, oldest + limit - time.monotonic())
-        done, _ = wait(
-            list(self.stepping), timeout=left if block else 0, return_when=FIRST_COMPLETED
-        )
-        if not done and time.monotonic() - oldest > limit:
+        oldest = min(self.started.values(), default=None)
+        left = None if oldest is None else max(0.0, oldest + limit - time.monotonic())
+        pending = [*self.generating, *self.stepping]
+        done, _ = wait(pending, timeout=left, return_when=FIRST_COMPLETED)
+        if not done and oldest is not None and time.monotonic() - oldest > limit:
             future = min(self.started, key=self.started.__getitem__)
             live, _ = self.stepping[future]
             raise EpisodeError(
                 f"environment {self.runner.name} did not answer episode {live.number} (task "
                 f"{live.task}) within {limit:g} s (episode.step_timeout_s)"
             )
+        return done
+
+    def _collect_steps(self, done: list[Future[Any]]) -> None:
+        """Apply the environment calls that finished (an exception there fails the play)."""
         for future in done:
             del self.started[future]
             live, then = self.stepping.pop(future)
@@ -228,7 +213,6 @@ class _Play:
                     f"(task {live.task}): {type(exc).__name__}: {exc}"
                 ) from exc
             then(live, value)
-        return bool(done)
 
     # ---- an episode's course --------------------------------------------------------------
     def _reset(self, live: _Live) -> Sequence[Any]:
@@ -262,12 +246,10 @@ class _Play:
             replace(self.params, n=1, max_new_tokens=budget, seed=seed),
             prompt_index=live.number,
         )
-        self.collectors[live.replica].track(request)
-        self.owner[request.request_id] = live
-        self.outbox[live.replica].append(request)
+        assert self.service is not None
+        self.generating[self.service.submit(live.replica, request)] = live
 
-    def _turn_done(self, live: _Live, replica: int, request_id: str) -> None:
-        completion = self.collectors[replica].pop(request_id)
+    def _turn_done(self, live: _Live, completion: Completion) -> None:
         live.add_turn(completion)
         if not completion.token_ids:  # nothing sampled (aborted at once): nothing to step
             self._truncate(live, "context")
@@ -325,25 +307,3 @@ class _Play:
     def result(self, live: _Live) -> PlayedEpisode:
         trajectory = live.trajectory(live.number)
         return PlayedEpisode(live.task, trajectory, tuple(live.rewards), live.truncation, live.info)
-
-    def abort_requests(self) -> None:
-        """After a failure: end this play's requests so the rollouts are free for the next
-        (every replica tried; what could not be ended is logged, the failure raised is the
-        one to see)."""
-        deadline = time.monotonic() + SETTLE_S
-        for index, rollout in enumerate(self.runner.rollouts):
-            live = sorted(self.in_flight[index])
-            if not live:
-                continue
-            try:
-                rollout.abort(live)
-                while self.in_flight[index] and time.monotonic() < deadline:
-                    for chunk in rollout.poll(POLL_S):
-                        if chunk.finished:
-                            self.in_flight[index].discard(chunk.request_id)
-            except Exception:
-                log.exception("could not end the requests of replica %d", index)
-            if self.in_flight[index]:
-                log.warning(
-                    "%d requests of replica %d did not end", len(self.in_flight[index]), index
-                )

@@ -1,0 +1,20 @@
+"""engine-api is the contracts and their kits (issue 40): the machinery that serves them lives
+in drivetrain-runtime or where it is used, so the api every plugin pins stays small enough to
+read. Its modules outside ``testing/`` stay within 2,500 lines."""
+
+from pathlib import Path
+
+import drivetrain.api
+
+BUDGET = 2_500
+
+
+def test_the_api_outside_its_kits_stays_within_its_budget():
+    root = Path(drivetrain.api.__file__).parent
+    sizes = {
+        p.relative_to(root).as_posix(): len(p.read_text().splitlines())
+        for p in root.rglob("*.py")
+        if "testing" not in p.relative_to(root).parts
+    }
+    assert sum(sizes.values()) <= BUDGET, sorted(sizes.items(), key=lambda kv: -kv[1])[:5]
+    assert len(sizes) >= 15  # the walk found the package
