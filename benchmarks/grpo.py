@@ -161,7 +161,7 @@ def main() -> None:
     steps = 3 if args.quick else args.steps
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from drivetrain.trainer.builtin import addition
-    from drivetrain.trainer.rl.job import ensure_sft_model
+    from drivetrain.trainer.builtin.addition_sft import ensure_sft_model
 
     start_model = ensure_sft_model(addition.ensure_assets(), None)
     runs = {

@@ -45,8 +45,8 @@ from drivetrain.api.rollout import SamplingParams
 from drivetrain.rollout.config import HFRolloutConfig, VLLMRolloutConfig
 from drivetrain.runtime.collector import generate_with_requests
 from drivetrain.trainer.builtin import addition
+from drivetrain.trainer.builtin.addition_sft import ensure_sft_model
 from drivetrain.trainer.builtin.char_tokenizer import build_char_tokenizer
-from drivetrain.trainer.rl.job import ensure_sft_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2_135M = dict(

@@ -28,8 +28,8 @@ from drivetrain.api.config import MicroBatchConfig, ModelConfig, OptimConfig
 from drivetrain.api.registry import engines, rollouts
 from drivetrain.rollout.config import HFRolloutConfig
 from drivetrain.trainer.builtin import addition
+from drivetrain.trainer.builtin.addition_sft import ensure_sft_model
 from drivetrain.trainer.rl.batch_ops import completions_batch, engine_view
-from drivetrain.trainer.rl.job import ensure_sft_model
 
 PROMPTS, GROUP, NEW_TOKENS = 32, 8, 8
 

@@ -56,7 +56,10 @@ def test_builtin_calculator_job(tmp_path, shared):
     assert summary["loop_seconds"] < 600
     steps = steps_of(out)
     assert len(steps) == 100
-    check_golden("grpo_calculator", steps, steps=4)
+    # the rollout's own log-probs depend on which turns share its batch (episodes arrive at
+    # their environments' pace), measured 1.6e-9 apart on two runs of one tree: the sampled
+    # tokens, rewards and updates are bit for bit the same
+    check_golden("grpo_calculator", steps, steps=4, spread={"actor/rollout_log_prob_diff": 5e-8})
     last = steps[-1]
     assert last["tools/success_rate"] > 0.9 and 2.5 < last["episode/turns_mean"] <= 4
     # token-exact: the actor's log-probs of the sampled tokens are the rollout's

@@ -5,9 +5,9 @@ import pytest
 
 from drivetrain.api import Batch
 from drivetrain.api.engine import ParallelInfo
-from drivetrain.trainer.rl.reference import Reference
-from drivetrain.trainer.rl.worker import ACTOR, REFERENCE
+from drivetrain.trainer.reference import Reference
 from drivetrain.trainer.workers.group import LocalWorkerGroup, method_name
+from drivetrain.trainer.workers.role_worker import ACTOR, REFERENCE
 
 
 class BaseWorker:
@@ -43,7 +43,7 @@ def test_calls_dispatch_by_name_to_the_ranks_worker():
 def test_a_method_name_as_a_string_is_refused_before_any_rank_runs():
     group = LocalWorkerGroup(BaseWorker)
     with pytest.raises(
-        TypeError, match=r"worker class's method \(e.g. RLWorker.train\), not 'save'"
+        TypeError, match=r"worker class's method \(e.g. RoleWorker.train\), not 'save'"
     ):
         group.run_all("save", "/ckpt", 3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="is not a method of a worker class"):

@@ -10,8 +10,12 @@ from dataclasses import dataclass, field
 
 from drivetrain.api.config import EngineConfig, MicroBatchConfig, ModelConfig, OptimConfig
 from drivetrain.api.errors import ConfigError
-from drivetrain.trainer.job_config import LoggingConfig, WorkersConfig, with_engine_config
-from drivetrain.trainer.sft.config import RunConfig
+from drivetrain.trainer.job_config import (
+    LoggingConfig,
+    RunConfig,
+    WorkersConfig,
+    with_engine_config,
+)
 
 LOSSES = ("sigmoid", "ipo", "simpo")
 #: losses that compare with a reference model, and the one that does not

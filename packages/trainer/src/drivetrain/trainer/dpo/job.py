@@ -21,6 +21,7 @@ from drivetrain.api import EngineConfig, registry
 from drivetrain.api.errors import ConfigError
 from drivetrain.api.plugin import PluginSpec
 from drivetrain.trainer.builtin import addition
+from drivetrain.trainer.builtin.addition_sft import ensure_sft_model
 from drivetrain.trainer.capabilities import fit_single_engine, require_adapter_reference
 from drivetrain.trainer.checkpoints import CheckpointManager
 from drivetrain.trainer.config_loader import load_config, to_yaml
@@ -39,11 +40,10 @@ from drivetrain.trainer.preflight import (
     load_tokenizer,
     model_context,
 )
-from drivetrain.trainer.rl.job import ensure_sft_model
-from drivetrain.trainer.rl.worker import ACTOR, REFERENCE, RoleSpec
 from drivetrain.trainer.run_dir import start_point
 from drivetrain.trainer.run_lock import owning
 from drivetrain.trainer.workers.launch import make_worker_group, writes_files
+from drivetrain.trainer.workers.role_worker import ACTOR, REFERENCE, RoleSpec
 
 BUILTIN_CONFIG = Path(__file__).parent.parent / "builtin" / "addition_dpo.yaml"
 

@@ -28,7 +28,7 @@ from drivetrain.api.columns import LOG_PROBS, LOSS_MASK, SAMPLE_GROUP
 from drivetrain.api.errors import BatchError
 from drivetrain.trainer.dpo.config import NEEDS_REFERENCE
 from drivetrain.trainer.dpo.data import CHOSEN, REF_LOGPS
-from drivetrain.trainer.rl.aggregation import sequence_sums
+from drivetrain.trainer.sequences import sequence_sums
 
 
 def pair_order(micro: Batch) -> tuple[torch.Tensor, torch.Tensor]:

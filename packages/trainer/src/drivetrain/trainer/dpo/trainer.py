@@ -26,11 +26,11 @@ from drivetrain.trainer.dpo.loss import PreferenceLoss
 from drivetrain.trainer.dpo.worker import PreferenceWorker
 from drivetrain.trainer.metrics import METRICS_FILE, MetricsLogger, plot_loss_curve
 from drivetrain.trainer.progress import TrainingProgress
-from drivetrain.trainer.rl.reference import Reference
-from drivetrain.trainer.rl.worker import ACTOR
+from drivetrain.trainer.reference import Reference
 from drivetrain.trainer.run_dir import adopt_checkpoint, check_steps_left, steps_knob
 from drivetrain.trainer.stopping import Position, run_signals, stop_here
 from drivetrain.trainer.workers.group import WorkerGroup, launched_by_torchrun
+from drivetrain.trainer.workers.role_worker import ACTOR
 
 
 @dataclass(frozen=True)

@@ -12,13 +12,13 @@ from drivetrain.api import Batch, OutputSpec
 from drivetrain.api.columns import LOG_PROBS, LOSS_MASK
 from drivetrain.trainer.dpo.data import REF_LOGPS
 from drivetrain.trainer.dpo.loss import PreferenceLoss
-from drivetrain.trainer.rl.aggregation import sequence_sums
-from drivetrain.trainer.rl.reference import Reference
-from drivetrain.trainer.rl.worker import ACTOR, RLWorker
+from drivetrain.trainer.reference import Reference
+from drivetrain.trainer.sequences import sequence_sums
 from drivetrain.trainer.workers.engine_worker import StepStats
+from drivetrain.trainer.workers.role_worker import ACTOR, RoleWorker
 
 
-class PreferenceWorker(RLWorker):
+class PreferenceWorker(RoleWorker):
     def with_reference(self, shard: Batch, reference: Reference) -> Batch:
         """``shard`` with each sample's reference log-prob when a role computes it (the frozen
         reference, or the actor with its adapter off). Off output ranks (pipeline stages that

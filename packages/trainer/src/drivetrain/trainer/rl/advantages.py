@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from drivetrain.trainer.rl.registry import NamedRegistry
+from drivetrain.trainer.named_registry import NamedRegistry
 
 
 @dataclass(frozen=True)

@@ -21,23 +21,14 @@ from collections.abc import Sequence
 
 import torch
 
+from drivetrain.trainer.sequences import sequence_sums
+
 AGGREGATIONS = (
     "token-mean",
     "seq-mean-token-sum",
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
 )
-
-
-def sequence_sums(values: torch.Tensor, seq_lens: Sequence[int]) -> torch.Tensor:
-    """Per-sequence sums of a padded ``[b, T]`` or packed ``[tokens]`` tensor."""
-    if values.dim() == 2:
-        return values.sum(dim=-1)
-    lengths = torch.as_tensor(list(seq_lens), device=values.device)
-    ids = torch.repeat_interleave(torch.arange(len(lengths), device=values.device), lengths)
-    return torch.zeros(len(lengths), dtype=values.dtype, device=values.device).index_add(
-        0, ids, values
-    )
 
 
 def sequence_means(

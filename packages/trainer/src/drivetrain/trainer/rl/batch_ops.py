@@ -20,9 +20,9 @@ from drivetrain.api.columns import (
 )
 from drivetrain.trainer.column_contract import check_columns
 from drivetrain.trainer.rl.group_stream import Taken
-from drivetrain.trainer.rl.worker import RLWorker
 from drivetrain.trainer.rollout_batch import PROMPT_INDEX, PROMPT_LENGTH, completions_to_batch
 from drivetrain.trainer.workers.group import WorkerGroup
+from drivetrain.trainer.workers.role_worker import RoleWorker
 
 #: What the engines get: token ids, the loss mask, the prompt length as a prefix-sharing hint
 #: (the n samples of a prompt may compute it once), and the RL columns added per step.
@@ -47,7 +47,7 @@ def engine_view(batch: Batch, *extra: str) -> Batch:
 def gather_outputs(group: WorkerGroup, batch: Batch, *args: Any) -> dict[str, torch.Tensor]:
     """``infer`` on every data-parallel shard; per-token outputs in the batch's order."""
     shards = batch.dp_shards(group.parallel.dp_size)
-    results = group.gather_sharded(RLWorker.infer, batch, *args)
+    results = group.gather_sharded(RoleWorker.infer, batch, *args)
     pieces = [
         Batch.from_columns(columns, seq_lens=batch.select(idx).seq_lens, token_keys=columns)
         for columns, idx in zip(results, shards, strict=True)

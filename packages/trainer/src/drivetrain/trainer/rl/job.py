@@ -18,14 +18,13 @@ from rich.console import Console
 from drivetrain.api import EngineConfig, registry
 from drivetrain.api.config import LoraConfig, RolloutConfig, WeightSyncConfig
 from drivetrain.api.errors import ConfigError
-from drivetrain.trainer.agentic.job import episode_setup
 from drivetrain.trainer.builtin import addition, calculator_assets
+from drivetrain.trainer.builtin.addition_sft import ensure_sft_model
 from drivetrain.trainer.builtin.student import ensure_student_model
 from drivetrain.trainer.config_loader import ConfigLayer, load_config, to_yaml
-from drivetrain.trainer.console import plain_console
 from drivetrain.trainer.data.tokenize import pad_token_id
-from drivetrain.trainer.errors import CheckpointError, RunDirectoryError
 from drivetrain.trainer.hf_export import verify_model_dir
+from drivetrain.trainer.named_registry import import_plugins
 from drivetrain.trainer.preflight import (
     Context,
     check_devices,
@@ -33,9 +32,11 @@ from drivetrain.trainer.preflight import (
     load_tokenizer,
     model_context,
 )
+from drivetrain.trainer.reference import Reference
 from drivetrain.trainer.rl.advantages import ADVANTAGES, NEEDS_CRITIC
 from drivetrain.trainer.rl.capabilities import RLPlugins, fit_plugins
 from drivetrain.trainer.rl.config import RLConfig, rl_config_type, updates_per_step
+from drivetrain.trainer.rl.episode_setup import episode_setup
 from drivetrain.trainer.rl.off_policy import CORRECTIONS
 from drivetrain.trainer.rl.placement import (
     Placement,
@@ -45,11 +46,16 @@ from drivetrain.trainer.rl.placement import (
 )
 from drivetrain.trainer.rl.policy_losses import POLICY_LOSSES
 from drivetrain.trainer.rl.prompts import load_prompts
-from drivetrain.trainer.rl.reference import Reference
-from drivetrain.trainer.rl.registry import import_plugins
 from drivetrain.trainer.rl.rewards import RewardScorer
 from drivetrain.trainer.rl.trainer import RLSetup
-from drivetrain.trainer.rl.worker import ACTOR, CRITIC, REFERENCE, REWARD_MODEL, TEACHER, RoleSpec
+from drivetrain.trainer.workers.role_worker import (
+    ACTOR,
+    CRITIC,
+    REFERENCE,
+    REWARD_MODEL,
+    TEACHER,
+    RoleSpec,
+)
 
 BUILTIN_CONFIG = Path(__file__).parent.parent / "builtin" / "addition_grpo.yaml"
 DISTILL_CONFIG = Path(__file__).parent.parent / "builtin" / "addition_distill.yaml"
@@ -205,42 +211,6 @@ def _transport_config(name: str) -> type[WeightSyncConfig]:
         return WeightSyncConfig
     registry.ckpt_engines.spec(name)
     return registry.ckpt_engines.load_config_class(name, WeightSyncConfig)
-
-
-def ensure_sft_model(
-    assets: addition.AdditionAssets,
-    console: Console | None,
-    *,
-    engine: str = "fsdp2",
-    train: bool = True,
-) -> Path:
-    """The built-in SFT model, training it with the SFT default on ``engine`` first when it is
-    not cached; without ``train``, only where it will be."""
-    cached = addition.cached_sft_model(assets.root.parent)
-    if cached is not None:
-        return cached
-    if not train:
-        return assets.root / addition.SFT_MODEL
-    from drivetrain.trainer.sft.job import builtin_report, load_sft_job, prepare, run_sft
-
-    console = console or plain_console()
-    console.print(
-        "no cached built-in SFT model: running the SFT default first "
-        f"(`drivetrain sft --engine {engine}`)"
-    )
-    job = load_sft_job(engine)
-    try:  # "auto": an interrupted default SFT run continues
-        result = run_sft(prepare(job), resume="auto", console=console)
-    except (CheckpointError, RunDirectoryError) as exc:  # another model's run (older release)
-        out = f"{job.config.run.output_dir}-{addition.ASSETS_VERSION}"
-        console.print(f"{exc}: training the SFT default in {out} instead")
-        job = load_sft_job(engine, overrides=[f"run.output_dir={out}"])
-        result = run_sft(prepare(job), resume="auto", console=console)
-    assert result is not None
-    builtin_report(job, result)
-    cached = addition.cached_sft_model(assets.root.parent)
-    assert cached is not None
-    return cached
 
 
 def role_specs(job: RLJob, total_updates: int) -> tuple[dict[str, RoleSpec], Reference]:

@@ -27,10 +27,10 @@ from drivetrain.runtime.remote_rollout import RemoteRollout
 from drivetrain.trainer.job_config import WorkersConfig
 from drivetrain.trainer.rl.config import PlacementConfig
 from drivetrain.trainer.rl.rollout_pool import RayChannel, RolloutActor, RolloutPool
-from drivetrain.trainer.rl.worker import RLWorker, RoleSpec
 from drivetrain.trainer.sync_manager import WeightSyncManager, connect_rollouts
 from drivetrain.trainer.workers.group import LocalWorkerGroup, WorkerGroup
 from drivetrain.trainer.workers.ray_runtime import driver_env, ensure_ray, wait_all
+from drivetrain.trainer.workers.role_worker import RoleSpec, RoleWorker
 
 DEFAULT_TRANSPORT = {"colocated": "colocated", "separate": "broadcast"}
 
@@ -86,13 +86,13 @@ def connect_weights(
 ) -> WeightSyncManager:
     """Join the actor's rank 0 and every rollout into the placement's transport once; the
     returned manager (the weight path's one owner) runs every sync over it."""
-    endpoint = group.run_all(RLWorker.sync_prepare, transport, config)
+    endpoint = group.run_all(RoleWorker.sync_prepare, transport, config)
 
     def sender(topology: Topology, endpoint: Any) -> None:
-        group.run_all(RLWorker.sync_connect, topology, endpoint)
+        group.run_all(RoleWorker.sync_connect, topology, endpoint)
 
     receivers = connect_rollouts(sender, endpoint, transport, config, pool.rollouts)
-    send = functools.partial(group.run_all, RLWorker.sync_send)
+    send = functools.partial(group.run_all, RoleWorker.sync_send)
     return WeightSyncManager(send, pool.rollouts, receivers, colocated=colocated)
 
 
@@ -134,7 +134,7 @@ def build_placement(
     transport: str,
     sync_config: WeightSyncConfig,
 ) -> Placement:
-    factory = functools.partial(RLWorker, roles, plugins)
+    factory = functools.partial(RoleWorker, roles, plugins)
     if mode == "inprocess":
         group: WorkerGroup = LocalWorkerGroup(factory)
         try:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from drivetrain.trainer.named_registry import NamedRegistry
 from drivetrain.trainer.rl.aggregation import expand_sequences, sequence_means
-from drivetrain.trainer.rl.registry import NamedRegistry
 
 
 @dataclass(frozen=True)

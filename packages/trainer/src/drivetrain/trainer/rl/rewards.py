@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable, Sequence
 
 from drivetrain.api.errors import ConfigError
-from drivetrain.trainer.rl.registry import NamedRegistry
+from drivetrain.trainer.named_registry import NamedRegistry
 
 RewardFn = Callable[[str, str], float]
 REWARDS: NamedRegistry[RewardFn] = NamedRegistry("reward function")

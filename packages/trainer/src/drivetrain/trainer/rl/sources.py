@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from drivetrain.trainer.agentic.job import EpisodeSetup
+from drivetrain.trainer.rl.episode_setup import EpisodeSetup
 from drivetrain.trainer.rl.source import DynamicSampling, Source, SourceContext
 from drivetrain.trainer.rl.source_ahead import GenerationAhead
 from drivetrain.trainer.rl.source_episodes import Episodes

@@ -22,6 +22,7 @@ from drivetrain.api.columns import (
     VALUES,
 )
 from drivetrain.trainer.agentic.samples import turn_rewards
+from drivetrain.trainer.reference import Reference
 from drivetrain.trainer.rl.advantages import ADVANTAGES as ESTIMATORS
 from drivetrain.trainer.rl.advantages import AdvantageInputs
 from drivetrain.trainer.rl.batch_ops import (
@@ -35,9 +36,8 @@ from drivetrain.trainer.rl.config import RLConfig
 from drivetrain.trainer.rl.dapo import filter_truncated
 from drivetrain.trainer.rl.kl import kl_penalty
 from drivetrain.trainer.rl.losses import OLD_VALUES, CriticLoss, state_values
-from drivetrain.trainer.rl.reference import Reference
-from drivetrain.trainer.rl.worker import ACTOR, CRITIC, REWARD_MODEL, TEACHER
 from drivetrain.trainer.workers.group import WorkerGroup
+from drivetrain.trainer.workers.role_worker import ACTOR, CRITIC, REWARD_MODEL, TEACHER
 
 TEACHER_LOG_PROBS = "teacher_log_probs"  # on-policy distillation: the teacher's, per token
 

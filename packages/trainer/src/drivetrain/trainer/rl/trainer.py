@@ -16,27 +16,27 @@ from rich.console import Console
 
 from drivetrain.api import SamplingParams
 from drivetrain.api.columns import LOSS_MASK
-from drivetrain.trainer.agentic.job import EpisodeSetup
 from drivetrain.trainer.checkpoints import CheckpointManager
 from drivetrain.trainer.console import plain_console
 from drivetrain.trainer.metrics import METRICS_FILE, MetricsLogger, plot_curve
 from drivetrain.trainer.progress import TrainingProgress
+from drivetrain.trainer.reference import Reference
 from drivetrain.trainer.rl.config import RLConfig
+from drivetrain.trainer.rl.episode_setup import EpisodeSetup
 from drivetrain.trainer.rl.placement import Placement
 from drivetrain.trainer.rl.prompts import PromptSampler
-from drivetrain.trainer.rl.reference import Reference
 from drivetrain.trainer.rl.scoring import SampleScorer
 from drivetrain.trainer.rl.source import Drawn, PhaseTimer, SourceContext
 from drivetrain.trainer.rl.sources import choose_source
 from drivetrain.trainer.rl.stages import StepBatch, build_stages
 from drivetrain.trainer.rl.step_metrics import clip_ratio, fmt
 from drivetrain.trainer.rl.updates import build_updates, on_policy
-from drivetrain.trainer.rl.worker import ACTOR, CRITIC, RLWorker
 from drivetrain.trainer.run_dir import adopt_checkpoint, check_steps_left, start_point
 from drivetrain.trainer.run_lock import owning
 from drivetrain.trainer.stopping import Position, run_signals, stop_here
 from drivetrain.trainer.sync_manager import SyncReport
 from drivetrain.trainer.workers.engine_worker import StepStats
+from drivetrain.trainer.workers.role_worker import ACTOR, CRITIC, RoleWorker
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,7 @@ class RLTrainer:
     def save(self, step: int) -> None:
         with self.checkpoints.writing(step):
             path = self.checkpoints.engine_staging_path(step)
-            self.group.run_all(RLWorker.save_checkpoint, path, step, self.trainable)
+            self.group.run_all(RoleWorker.save_checkpoint, path, step, self.trainable)
             self.checkpoints.publish(step, {**self.setup.state, "step": step, "time": time.time()})
         self.position.saved = step
 
@@ -177,7 +177,7 @@ class RLTrainer:
             return 0
         adopt_checkpoint(found, self.setup.state, self.checkpoints)
         check_steps_left(found, self.config.run.steps, "run.steps")
-        step = self.group.run_all(RLWorker.load_checkpoint, found.engine_path, self.trainable)
+        step = self.group.run_all(RoleWorker.load_checkpoint, found.engine_path, self.trainable)
         self.weights.sync(step)  # the rollouts generate with the checkpoint's weights
         self.console.print(f"resumed from {found.path} at step {step}")
         return step
@@ -219,7 +219,7 @@ class RLTrainer:
                 self.console.print(f"validation after: {fmt(result.val_after)}")
             if c.run.export_hf:
                 result.hf_dir = self.out / "hf"
-                self.group.run_all(RLWorker.export_hf, str(result.hf_dir))
+                self.group.run_all(RoleWorker.export_hf, str(result.hf_dir))
         finally:
             with contextlib.suppress(Exception):  # a failed run's own error is the one to see
                 self.source.close()

@@ -15,9 +15,9 @@ from drivetrain.trainer.rl.losses import ActorLoss, CriticLoss
 from drivetrain.trainer.rl.off_policy import CorrectionConfig
 from drivetrain.trainer.rl.policy_losses import ClipConfig
 from drivetrain.trainer.rl.step_metrics import mean_stats
-from drivetrain.trainer.rl.worker import ACTOR, CRITIC, RLWorker
 from drivetrain.trainer.workers.engine_worker import StepStats
 from drivetrain.trainer.workers.group import WorkerGroup
+from drivetrain.trainer.workers.role_worker import ACTOR, CRITIC, RoleWorker
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class Update:
                 random.Random(config.seed * 7919 + step * 131 + epoch).shuffle(order)
             for start in range(0, len(order), size):
                 mini = view.select(order[start : start + size])
-                stats.append(group.run_sharded(RLWorker.train, mini, self.role, self.loss))
+                stats.append(group.run_sharded(RoleWorker.train, mini, self.role, self.loss))
         return mean_stats(stats)
 
     def metrics(self, stats: StepStats) -> dict[str, float]:

@@ -12,7 +12,12 @@ from dataclasses import dataclass, field
 
 from drivetrain.api.config import EngineConfig, MicroBatchConfig, ModelConfig, OptimConfig
 from drivetrain.api.errors import ConfigError
-from drivetrain.trainer.job_config import LoggingConfig, WorkersConfig, with_engine_config
+from drivetrain.trainer.job_config import (
+    LoggingConfig,
+    RunConfig,
+    WorkersConfig,
+    with_engine_config,
+)
 
 TRUNCATION = ("error", "left", "right")
 
@@ -43,38 +48,6 @@ class DataConfig:
             raise ConfigError(f"data.val_ratio={self.val_ratio} must be in [0, 1)")
         if self.max_length < 2:
             raise ConfigError(f"data.max_length={self.max_length} must be >= 2")
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    """How long to train and what to keep."""
-
-    output_dir: str = "runs/sft"
-    epochs: int = 1
-    max_steps: int | None = None  # overrides epochs when set
-    batch_size: int = 32  # sequences per optimizer step, over all data-parallel ranks
-    eval_every: int = 0  # validation loss every N steps (0: only at the end, if val data)
-    eval_batch_size: int = 64
-    save_every: int = 0  # checkpoint every N steps (0: only at the end)
-    keep_last: int = 2  # complete checkpoints kept; older ones are deleted
-    export_hf: bool = True  # write a Hugging Face model directory at the end
-    #: after SIGTERM/SIGINT, the step in progress and its checkpoint must end within this many
-    #: seconds, else the run exits without a new checkpoint (0: no limit). Set it a little
-    #: under the scheduler's kill delay (Slurm's KillWait and Kubernetes' grace: 30 s)
-    stop_grace_s: float = 25.0
-    checkpoint_on_interrupt: bool = False  # SIGINT (Ctrl-C) also checkpoints; SIGTERM always
-
-    def __post_init__(self) -> None:
-        for name in ("epochs", "batch_size", "eval_batch_size", "keep_last"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"run.{name}={getattr(self, name)} must be >= 1")
-        if self.stop_grace_s < 0:
-            raise ConfigError(f"run.stop_grace_s={self.stop_grace_s} must be >= 0")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ConfigError(f"run.max_steps={self.max_steps} must be >= 1")
-        for name in ("eval_every", "save_every"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"run.{name}={getattr(self, name)} must be >= 0")
 
 
 def _default_engine() -> EngineConfig:

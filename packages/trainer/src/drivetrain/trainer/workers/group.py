@@ -9,10 +9,10 @@ actors driven from one controller. Both expose the same two calls:
 - ``run_sharded(Worker.method, batch, *args)``: each rank gets its data-parallel shard of
   ``batch`` (ranks that share a ``dp_rank`` — tensor/pipeline peers — get the same shard).
 
-``method`` is the worker class's function (``RLWorker.train``), never its name as a string: a
+``method`` is the worker class's function (``RoleWorker.train``), never its name as a string: a
 typo fails where the controller names it, before any Ray actor runs, and a type checker checks
 the arguments against the method's signature. Ranks call it by name on their own worker, so a
-subclass's override runs (``PreferenceWorker`` is an ``RLWorker``).
+subclass's override runs (``PreferenceWorker`` is an ``RoleWorker``).
 
 Worker methods return the same value on every rank (they reduce what they need), so the
 controller reads one result and parallel layouts with non-output ranks work unchanged. The one
@@ -37,9 +37,9 @@ from drivetrain.api import Batch, ParallelInfo
 WorkerFactory = Callable[[], Any]
 P = ParamSpec("P")
 R = TypeVar("R")
-#: A worker method as the controller names it: ``RLWorker.save_checkpoint``.
+#: A worker method as the controller names it: ``RoleWorker.save_checkpoint``.
 WorkerCall = Callable[Concatenate[Any, P], R]
-#: A worker method taking the rank's data-parallel shard first: ``RLWorker.train``.
+#: A worker method taking the rank's data-parallel shard first: ``RoleWorker.train``.
 ShardCall = Callable[Concatenate[Any, Batch, P], R]
 
 
@@ -52,7 +52,7 @@ def method_name(method: Callable[..., Any]) -> str:
     """The name a rank calls ``method`` by; refuses anything but a class's function."""
     if isinstance(method, str) or not callable(method):
         raise TypeError(
-            f"worker calls take the worker class's method (e.g. RLWorker.train), not {method!r}"
+            f"worker calls take the worker class's method (e.g. RoleWorker.train), not {method!r}"
         )
     qualified = getattr(method, "__qualname__", "")
     if "." not in qualified or "<locals>" in qualified.rpartition(".")[0].rpartition(".")[2]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from drivetrain.trainer.rl.worker import ACTOR, REFERENCE
+from drivetrain.trainer.workers.role_worker import ACTOR, REFERENCE
 
 #: What ``reference.mode`` resolves to: a frozen engine, the actor with its LoRA adapter off,
 #: log-probs that came with the data (DPO), or no reference at all.

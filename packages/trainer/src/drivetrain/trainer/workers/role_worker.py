@@ -18,7 +18,7 @@ from typing import Any
 from drivetrain.api import Batch, EngineConfig, LossFn, OutputSpec, ParallelInfo, registry
 from drivetrain.api.config import WeightSyncConfig
 from drivetrain.api.weight_sync import SyncStats, Topology, TransportRole, WeightTransport
-from drivetrain.trainer.rl.registry import import_plugins
+from drivetrain.trainer.named_registry import import_plugins
 from drivetrain.trainer.sync_manager import engine_sender
 from drivetrain.trainer.workers.engine_worker import EngineWorker, StepStats
 
@@ -32,7 +32,7 @@ class RoleSpec:
     config: EngineConfig
 
 
-class RLWorker:
+class RoleWorker:
     def __init__(self, roles: Mapping[str, RoleSpec], plugins: tuple[str, ...] = ()) -> None:
         import_plugins(plugins)  # user losses registered by name before any step runs
         if ACTOR not in roles:
