@@ -152,7 +152,7 @@ class Rollout(abc.ABC):
         (``result[i * n + j]`` is sample ``j`` of prompt ``i``). A prompt longer than the
         context, or invalid params, raise ``ValueError`` before anything is generated.
         Request-level rollouts implement it with
-        :func:`drivetrain.runtime.collector.generate_with_requests`.
+        :func:`drivetrain.runtime.rollout_service.generate_with_requests`.
         """
 
     @abc.abstractmethod

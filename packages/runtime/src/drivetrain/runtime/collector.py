@@ -1,9 +1,9 @@
-"""Chunks back into completions, and batch generation over the request interface
-(:mod:`drivetrain.api.requests`): what every request-level rollout and its callers share."""
+"""Chunks back into completions, and the requests of a batch ``generate`` call
+(:mod:`drivetrain.api.requests`): what every request-level rollout and its callers share.
+The batch call itself is :func:`drivetrain.runtime.rollout_service.generate_with_requests`."""
 
 from __future__ import annotations
 
-import contextlib
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -13,7 +13,7 @@ from drivetrain.api.requests import Chunk, Request, sample_seed
 from drivetrain.api.rollout import Completion, FinishReason, SamplingParams
 
 if TYPE_CHECKING:
-    from drivetrain.api.rollout import Rollout
+    pass
 
 
 @dataclass
@@ -163,28 +163,3 @@ def call_requests(
                 )
             )
     return requests
-
-
-def generate_with_requests(
-    rollout: Rollout, requests: Sequence[Request], *, poll_s: float = 0.05
-) -> list[Completion]:
-    """Submit ``requests``, poll until every one finished, return their completions in
-    submission order: batch generation over the request interface. The caller is the
-    rollout's one poller meanwhile (chunks go to whoever polls). If anything fails, the
-    requests are aborted and their last chunks collected before the error propagates, so the
-    rollout is left with nothing of this call."""
-    collector = Collector()
-    for request in requests:
-        collector.track(request)
-    rollout.submit(requests)
-    try:
-        while not collector.done:
-            collector.add(rollout.poll(poll_s))
-    except BaseException:
-        with contextlib.suppress(Exception):
-            rollout.abort([r.request_id for r in requests])
-            for _ in range(3):  # aborted requests end at the next step
-                if not rollout.poll(0.0):
-                    break
-        raise
-    return collector.completions()

@@ -21,8 +21,9 @@ from drivetrain.api.requests import Request
 from drivetrain.api.rollout import Completion, FinishReason, Prompt, SamplingParams
 from drivetrain.api.testing import fake_model
 from drivetrain.api.testing.nested import shape_of
-from drivetrain.runtime.collector import call_requests, generate_with_requests
+from drivetrain.runtime.collector import call_requests
 from drivetrain.runtime.request_queue import QueuedRollout, RequestQueue, TokenEvent
+from drivetrain.runtime.rollout_service import generate_with_requests
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ request, 401 key, 404 unknown session or route, 411/413 body length, 503 aborted
 ended or the server closes), 504 no answer within the request deadline.
 
 Threads: HTTP handlers (one per connection) never touch a rollout. The
-:class:`~drivetrain.trainer.rollout_service.RolloutService` owns the rollouts (a rollout has one
+:class:`~drivetrain.runtime.rollout_service.RolloutService` owns the rollouts (a rollout has one
 poller at a time): it submits the queued requests, polls, and completes each handler's future
 when its request finishes. Every wait has a deadline.
 Handlers tokenise under their session's lock only, with the endpoint's own tokenizer copy.
@@ -61,11 +61,11 @@ from urllib.parse import urlsplit
 from drivetrain.api import Completion, FinishReason, Rollout, SamplingParams
 from drivetrain.api.environment import Task
 from drivetrain.api.requests import Request, sample_seed
+from drivetrain.runtime.rollout_service import SETTLE_S, RolloutService, ServiceClosed
 from drivetrain.trainer.agentic.chat_tokens import ChatTokens
 from drivetrain.trainer.agentic.episodes import EpisodeLimits
 from drivetrain.trainer.agentic.sessions import RequestError, Session, check_messages
 from drivetrain.trainer.agentic.tool_parsers import ToolParser
-from drivetrain.trainer.rollout_service import SETTLE_S, RolloutService, ServiceClosed
 
 log = logging.getLogger(__name__)
 

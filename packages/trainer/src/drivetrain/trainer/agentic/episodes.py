@@ -24,10 +24,10 @@ from typing import Any
 from drivetrain.api import Completion, FinishReason, Rollout, SamplingParams
 from drivetrain.api.environment import Environment, Episode, StepResult, Task
 from drivetrain.api.requests import Request, sample_seed
+from drivetrain.runtime.rollout_service import RolloutService
 from drivetrain.trainer.agentic.chat_tokens import ChatTokens
 from drivetrain.trainer.agentic.growing import GrowingTrajectory
 from drivetrain.trainer.agentic.tool_parsers import ToolParser, parse_turn
-from drivetrain.trainer.rollout_service import RolloutService
 from drivetrain.trainer.trajectory import Trajectory
 
 

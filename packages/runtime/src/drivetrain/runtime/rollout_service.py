@@ -1,7 +1,9 @@
 """One owner of rollout traffic: a thread that submits requests to the rollouts, polls them
 and completes each request's future (``submit -> Future[Completion]``), with abort, and on
 close an abort-and-drain that fails nothing silently. A rollout has one poller at a time:
-whoever needs generation hands requests here instead of polling it."""
+whoever needs generation hands requests here instead of polling it (the trainer's episodes
+and its OpenAI endpoint, and :func:`generate_with_requests`, every request-level rollout's
+batch ``generate``)."""
 
 from __future__ import annotations
 
@@ -45,20 +47,34 @@ class RolloutService:
         self.thread.start()
 
     def submit(self, replica: int, request: Request) -> Future[Completion]:
-        future: Future[Completion] = Future()
+        return self.submit_many(replica, [request])[0]
+
+    def submit_many(self, replica: int, requests: Sequence[Request]) -> list[Future[Completion]]:
+        """``requests`` on replica ``replica``, submitted in one call (they start together);
+        each future gets its request's completion, or the error that ended it."""
+        futures: list[Future[Completion]] = [Future() for _ in requests]
         with self._closing:
             if self.failure is not None:
-                future.set_exception(ServiceClosed(f"the rollout service stopped: {self.failure}"))
+                closed = ServiceClosed(f"the rollout service stopped: {self.failure}")
+                for future in futures:
+                    future.set_exception(closed)
             else:
-                self.commands.put(("submit", replica, request, future))
-        return future
+                self.commands.put(("submit", replica, list(requests), futures))
+        return futures
 
     def abort(self, request_id: str) -> None:
         self.commands.put(("abort", request_id))
 
     def close(self, timeout_s: float = SETTLE_S + 5) -> None:
+        """Stop: requests still running are aborted and drained, their waiters failed."""
         self.commands.put(("stop",))
         self.thread.join(timeout_s)
+
+    def __enter__(self) -> RolloutService:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ---- the thread ---------------------------------------------------------------------
     def _run(self) -> None:
@@ -90,14 +106,16 @@ class RolloutService:
 
     def _command(self, command: tuple[Any, ...]) -> None:
         if command[0] == "submit":
-            _, replica, request, future = command
+            _, replica, requests, futures = command
             try:
-                self.rollouts[replica].submit([request])
-            except Exception as exc:  # a refused request (too long...): its waiter's error
-                future.set_exception(exc)
+                self.rollouts[replica].submit(requests)
+            except Exception as exc:  # a refused request (too long...): its waiters' error
+                for future in futures:
+                    future.set_exception(exc)
                 return
-            self.collectors[replica].track(request)
-            self.waiting[replica][request.request_id] = future
+            for request, future in zip(requests, futures, strict=True):
+                self.collectors[replica].track(request)
+                self.waiting[replica][request.request_id] = future
         elif command[0] == "abort":
             for replica, waiting in enumerate(self.waiting):
                 if command[1] in waiting:
@@ -131,7 +149,8 @@ class RolloutService:
             except queue.Empty:
                 break
             if command[0] == "submit":
-                command[3].set_exception(closed)
+                for future in command[3]:
+                    future.set_exception(closed)
         deadline = time.monotonic() + SETTLE_S
         for replica, waiting in enumerate(self.waiting):
             if not waiting:
@@ -148,3 +167,12 @@ class RolloutService:
                 if not future.done():
                     future.set_exception(exc)
             waiting.clear()
+
+
+def generate_with_requests(rollout: Rollout, requests: Sequence[Request]) -> list[Completion]:
+    """Submit ``requests`` (in one call), wait for every one, return their completions in
+    submission order: batch generation over the request interface, through a service of its
+    own (the rollout's one poller meanwhile). If anything fails, the requests are aborted and
+    drained before the error propagates, so the rollout is left with nothing of this call."""
+    with RolloutService([rollout], name="generate") as service:
+        return [future.result() for future in service.submit_many(0, requests)]
