@@ -45,6 +45,7 @@ def check_golden(
 ) -> None:
     """Assert that the first ``steps`` metric rows (those with a step) are the recorded ones:
     bit for bit, except the keys of ``spread``, within their measured run-to-run spread."""
+    spread = spread or {}
     got = [computed(r) for r in rows if "step" in r][:steps]
     assert len(got) == steps, f"{name}: {len(got)} metric rows, {steps} recorded"
     path = GOLDEN / f"{name}.json"
