@@ -23,9 +23,7 @@ from drivetrain.api.plugin import PluginSpec
 from drivetrain.trainer.builtin import addition
 from drivetrain.trainer.builtin.addition_sft import ensure_sft_model
 from drivetrain.trainer.capabilities import fit_single_engine, require_adapter_reference
-from drivetrain.trainer.checkpoints import CheckpointManager
 from drivetrain.trainer.config_loader import load_config, to_yaml
-from drivetrain.trainer.console import plain_console
 from drivetrain.trainer.data.batching import StepPlan
 from drivetrain.trainer.data.tokenize import pad_token_id
 from drivetrain.trainer.dpo.config import DPOConfig, dpo_config_type
@@ -40,9 +38,8 @@ from drivetrain.trainer.preflight import (
     load_tokenizer,
     model_context,
 )
-from drivetrain.trainer.run_dir import start_point
-from drivetrain.trainer.run_lock import owning
-from drivetrain.trainer.workers.launch import make_worker_group, writes_files
+from drivetrain.trainer.supervised_run import run_supervised
+from drivetrain.trainer.workers.group import WorkerGroup
 from drivetrain.trainer.workers.role_worker import ACTOR, REFERENCE, RoleSpec
 
 BUILTIN_CONFIG = Path(__file__).parent.parent / "builtin" / "addition_dpo.yaml"
@@ -156,30 +153,18 @@ def run_dpo(
     prepared: PreparedDPO, *, resume: str, overwrite: bool = False, console: Console | None = None
 ) -> DPOResult | None:
     """Train; the result on the writing process (rank 0 / the controller), else ``None``."""
-    c = prepared.job.config
-    console = console or plain_console()
-    out = Path(c.run.output_dir)
-    writer = writes_files(c.workers)
-    checkpoints = CheckpointManager(out / "checkpoints", keep_last=c.run.keep_last, writer=writer)
-    with owning(out, writer=writer):  # before anything in out is read or cleaned
-        checkpoints.clean_staging()
-        start_from = start_point(
-            checkpoints, resume, overwrite=overwrite, writer=writer, console=console
+    job, c = prepared.job, prepared.job.config
+
+    def trainer(group: WorkerGroup, console: Console) -> DPOTrainer:
+        return DPOTrainer(
+            c, engine_name=job.engine_name, group=group, data=prepared.data, console=console
         )
-        workers = functools.partial(PreferenceWorker, role_specs(prepared))
-        group = make_worker_group(workers, c.workers)
-        try:
-            trainer = DPOTrainer(
-                c, engine_name=prepared.job.engine_name, group=group, data=prepared.data,
-                console=console,
-            )  # fmt: skip
-            result = trainer.fit(start_from=start_from)
-        finally:
-            group.close()
-        if not group.is_writer:
-            return None
-        (out / "config.yaml").write_text(prepared.job.to_yaml())
-    return result
+
+    return run_supervised(
+        c.run, c.workers, factory=functools.partial(PreferenceWorker, role_specs(prepared)),
+        trainer=trainer, config_yaml=job.to_yaml(), resume=resume, overwrite=overwrite,
+        console=console,
+    )  # fmt: skip
 
 
 #: answers sampled per held-out problem for the sampled accuracy

@@ -11,6 +11,7 @@ context, the batch size fits the data.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,9 +24,7 @@ from drivetrain.api import EngineConfig, registry
 from drivetrain.api.errors import ConfigError
 from drivetrain.trainer.builtin import addition
 from drivetrain.trainer.capabilities import fit_single_engine
-from drivetrain.trainer.checkpoints import CheckpointManager
 from drivetrain.trainer.config_loader import load_config, to_yaml
-from drivetrain.trainer.console import plain_console
 from drivetrain.trainer.data.batching import StepPlan
 from drivetrain.trainer.data.sft_dataset import SFTData, load_sft_data
 from drivetrain.trainer.data.tokenize import pad_token_id
@@ -37,11 +36,11 @@ from drivetrain.trainer.preflight import (
     load_tokenizer,
     model_context,
 )
-from drivetrain.trainer.run_dir import start_point
-from drivetrain.trainer.run_lock import owning
 from drivetrain.trainer.sft.config import SFTConfig, sft_config_type
 from drivetrain.trainer.sft.trainer import SFTResult, SFTTrainer, total_steps
-from drivetrain.trainer.workers.launch import make_group, writes_files
+from drivetrain.trainer.supervised_run import run_supervised
+from drivetrain.trainer.workers.engine_worker import EngineWorker
+from drivetrain.trainer.workers.group import WorkerGroup
 
 BUILTIN_CONFIG = Path(__file__).parents[1] / "builtin" / "addition_sft.yaml"
 
@@ -140,42 +139,20 @@ def describe(prepared: PreparedSFT) -> str:
 def run_sft(
     prepared: PreparedSFT, *, resume: str, overwrite: bool = False, console: Console | None = None
 ) -> SFTResult | None:
-    """Train; returns the result on the writing process (rank 0 / the controller).
+    """Train; returns the result on the writing process (rank 0 / the controller)."""
+    job, config = prepared.job, prepared.job.config
 
-    Where the run starts (which checkpoint, whose directory) is settled on every rank before
-    any process group exists: no rank can write into the directory until all have joined the
-    group, so every rank judges the same directory."""
-    config = prepared.job.config
-    console = console or plain_console()
-    out = Path(config.run.output_dir)
-    writer = writes_files(config.workers)
-    checkpoints = CheckpointManager(
-        out / "checkpoints", keep_last=config.run.keep_last, writer=writer
-    )
-    with owning(out, writer=writer):  # before anything in out is read or cleaned
-        checkpoints.clean_staging()
-        start_from = start_point(
-            checkpoints, resume, overwrite=overwrite, writer=writer, console=console
-        )
-        group = make_group(
-            prepared.job.engine_name, engine_config_for_run(prepared), config.workers
-        )
-        try:
-            trainer = SFTTrainer(
-                config,
-                engine_name=prepared.job.engine_name,
-                group=group,
-                data=prepared.data,
-                pad_token_id=prepared.pad_token_id,
-                console=console,
-            )
-            result = trainer.fit(start_from=start_from)
-        finally:
-            group.close()
-        if not group.is_writer:
-            return None
-        (out / "config.yaml").write_text(prepared.job.to_yaml())
-    return result
+    def trainer(group: WorkerGroup, console: Console) -> SFTTrainer:
+        return SFTTrainer(
+            config, engine_name=job.engine_name, group=group, data=prepared.data,
+            pad_token_id=prepared.pad_token_id, console=console,
+        )  # fmt: skip
+
+    factory = functools.partial(EngineWorker, job.engine_name, engine_config_for_run(prepared))
+    return run_supervised(
+        config.run, config.workers, factory=factory, trainer=trainer, config_yaml=job.to_yaml(),
+        resume=resume, overwrite=overwrite, console=console,
+    )  # fmt: skip
 
 
 def builtin_report(job: SFTJob, result: SFTResult) -> dict[str, Any]:

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import functools
 import os
 
-from drivetrain.api import EngineConfig
 from drivetrain.api.errors import ConfigError
 from drivetrain.trainer.job_config import WorkersConfig
-from drivetrain.trainer.workers.engine_worker import EngineWorker
 from drivetrain.trainer.workers.group import (
     LocalWorkerGroup,
     WorkerFactory,
@@ -31,10 +28,6 @@ def writes_files(workers: WorkersConfig) -> bool:
     if resolve_launcher(workers) == "torchrun":
         return int(os.environ.get("RANK", "0")) == 0
     return True
-
-
-def make_group(engine_name: str, config: EngineConfig, workers: WorkersConfig) -> WorkerGroup:
-    return make_worker_group(functools.partial(EngineWorker, engine_name, config), workers)
 
 
 def make_worker_group(factory: WorkerFactory, workers: WorkersConfig) -> WorkerGroup:
