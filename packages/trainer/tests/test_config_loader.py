@@ -135,3 +135,15 @@ def test_a_key_of_other_installed_engines_names_them():
     assert str(err.value).startswith(
         "tensor_parallel is an option of the megatron and megatron_fsdp engines; valid keys at "
     )  # no counterpart among the fake engine's own knobs: none suggested
+
+
+def test_a_renamed_key_fails_in_one_line_naming_the_new_one():
+    """One word, one meaning ("workers": the actor's ranks): an old key names its new one."""
+    from drivetrain.trainer.config_loader import RENAMED
+    from drivetrain.trainer.rl.config import RLConfig
+
+    for old, new in RENAMED.items():
+        with pytest.raises(ConfigError) as info:
+            load_config(RLConfig, overrides=[f"{old}=2"])
+        assert str(info.value) == f"config key '{old}' is now '{new}'"
+        load_config(RLConfig, overrides=[f"{new}=2"])  # the new key takes the value

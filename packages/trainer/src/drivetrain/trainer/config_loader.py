@@ -24,6 +24,13 @@ from drivetrain.trainer.utf8 import decode_utf8
 
 T = TypeVar("T")
 
+#: keys renamed so that one word means one thing ("workers": the actor's ranks): the old name
+#: fails in one line naming the new one
+RENAMED = {
+    "placement.rollout_workers": "placement.rollout_replicas",
+    "episode.workers": "episode.env_threads",
+}
+
 
 def _owner(config_type: type, dotted: str) -> tuple[str, type]:
     """The dataclass level that ``dotted`` points into, and that level's dataclass."""
@@ -40,6 +47,8 @@ def _owner(config_type: type, dotted: str) -> tuple[str, type]:
 
 def _explain(config_type: type, exc: OmegaConfBaseException) -> ConfigError:
     key = getattr(exc, "full_key", None) or ""
+    if isinstance(exc, ConfigKeyError) and key in RENAMED:
+        return ConfigError(f"config key '{key}' is now '{RENAMED[key]}'")
     if isinstance(exc, ConfigKeyError) and key:
         where, owner = _owner(config_type, key)
         level = f"'{where}'" if where else "the top level"

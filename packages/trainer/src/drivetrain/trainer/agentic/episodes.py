@@ -105,12 +105,12 @@ class EpisodeRunner:
         chat: ChatTokens,
         limits: EpisodeLimits,
         *,
-        workers: int = 8,
+        env_threads: int = 8,
         step_timeout_s: float = 600.0,
     ) -> None:
         self.rollouts = list(rollouts)
         self.environment, self.parser, self.chat, self.limits = environment, parser, chat, limits
-        self.workers, self.step_timeout_s = workers, step_timeout_s
+        self.env_threads, self.step_timeout_s = env_threads, step_timeout_s
         self.name = type(environment).__name__
         self.plays = 0  # request ids carry the play's number: never reused across plays
 
@@ -121,7 +121,7 @@ class EpisodeRunner:
             return []
         play = _Play(self, tasks, n, params, f"p{self.plays}")
         self.plays += 1
-        pool = ThreadPoolExecutor(self.workers, thread_name_prefix="episode")
+        pool = ThreadPoolExecutor(self.env_threads, thread_name_prefix="episode")
         # the play's requests go through one rollout service; closing it aborts and drains
         # whatever a failed play left running, so the rollouts are free for the next
         service = RolloutService(self.rollouts, name=f"episodes-{play.name}")

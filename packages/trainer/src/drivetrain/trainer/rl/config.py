@@ -230,15 +230,15 @@ class EpisodeConfig:
     tool_parser: str = "hermes"  # hermes | llama3_json | a drivetrain.tool_parsers plugin
     options: dict[str, Any] = field(default_factory=dict)  # the environment's own options
     train_tasks: int = 4096  # tasks an environment makes itself when there is no data
-    workers: int = 8  # environment steps (tool calls) running at once
+    env_threads: int = 8  # environment calls (tool calls) running at once
     #: an environment's reset/step/truncated call running longer fails the step (tools have
     #: their own, shorter timeouts; this bounds the environment's own code)
     step_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        if self.max_turns < 1 or self.max_tokens < 0 or self.workers < 1:
+        if self.max_turns < 1 or self.max_tokens < 0 or self.env_threads < 1:
             raise ConfigError(
-                "episode.max_turns and episode.workers must be >= 1, episode.max_tokens >= 0"
+                "episode.max_turns and episode.env_threads must be >= 1, episode.max_tokens >= 0"
             )
         if self.step_timeout_s <= 0:
             raise ConfigError("episode.step_timeout_s must be > 0")
@@ -296,7 +296,7 @@ class PlacementConfig:
     pool (``broadcast`` sync). ``auto``: inprocess for one rank, else colocated."""
 
     mode: str = "auto"
-    rollout_workers: int = 1
+    rollout_replicas: int = 1
     rollout_cpus: float = 1.0  # separate pool: per rollout replica
     rollout_gpus: float = -1.0  # separate pool: -1 = one when the cluster has GPUs
     colocated_share: float = 0.5  # colocated: fraction of a rank's bundle the rollout takes
@@ -305,8 +305,8 @@ class PlacementConfig:
         modes = ("auto", "inprocess", "colocated", "separate")
         if self.mode not in modes:
             raise ConfigError(f"placement.mode={self.mode!r} is not one of {modes}")
-        if self.rollout_workers < 1:
-            raise ConfigError("placement.rollout_workers must be >= 1")
+        if self.rollout_replicas < 1:
+            raise ConfigError("placement.rollout_replicas must be >= 1")
         if not 0 < self.colocated_share < 1:
             raise ConfigError("placement.colocated_share must be in (0, 1)")
 

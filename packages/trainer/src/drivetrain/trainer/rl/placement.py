@@ -139,7 +139,7 @@ def build_placement(
         group: WorkerGroup = LocalWorkerGroup(factory)
         try:
             make = registry.rollouts.load(rollout_name)
-            rollouts = [make(rollout_config) for _ in range(placement.rollout_workers)]
+            rollouts = [make(rollout_config) for _ in range(placement.rollout_replicas)]
         except BaseException:
             group.close()
             raise
@@ -169,13 +169,13 @@ def _ray_placement(
     sync_config: WeightSyncConfig,
 ) -> Placement:
     colocated = mode == "colocated"
-    if colocated and placement.rollout_workers > workers.num:
+    if colocated and placement.rollout_replicas > workers.num:
         raise ConfigError(
-            f"placement.rollout_workers={placement.rollout_workers} colocated replicas need as "
+            f"placement.rollout_replicas={placement.rollout_replicas} colocated replicas need as "
             f"many actor ranks, workers.num={workers.num}"
         )
     sync_config = transport_config(transport, sync_config)
-    extra = 0.0 if colocated else placement.rollout_workers * placement.rollout_cpus
+    extra = 0.0 if colocated else placement.rollout_replicas * placement.rollout_cpus
     # before `import ray`: ensure_ray sets what Ray reads at import
     started = ensure_ray(workers, min_cpus=workers.num * workers.cpus_per_worker + extra)
     import ray
@@ -200,15 +200,15 @@ def _ray_placement(
                         placement_group=group.placement_group, placement_group_bundle_index=i
                     ),
                 )
-                for i in range(placement.rollout_workers)
+                for i in range(placement.rollout_replicas)
             ]
         else:
             gpus = placement.rollout_gpus
             if gpus < 0:
                 free = ray.available_resources().get("GPU", 0)
-                gpus = 1.0 if free >= placement.rollout_workers else 0.0
+                gpus = 1.0 if free >= placement.rollout_replicas else 0.0
             bundle = {"CPU": placement.rollout_cpus, **({"GPU": gpus} if gpus else {})}
-            pg = placement_group([dict(bundle)] * placement.rollout_workers, strategy="PACK")
+            pg = placement_group([dict(bundle)] * placement.rollout_replicas, strategy="PACK")
             wait_all(pg.ready(), workers.start_timeout_s, "placing the rollouts")
             options = [
                 dict(
@@ -218,7 +218,7 @@ def _ray_placement(
                         placement_group=pg, placement_group_bundle_index=i
                     ),
                 )
-                for i in range(placement.rollout_workers)
+                for i in range(placement.rollout_replicas)
             ]
         actors = [
             actor_class.options(**opt).remote(rollout_name, rollout_config, env) for opt in options

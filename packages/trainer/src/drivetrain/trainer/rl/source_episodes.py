@@ -34,7 +34,7 @@ class Episodes(Source):
             assert setup.environment is not None
             self.runner = EpisodeRunner(
                 pool.rollouts, setup.environment, setup.parser, setup.chat, setup.limits,
-                workers=c.episode.workers, step_timeout_s=c.episode.step_timeout_s,
+                env_threads=c.episode.env_threads, step_timeout_s=c.episode.step_timeout_s,
             )  # fmt: skip
 
     def draw(self, step: int, timer: PhaseTimer) -> Drawn:
