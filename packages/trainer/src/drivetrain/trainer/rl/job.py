@@ -40,6 +40,7 @@ from drivetrain.trainer.rl.episode_setup import episode_setup
 from drivetrain.trainer.rl.off_policy import CORRECTIONS
 from drivetrain.trainer.rl.placement import (
     Placement,
+    PlacementSpec,
     build_placement,
     resolve_mode,
     resolve_transport,
@@ -369,8 +370,8 @@ def rollout_config(job: RLJob) -> RolloutConfig:
 def start(prepared: PreparedRL) -> Placement:
     job, c = prepared.job, prepared.job.config
     mode = resolve_mode(c.placement, c.workers)
-    return build_placement(
-        mode,
+    spec = PlacementSpec(
+        mode=mode,
         roles=prepared.roles,
         plugins=c.algorithm.plugins,
         workers=c.workers,
@@ -380,6 +381,7 @@ def start(prepared: PreparedRL) -> Placement:
         transport=job.transport,
         sync_config=c.weight_sync,
     )
+    return build_placement(spec)
 
 
 def describe(prepared: PreparedRL) -> str:

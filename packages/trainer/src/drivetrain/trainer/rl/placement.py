@@ -122,115 +122,115 @@ class Placement:
             ray.shutdown()
 
 
-def build_placement(
-    mode: str,
-    *,
-    roles: dict[str, RoleSpec],
-    plugins: tuple[str, ...],
-    workers: WorkersConfig,
-    placement: PlacementConfig,
-    rollout_name: str,
-    rollout_config: RolloutConfig,
-    transport: str,
-    sync_config: WeightSyncConfig,
-) -> Placement:
-    factory = functools.partial(RoleWorker, roles, plugins)
-    if mode == "inprocess":
-        group: WorkerGroup = LocalWorkerGroup(factory)
-        try:
-            make = registry.rollouts.load(rollout_name)
-            rollouts = [make(rollout_config) for _ in range(placement.rollout_replicas)]
-        except BaseException:
-            group.close()
-            raise
-        pool = RolloutPool(rollouts)
-        try:
-            weights = connect_weights(
-                group, pool, transport, transport_config(transport, sync_config)
-            )
-        except BaseException:
-            pool.shutdown()
-            group.close()
-            raise
-        return Placement(mode, group, pool, weights)
-    return _ray_placement(
-        mode, factory, workers, placement, rollout_name, rollout_config, transport, sync_config
-    )
+@dataclass(frozen=True)
+class PlacementSpec:
+    """What a placement is built from, decided by the job before anything starts."""
+
+    mode: str  # inprocess, colocated, separate (auto resolved)
+    roles: dict[str, RoleSpec]
+    plugins: tuple[str, ...]  # user modules every worker imports first (algorithm.plugins)
+    workers: WorkersConfig
+    placement: PlacementConfig
+    rollout_name: str
+    rollout_config: RolloutConfig
+    transport: str
+    sync_config: WeightSyncConfig
 
 
-def _ray_placement(
-    mode: str,
-    factory: Any,
-    workers: WorkersConfig,
-    placement: PlacementConfig,
-    rollout_name: str,
-    rollout_config: RolloutConfig,
-    transport: str,
-    sync_config: WeightSyncConfig,
-) -> Placement:
-    colocated = mode == "colocated"
-    if colocated and placement.rollout_replicas > workers.num:
-        raise ConfigError(
-            f"placement.rollout_replicas={placement.rollout_replicas} colocated replicas need as "
-            f"many actor ranks, workers.num={workers.num}"
-        )
-    sync_config = transport_config(transport, sync_config)
-    extra = 0.0 if colocated else placement.rollout_replicas * placement.rollout_cpus
-    # before `import ray`: ensure_ray sets what Ray reads at import
-    started = ensure_ray(workers, min_cpus=workers.num * workers.cpus_per_worker + extra)
+def build_placement(spec: PlacementSpec) -> Placement:
+    factory = functools.partial(RoleWorker, spec.roles, spec.plugins)
+    if spec.mode != "inprocess":
+        return _ray_placement(spec, factory)
+    group: WorkerGroup = LocalWorkerGroup(factory)
+    try:
+        make = registry.rollouts.load(spec.rollout_name)
+        rollouts = [make(spec.rollout_config) for _ in range(spec.placement.rollout_replicas)]
+    except BaseException:
+        group.close()
+        raise
+    pool = RolloutPool(rollouts)
+    try:
+        sync_config = transport_config(spec.transport, spec.sync_config)
+        weights = connect_weights(group, pool, spec.transport, sync_config)
+    except BaseException:
+        pool.shutdown()
+        group.close()
+        raise
+    return Placement(spec.mode, group, pool, weights)
+
+
+def _rollout_options(spec: PlacementSpec, group: Any) -> list[dict[str, Any]]:
+    """Each Ray rollout actor's resources: a share of actor rank ``i``'s bundle (colocated), or
+    a bundle of its own in a placement group of the rollouts (separate)."""
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    p, replicas = spec.placement, range(spec.placement.rollout_replicas)
+    if spec.mode == "colocated":
+        return [
+            dict(
+                num_cpus=group.bundle["CPU"] * p.colocated_share,
+                num_gpus=group.bundle.get("GPU", 0.0) * p.colocated_share,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=group.placement_group, placement_group_bundle_index=i
+                ),
+            )
+            for i in replicas
+        ]
+    gpus = p.rollout_gpus
+    if gpus < 0:
+        gpus = 1.0 if ray.available_resources().get("GPU", 0) >= p.rollout_replicas else 0.0
+    bundle = {"CPU": p.rollout_cpus, **({"GPU": gpus} if gpus else {})}
+    pg = placement_group([dict(bundle)] * p.rollout_replicas, strategy="PACK")
+    wait_all(pg.ready(), spec.workers.start_timeout_s, "placing the rollouts")
+    return [
+        dict(
+            num_cpus=p.rollout_cpus,
+            num_gpus=gpus,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=i
+            ),
+        )
+        for i in replicas
+    ]
+
+
+def _ray_placement(spec: PlacementSpec, factory: Any) -> Placement:
+    workers, p = spec.workers, spec.placement
+    colocated = spec.mode == "colocated"
+    if colocated and p.rollout_replicas > workers.num:
+        raise ConfigError(
+            f"placement.rollout_replicas={p.rollout_replicas} colocated replicas need as "
+            f"many actor ranks, workers.num={workers.num}"
+        )
+    sync_config = transport_config(spec.transport, spec.sync_config)
+    extra = 0.0 if colocated else p.rollout_replicas * p.rollout_cpus
+    # before `import ray`: ensure_ray sets what Ray reads at import
+    started = ensure_ray(workers, min_cpus=workers.num * workers.cpus_per_worker + extra)
+    import ray
 
     from drivetrain.trainer.workers.ray_group import RayWorkerGroup
 
     group = None
     handles: list[RemoteRollout] = []
     try:
-        share = 1.0 - placement.colocated_share if colocated else 1.0
-        group = RayWorkerGroup(factory, workers, share=share)
-        actor_class = ray.remote(RolloutActor)
-        env = driver_env()
-        if colocated:
-            options = [
-                dict(
-                    num_cpus=group.bundle["CPU"] * placement.colocated_share,
-                    num_gpus=group.bundle.get("GPU", 0.0) * placement.colocated_share,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=group.placement_group, placement_group_bundle_index=i
-                    ),
-                )
-                for i in range(placement.rollout_replicas)
-            ]
-        else:
-            gpus = placement.rollout_gpus
-            if gpus < 0:
-                free = ray.available_resources().get("GPU", 0)
-                gpus = 1.0 if free >= placement.rollout_replicas else 0.0
-            bundle = {"CPU": placement.rollout_cpus, **({"GPU": gpus} if gpus else {})}
-            pg = placement_group([dict(bundle)] * placement.rollout_replicas, strategy="PACK")
-            wait_all(pg.ready(), workers.start_timeout_s, "placing the rollouts")
-            options = [
-                dict(
-                    num_cpus=placement.rollout_cpus,
-                    num_gpus=gpus,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=pg, placement_group_bundle_index=i
-                    ),
-                )
-                for i in range(placement.rollout_replicas)
-            ]
+        group = RayWorkerGroup(
+            factory, workers, share=1.0 - p.colocated_share if colocated else 1.0
+        )
+        actor_class, env = ray.remote(RolloutActor), driver_env()
         actors = [
-            actor_class.options(**opt).remote(rollout_name, rollout_config, env) for opt in options
+            actor_class.options(**options).remote(spec.rollout_name, spec.rollout_config, env)
+            for options in _rollout_options(spec, group)
         ]
         wait_all([a.pid.remote() for a in actors], workers.start_timeout_s, "starting rollouts")
         handles = [
-            RemoteRollout(rollout_config, RayChannel(a, workers.start_timeout_s * 10))
+            RemoteRollout(spec.rollout_config, RayChannel(a, workers.start_timeout_s * 10))
             for a in actors
         ]
         pool = RolloutPool(handles)
-        weights = connect_weights(group, pool, transport, sync_config, colocated=colocated)
-        return Placement(mode, group, pool, weights, started_ray=started)
+        weights = connect_weights(group, pool, spec.transport, sync_config, colocated=colocated)
+        return Placement(spec.mode, group, pool, weights, started_ray=started)
     except BaseException:
         for handle in handles:
             with contextlib.suppress(Exception):
