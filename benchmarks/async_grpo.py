@@ -48,7 +48,7 @@ from timing import (
 MODES = {
     "sync": [],
     "one_step_off": ["algorithm.mode=one_step_off"],
-    "async": ["algorithm.mode=async", "algorithm.max_staleness=1"],
+    "async": ["algorithm.mode=async", "algorithm.ahead.max_staleness=1"],
 }
 
 

@@ -49,7 +49,7 @@ def test_async_without_staleness_equals_sync(tmp_path):
     """max_staleness=0: a group is admitted only under the weights that train on it, so the
     stream generates the sync loop's batch (a polling thread, not the trainer, drives it)."""
     golden = json.loads((TESTS / "data" / "grpo_sync_5_steps.json").read_text())["steps"]
-    rows = grpo_steps(tmp_path, "async0", "algorithm.mode=async", "algorithm.max_staleness=0")
+    rows = grpo_steps(tmp_path, "async0", "algorithm.mode=async", "algorithm.ahead.max_staleness=0")
     assert numbers(rows) == golden
     assert all(r["async/staleness_max"] == 0 for r in rows)
 
@@ -59,8 +59,8 @@ def test_the_scripted_schedule_is_bit_identical_across_runs(tmp_path):
     """Async with staleness 1, partial rollouts and TIS, generation advanced 3 token steps
     per training step by the trainer: two runs give the same numbers; samples span two
     versions and the correction ran."""
-    overrides = ("algorithm.mode=async", "algorithm.max_staleness=1",
-                 "algorithm.scripted_rounds=3")  # fmt: skip
+    overrides = ("algorithm.mode=async", "algorithm.ahead.max_staleness=1",
+                 "algorithm.ahead.scripted_rounds=3")  # fmt: skip
     first = grpo_steps(tmp_path, "a", *overrides)
     second = grpo_steps(tmp_path, "b", *overrides)
     assert first == [dict(r, **_timing(s)) for r, s in zip(second, first, strict=True)]

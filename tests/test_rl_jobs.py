@@ -56,7 +56,7 @@ def test_grpo_dapo_preset_samples_until_the_groups_are_informative(tmp_path):
     summary, done = run_rl(
         "grpo", "--preset", "dapo", *base, f"run.output_dir={out}", "run.steps=2",
         "sampling.n=2", "reward.functions=[rl_support:varied_reward]",
-        "algorithm.overlong_filter=true", env=env,
+        "algorithm.dapo.overlong_filter=true", env=env,
     )  # fmt: skip
     assert summary["steps"] == 2
     # the task's own reward beside the shaped total (the penalty can dominate it)

@@ -119,8 +119,8 @@ def test_a_calculator_episode_rewards_the_exact_answer_and_survives_bad_calls():
     ("overrides", "key"),
     [
         (["algorithm.mode=async"], "algorithm.mode=async"),
-        (["algorithm.dynamic_sampling=true"], "algorithm.dynamic_sampling"),
-        (["algorithm.overlong_buffer=0.2"], "algorithm.overlong_buffer"),
+        (["algorithm.dapo.dynamic_sampling=true"], "algorithm.dapo.dynamic_sampling"),
+        (["algorithm.dapo.overlong_buffer=0.2"], "algorithm.dapo.overlong_buffer"),
         (["reward.model_path=/models/rm"], "reward.model_path"),
     ],
 )

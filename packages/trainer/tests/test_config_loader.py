@@ -146,4 +146,19 @@ def test_a_renamed_key_fails_in_one_line_naming_the_new_one():
         with pytest.raises(ConfigError) as info:
             load_config(RLConfig, overrides=[f"{old}=2"])
         assert str(info.value) == f"config key '{old}' is now '{new}'"
-        load_config(RLConfig, overrides=[f"{new}=2"])  # the new key takes the value
+        value = load_config(RLConfig)
+        for part in new.split("."):  # the new key exists
+            value = getattr(value, part)
+        assert load_config(RLConfig, overrides=[f"{new}={value}"]) == load_config(RLConfig)
+
+
+def test_a_renamed_key_in_a_file_names_the_file(tmp_path):
+    from drivetrain.trainer.rl.config import RLConfig
+
+    path = tmp_path / "old.yaml"
+    path.write_text("algorithm:\n  correction: tis\n  dynamic_sampling: true\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(RLConfig, files=[path])
+    assert str(info.value) == (
+        f"config key 'algorithm.correction' is now 'algorithm.correction.method' (in {path})"
+    )

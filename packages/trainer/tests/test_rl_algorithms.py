@@ -168,7 +168,11 @@ def test_presets_load_and_user_overrides_win(name: str) -> None:
 
 def test_preset_values() -> None:
     dapo = load_config(RLConfig, files=preset_files("dapo")).algorithm
-    assert (dapo.clip_high, dapo.dynamic_sampling, dapo.overlong_buffer) == (0.28, True, 0.2)
+    assert (dapo.clip_high, dapo.dapo.dynamic_sampling, dapo.dapo.overlong_buffer) == (
+        0.28,
+        True,
+        0.2,
+    )
     dr = load_config(RLConfig, files=preset_files("dr_grpo")).algorithm
     assert (dr.norm_by_std, dr.aggregation) == (False, "seq-mean-token-sum-norm")
     with pytest.raises(ConfigError, match="unknown preset 'dapoo'; known: bnpo, cispo"):
@@ -178,10 +182,10 @@ def test_preset_values() -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["algorithm.dynamic_sampling=true", "algorithm.mode=async"], "works in mode=sync"),
-        (["algorithm.dynamic_sampling=true", "sampling.n=1"], "needs sampling.n >= 2"),
-        (["algorithm.overlong_buffer=1.5"], "overlong_buffer must be in"),
-        (["algorithm.max_sampling_rounds=0"], "max_sampling_rounds must be >= 1"),
+        (["algorithm.dapo.dynamic_sampling=true", "algorithm.mode=async"], "works in mode=sync"),
+        (["algorithm.dapo.dynamic_sampling=true", "sampling.n=1"], "needs sampling.n >= 2"),
+        (["algorithm.dapo.overlong_buffer=1.5"], "overlong_buffer must be in"),
+        (["algorithm.dapo.max_sampling_rounds=0"], "max_sampling_rounds must be >= 1"),
     ],
 )
 def test_dapo_config_errors(overrides: list[str], message: str) -> None:

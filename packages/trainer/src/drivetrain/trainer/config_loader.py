@@ -29,7 +29,34 @@ T = TypeVar("T")
 RENAMED = {
     "placement.rollout_workers": "placement.rollout_replicas",
     "episode.workers": "episode.env_threads",
-}
+    # the algorithm's components, each with its config next to it (rl/dapo.py, rl/off_policy.py,
+    # rl/group_stream.py)
+    **{f"algorithm.{k}": f"algorithm.dapo.{k}" for k in (
+        "dynamic_sampling", "max_sampling_rounds", "overlong_buffer", "overlong_penalty",
+        "overlong_filter",
+    )},
+    **{f"algorithm.{k}": f"algorithm.ahead.{k}" for k in (
+        "max_staleness", "stale_samples", "sync_every", "partial_rollouts", "scripted_rounds",
+    )},
+    "algorithm.correction": "algorithm.correction.method",
+    **{f"algorithm.correction_{k}": f"algorithm.correction.{k}" for k in ("cap", "low", "high")},
+}  # fmt: skip
+
+
+def _leaf_keys(node: Any, prefix: str = "") -> list[str]:
+    """The dotted keys of a loaded YAML layer's values (mappings walked, lists are values)."""
+    if not isinstance(node, DictConfig):
+        return [prefix]
+    return [
+        key for name, child in node.items_ex(resolve=False)
+        for key in _leaf_keys(child, f"{prefix}.{name}" if prefix else str(name))
+    ]  # fmt: skip
+
+
+def _refuse_renamed(keys: Sequence[str], where: str) -> None:
+    for key in keys:
+        if key in RENAMED:
+            raise ConfigError(f"config key '{key}' is now '{RENAMED[key]}'{where}")
 
 
 def _owner(config_type: type, dotted: str) -> tuple[str, type]:
@@ -47,8 +74,6 @@ def _owner(config_type: type, dotted: str) -> tuple[str, type]:
 
 def _explain(config_type: type, exc: OmegaConfBaseException) -> ConfigError:
     key = getattr(exc, "full_key", None) or ""
-    if isinstance(exc, ConfigKeyError) and key in RENAMED:
-        return ConfigError(f"config key '{key}' is now '{RENAMED[key]}'")
     if isinstance(exc, ConfigKeyError) and key:
         where, owner = _owner(config_type, key)
         level = f"'{where}'" if where else "the top level"
@@ -92,13 +117,16 @@ def load_config(
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ConfigError(f"overrides must look like key=value, got {bad}")
+    _refuse_renamed([o.split("=", 1)[0].strip() for o in overrides], "")
     try:
         merged: Any = OmegaConf.structured(config_type)
         for path in files:
             if isinstance(path, tuple):
+                _refuse_renamed([o.split("=", 1)[0].strip() for o in path], "")
                 merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(path)))
                 continue
             loaded = _load_yaml(Path(path))
+            _refuse_renamed(_leaf_keys(loaded), f" (in {path})")
             if not isinstance(loaded, type(merged)):
                 raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top")
             merged = OmegaConf.merge(merged, loaded)

@@ -23,7 +23,10 @@ from drivetrain.api.config import (
 from drivetrain.api.errors import ConfigError
 from drivetrain.trainer.job_config import LoggingConfig, WorkersConfig
 from drivetrain.trainer.rl.aggregation import AGGREGATIONS
+from drivetrain.trainer.rl.dapo import DAPOConfig
+from drivetrain.trainer.rl.group_stream import AheadConfig
 from drivetrain.trainer.rl.kl import KL_ESTIMATORS
+from drivetrain.trainer.rl.off_policy import CorrectionConfig
 
 REFERENCE_MODES = ("auto", "none", "engine", "adapter")
 MODES = ("sync", "one_step_off", "async")
@@ -80,33 +83,11 @@ class AlgorithmConfig:
     # ---- generation ahead of training (trainer README, "Sync, one-step-off and async") ----
     #: sync: generate, then train, then sync weights; one_step_off: step k+1's batch generates
     #: under weights k while step k trains; async: rollouts generate continuously, the trainer
-    #: takes the first complete groups, weights pushed every ``sync_every`` steps
+    #: takes the first complete groups, weights pushed every ``ahead.sync_every`` steps
     mode: str = "sync"
-    max_staleness: int = 1  # async: samples at most this many versions behind the trainer
-    stale_samples: str = "drop"  # async: older samples are dropped, or kept (and corrected)
-    sync_every: int = 1  # async: push weights every N steps (N - 1 <= max_staleness)
-    #: async: requests running at a weight update are aborted and resumed under the new
-    #: weights with their tokens kept (resume), or run to their end under the old (finish)
-    partial_rollouts: str = "resume"
-    #: 0: each rollout replica has a polling thread; N > 0: the trainer drives generation, N
-    #: token steps between training steps (a fixed interleaving: runs are bit-identical)
-    scripted_rounds: int = 0
-    #: off-policy correction of the rollout↔trainer gap (rl/off_policy.py): auto = tis when
-    #: samples may be stale (one_step_off, async with max_staleness > 0), else none
-    correction: str = "auto"
-    correction_cap: float = 2.0  # tis, seq_tis
-    correction_low: float = 0.5  # icepop, seq_mask
-    correction_high: float = 2.0  # icepop, seq_mask
-    # ---- DAPO (rl/dapo.py) ------------------------------------------------------------------
-    #: drop groups whose samples all got the same reward and sample more prompts until the
-    #: step holds run.prompts_per_step informative groups (sync mode)
-    dynamic_sampling: bool = False
-    max_sampling_rounds: int = 4  # generation calls per step at most, the first included
-    #: soft overlong penalty over this last fraction of sampling.max_new_tokens (DAPO: 0.2;
-    #: verl's overlong_buffer.len / max_response_length); 0: off
-    overlong_buffer: float = 0.0
-    overlong_penalty: float = 1.0  # the penalty at sampling.max_new_tokens
-    overlong_filter: bool = False  # truncated samples (finish reason length) carry no loss
+    ahead: AheadConfig = field(default_factory=AheadConfig)  # rl/group_stream.py
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)  # rl/off_policy.py
+    dapo: DAPOConfig = field(default_factory=DAPOConfig)  # rl/dapo.py
 
     def __post_init__(self) -> None:
         self._check_loss()
@@ -130,57 +111,35 @@ class AlgorithmConfig:
             raise ConfigError(f"algorithm.dual_clip={self.dual_clip} must be > 1 (or 0: off)")
         if self.kl_coef < 0:
             raise ConfigError(f"algorithm.kl_coef={self.kl_coef} must be >= 0")
-        if not (self.correction_cap > 0 and 0 <= self.correction_low <= self.correction_high):
-            raise ConfigError(
-                "algorithm.correction_cap must be > 0 and 0 <= correction_low <= correction_high"
-            )
 
     def _check_generation_ahead(self) -> None:
-        choices = {
-            "mode": MODES,
-            "stale_samples": ("drop", "keep"),
-            "partial_rollouts": ("resume", "finish"),
-        }
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ConfigError(
-                    f"algorithm.{name}={getattr(self, name)!r} is not one of {allowed}"
-                )
-        if self.max_staleness < 0 or self.sync_every < 1 or self.scripted_rounds < 0:
+        if self.mode not in MODES:
+            raise ConfigError(f"algorithm.mode={self.mode!r} is not one of {MODES}")
+        ahead = self.ahead
+        if self.mode == "async" and ahead.sync_every - 1 > ahead.max_staleness:
             raise ConfigError(
-                "algorithm.max_staleness and scripted_rounds must be >= 0, sync_every >= 1"
-            )
-        if self.mode == "async" and self.sync_every - 1 > self.max_staleness:
-            raise ConfigError(
-                f"algorithm.sync_every={self.sync_every} leaves the rollouts up to "
-                f"{self.sync_every - 1} versions behind, beyond max_staleness="
-                f"{self.max_staleness}: raise max_staleness or lower sync_every"
+                f"algorithm.ahead.sync_every={ahead.sync_every} leaves the rollouts up to "
+                f"{ahead.sync_every - 1} versions behind, beyond max_staleness="
+                f"{ahead.max_staleness}: raise max_staleness or lower sync_every"
             )
 
     def _check_dapo(self) -> None:
-        if self.dynamic_sampling and self.mode != "sync":
+        if self.dapo.dynamic_sampling and self.mode != "sync":
             raise ConfigError(
-                f"algorithm.dynamic_sampling works in mode=sync, not {self.mode!r} (generation "
-                "ahead of training takes groups as they finish)"
-            )
-        if self.max_sampling_rounds < 1:
-            raise ConfigError("algorithm.max_sampling_rounds must be >= 1")
-        if not (0 <= self.overlong_buffer < 1 and self.overlong_penalty >= 0):
-            raise ConfigError(
-                "algorithm.overlong_buffer must be in [0, 1) (a fraction of "
-                "sampling.max_new_tokens), overlong_penalty >= 0"
+                f"algorithm.dapo.dynamic_sampling works in mode=sync, not {self.mode!r} "
+                "(generation ahead of training takes groups as they finish)"
             )
 
     @property
     def staleness(self) -> int:
         """How many versions a sample may lag the trainer (0 in sync mode)."""
-        return {"sync": 0, "one_step_off": 1}.get(self.mode, self.max_staleness)
+        return {"sync": 0, "one_step_off": 1}.get(self.mode, self.ahead.max_staleness)
 
     @property
     def correction_name(self) -> str:
         """The correction in use (``auto`` resolved)."""
-        if self.correction != "auto":
-            return self.correction
+        if self.correction.method != "auto":
+            return self.correction.method
         return "tis" if self.staleness > 0 else "none"
 
 
@@ -347,15 +306,15 @@ class RLConfig:
             self._check_episodes()
         # the reference and the KL coefficient must agree: a reference nothing uses, or a KL
         # term without a reference to measure it against, is a mistake, not a run to start
-        if self.algorithm.dynamic_sampling and self.teacher.model_path:
+        if self.algorithm.dapo.dynamic_sampling and self.teacher.model_path:
             raise ConfigError(
-                "algorithm.dynamic_sampling filters groups on the verifier's reward; with a "
+                "algorithm.dapo.dynamic_sampling filters groups on the verifier's reward; with a "
                 "teacher the signal is per token: turn one of them off"
             )
-        if self.algorithm.dynamic_sampling and self.sampling.n < 2:
+        if self.algorithm.dapo.dynamic_sampling and self.sampling.n < 2:
             raise ConfigError(
-                "algorithm.dynamic_sampling needs sampling.n >= 2: a group of one sample never "
-                "has reward variance"
+                "algorithm.dapo.dynamic_sampling needs sampling.n >= 2: a group of one sample "
+                "never has reward variance"
             )
         kl_coef, mode = self.algorithm.kl_coef, self.reference_mode
         if mode == "adapter" and not self.actor.model.lora.enabled:
@@ -375,8 +334,8 @@ class RLConfig:
         alg = self.algorithm
         refused = {
             f"algorithm.mode={alg.mode}": alg.mode != "sync",
-            "algorithm.dynamic_sampling": alg.dynamic_sampling,
-            "algorithm.overlong_buffer": alg.overlong_buffer > 0,
+            "algorithm.dapo.dynamic_sampling": alg.dapo.dynamic_sampling,
+            "algorithm.dapo.overlong_buffer": alg.dapo.overlong_buffer > 0,
             "teacher.model_path": bool(self.teacher.model_path),
             # the environment's (or the agent's) rewards are the signal; a reward model's
             # score has no turn to land on yet

@@ -23,12 +23,37 @@ import torch
 
 from drivetrain.api import Batch, Completion, FinishReason
 from drivetrain.api.columns import LOSS_MASK
+from drivetrain.api.errors import ConfigError
 
 #: the reward part holding the overlong penalty: it shapes the reward, it does not score the task
 SHAPING = "overlong"
 
 #: scores closer than this count as equal (rewards are sums of floats)
 SAME_SCORE = 1e-6
+
+
+@dataclass(frozen=True)
+class DAPOConfig:
+    """``algorithm.dapo``: the sampling-side pieces above (all off by default)."""
+
+    #: drop groups whose samples all got the same reward and sample more prompts until the
+    #: step holds run.prompts_per_step informative groups (sync mode)
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 4  # generation calls per step at most, the first included
+    #: soft overlong penalty over this last fraction of sampling.max_new_tokens (DAPO: 0.2;
+    #: verl's overlong_buffer.len / max_response_length); 0: off
+    overlong_buffer: float = 0.0
+    overlong_penalty: float = 1.0  # the penalty at sampling.max_new_tokens
+    overlong_filter: bool = False  # truncated samples (finish reason length) carry no loss
+
+    def __post_init__(self) -> None:
+        if self.max_sampling_rounds < 1:
+            raise ConfigError("algorithm.dapo.max_sampling_rounds must be >= 1")
+        if not (0 <= self.overlong_buffer < 1 and self.overlong_penalty >= 0):
+            raise ConfigError(
+                "algorithm.dapo.overlong_buffer must be in [0, 1) (a fraction of "
+                "sampling.max_new_tokens), overlong_penalty >= 0"
+            )
 
 
 def overlong_penalty(

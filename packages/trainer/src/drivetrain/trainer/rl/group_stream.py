@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 
 from drivetrain.api import Completion, FinishReason, Rollout, SamplingParams
+from drivetrain.api.errors import ConfigError
 from drivetrain.api.partition import chunk_sizes
 from drivetrain.api.requests import Chunk, Request, sample_seed
 from drivetrain.runtime.collector import Collector
@@ -48,6 +49,33 @@ IDLE_POLL_S = 0.001
 #: how long aborted requests may take to end, and a polling thread to stop (seconds): both
 #: happen at the rollout's next token step
 SETTLE_S = 120.0
+
+
+@dataclass(frozen=True)
+class AheadConfig:
+    """``algorithm.ahead``: how generation runs ahead of training (modes one_step_off, async)."""
+
+    max_staleness: int = 1  # async: samples at most this many versions behind the trainer
+    stale_samples: str = "drop"  # async: older samples are dropped, or kept (and corrected)
+    sync_every: int = 1  # async: push weights every N steps (N - 1 <= max_staleness)
+    #: async: requests running at a weight update are aborted and resumed under the new
+    #: weights with their tokens kept (resume), or run to their end under the old (finish)
+    partial_rollouts: str = "resume"
+    #: 0: each rollout replica has a polling thread; N > 0: the trainer drives generation, N
+    #: token steps between training steps (a fixed interleaving: runs are bit-identical)
+    scripted_rounds: int = 0
+
+    def __post_init__(self) -> None:
+        choices = {"stale_samples": ("drop", "keep"), "partial_rollouts": ("resume", "finish")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(
+                    f"algorithm.ahead.{name}={getattr(self, name)!r} is not one of {allowed}"
+                )
+        if self.max_staleness < 0 or self.sync_every < 1 or self.scripted_rounds < 0:
+            raise ConfigError(
+                "algorithm.ahead.max_staleness and scripted_rounds must be >= 0, sync_every >= 1"
+            )
 
 
 class GenerationError(RuntimeError):

@@ -30,15 +30,27 @@ from dataclasses import dataclass, field
 
 import torch
 
+from drivetrain.api.errors import ConfigError
 from drivetrain.trainer.named_registry import NamedRegistry
 from drivetrain.trainer.rl.aggregation import expand_sequences, sequence_means
 
 
 @dataclass(frozen=True)
 class CorrectionConfig:
+    """``algorithm.correction``: the off-policy correction of the rollout↔trainer gap."""
+
+    #: a registered correction, or auto: tis when samples may be stale (one_step_off, async
+    #: with max_staleness > 0), else none
+    method: str = "auto"
     cap: float = 2.0  # tis, seq_tis: weights truncated here
     low: float = 0.5  # icepop, seq_mask: ratios below are masked
     high: float = 2.0  # icepop, seq_mask: ratios above are masked
+
+    def __post_init__(self) -> None:
+        if not (self.cap > 0 and 0 <= self.low <= self.high):
+            raise ConfigError(
+                "algorithm.correction.cap must be > 0 and 0 <= correction.low <= correction.high"
+            )
 
 
 @dataclass(frozen=True)

@@ -35,13 +35,13 @@ class SampleScorer:
             for name, value in each.items():
                 parts[name].append(value)
         scores = torch.tensor(totals, dtype=torch.float32)
-        alg = self.config.algorithm
-        if shaping and alg.overlong_buffer > 0:
+        dapo = self.config.algorithm.dapo
+        if shaping and dapo.overlong_buffer > 0:
             penalty = overlong_penalty(
                 [len(c.token_ids) for c in completions],
                 self.config.sampling.max_new_tokens,
-                alg.overlong_buffer,
-                alg.overlong_penalty,
+                dapo.overlong_buffer,
+                dapo.overlong_penalty,
             )
             scores = scores + penalty
             parts[SHAPING] = penalty.tolist()

@@ -160,7 +160,7 @@ class DynamicSampling(Source):
         with timer("dynamic_sampling"):
             more = partial(self._more_groups, step, [])
             per_step = c.config.run.prompts_per_step
-            sample = dynamic_sample(first, more, per_step, alg.max_sampling_rounds)
+            sample = dynamic_sample(first, more, per_step, alg.dapo.max_sampling_rounds)
         prompts, completions, scores, _ = join_groups(sample.kept)
         metrics = {**reward_stats(*join_groups(sample.generated)[2:]), **sample.metrics()}
         batch = completions_batch(completions, c.pad_token_id)

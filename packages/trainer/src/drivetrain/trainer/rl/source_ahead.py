@@ -61,10 +61,10 @@ class GenerationAhead(Source):
             steps=c.run.steps,
             max_staleness=self.max_staleness,
             ordered=self.ordered,
-            drop_stale=alg.stale_samples == "drop",
+            drop_stale=alg.ahead.stale_samples == "drop",
             start_step=step,
             version=step,
-            scripted_rounds=alg.scripted_rounds,
+            scripted_rounds=alg.ahead.scripted_rounds,
         )
         self.stream.start()
 
@@ -88,7 +88,7 @@ class GenerationAhead(Source):
         """The scripted schedule's generation during the update, then the new weights every
         ``sync_every`` steps."""
         assert self.stream is not None
-        rounds = self.context.config.algorithm.scripted_rounds
+        rounds = self.context.config.algorithm.ahead.scripted_rounds
         if rounds:
             self.stream.advance(rounds)
         if (step + 1) % self.sync_every:

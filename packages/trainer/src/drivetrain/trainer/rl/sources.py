@@ -23,9 +23,9 @@ def choose_source(context: SourceContext, episodes: EpisodeSetup | None, out: Pa
         )
     if alg.mode == "async":
         return GenerationAhead(
-            context, out, ordered=False, max_staleness=alg.max_staleness,
-            sync_every=alg.sync_every, resume_partial=alg.partial_rollouts == "resume",
+            context, out, ordered=False, max_staleness=alg.ahead.max_staleness,
+            sync_every=alg.ahead.sync_every, resume_partial=alg.ahead.partial_rollouts == "resume",
         )  # fmt: skip
-    if alg.dynamic_sampling:
+    if alg.dapo.dynamic_sampling:
         return DynamicSampling(context)
     return Source(context)

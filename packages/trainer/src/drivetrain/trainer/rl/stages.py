@@ -217,6 +217,6 @@ def build_stages(
         (reward_model, RewardModelScores(group, temperature)),
         (critic, Values(group, temperature)),
         (True, Advantages(config, on_policy)),
-        (config.algorithm.overlong_filter, OverlongFilter()),
+        (config.algorithm.dapo.overlong_filter, OverlongFilter()),
     ]
     return [stage for used, stage in wanted if used]

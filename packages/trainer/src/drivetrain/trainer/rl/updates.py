@@ -12,7 +12,6 @@ from drivetrain.api import Batch
 from drivetrain.trainer.rl.batch_ops import engine_view
 from drivetrain.trainer.rl.config import RLConfig, updates_per_step
 from drivetrain.trainer.rl.losses import ActorLoss, CriticLoss
-from drivetrain.trainer.rl.off_policy import CorrectionConfig
 from drivetrain.trainer.rl.policy_losses import ClipConfig
 from drivetrain.trainer.rl.step_metrics import mean_stats
 from drivetrain.trainer.workers.engine_worker import StepStats
@@ -82,9 +81,7 @@ def build_updates(
         temperature=config.sampling.temperature,
         on_policy=on_policy,
         correction=alg.correction_name,
-        correction_config=CorrectionConfig(
-            alg.correction_cap, alg.correction_low, alg.correction_high
-        ),
+        correction_config=alg.correction,
     )
     critic_update = Update(CRITIC, CriticLoss(alg.value_clip, alg.aggregation, max_length))
     return [*([critic_update] if critic else []), Update(ACTOR, actor)]
