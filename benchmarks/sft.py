@@ -160,7 +160,8 @@ def main() -> None:
         build_char_tokenizer(model_dir)
         build_llama_model(
             model_dir, tokenizer_dir=model_dir, tie_word_embeddings=False, hidden_size=256,
-            intermediate_size=768, num_hidden_layers=6, num_attention_heads=4,
+            # --quick proves the path runs (CI): 2 layers instead of 6
+            intermediate_size=768, num_hidden_layers=2 if args.quick else 6, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=1200,
         )  # fmt: skip
         model = AutoModelForCausalLM.from_pretrained(model_dir)  # for its FLOPs

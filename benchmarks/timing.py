@@ -11,8 +11,8 @@ says how far to trust the median.
 A benchmark's JSON last line carries each ratio under its name as the median (a number, so
 checks that read it keep working) and ``<name>_spread: [min, max]``.
 
-``--quick`` (CI runs it) does one round after the warm-up: it proves the benchmark runs;
-its numbers mean nothing and CI never asserts one.
+``--quick`` (CI runs it) does one round and no warm-up: it proves the benchmark runs; its
+numbers mean nothing and CI never asserts one.
 """
 
 from __future__ import annotations
@@ -88,6 +88,12 @@ def order(names: Sequence[str], round_index: int) -> list[str]:
     return [*names[shift:], *names[:shift]]
 
 
+def warmup_rounds(rounds: int, warmup: int) -> int:
+    """The warm-up rounds to run before ``rounds`` timed ones: none for a proof run (fewer
+    than ``MIN_PAIRS`` rounds: ``--quick``), whose numbers are not read."""
+    return warmup if rounds >= MIN_PAIRS else 0
+
+
 def interleaved(
     sides: Mapping[str, Callable[[], object]],
     rounds: int,
@@ -99,8 +105,9 @@ def interleaved(
 
     A side runs one unit of work, timed by the wall clock here unless it returns
     :class:`Measured`.
-    ``warmup`` rounds run first and are not kept; ``progress(index, seconds, timed)`` sees
-    every round, warm-up ones with ``timed`` false."""
+    ``warmup`` rounds run first and are not kept (none in a proof run: :func:`warmup_rounds`);
+    ``progress(index, seconds, timed)`` sees every round, warm-up ones with ``timed`` false."""
+    warmup = warmup_rounds(rounds, warmup)
     names = list(sides)
     times: dict[str, list[float]] = {name: [] for name in names}
     for index in range(warmup + rounds):

@@ -38,7 +38,15 @@ import time
 from pathlib import Path
 
 import torch
-from timing import Measured, add_arguments, interleaved, print_result, rounds_of, speedup
+from timing import (
+    Measured,
+    add_arguments,
+    interleaved,
+    print_result,
+    rounds_of,
+    speedup,
+    warmup_rounds,
+)
 
 TRANSPORTS = ("colocated", "broadcast", "disk")
 WARMUP = 2  # warm-up rounds, not counted (first touch of pages, buffers, files)
@@ -189,9 +197,8 @@ def time_paths(args: argparse.Namespace, size: str, work: Path, rounds: int) -> 
     try:
         sides: dict[str, object] = {"naive": NaiveSync(model, size, work).sync}
         for name in args.transports.split(","):
-            runs.append(
-                TransportRun(name, model, model_dir, WARMUP + rounds, args.bucket_mib << 20)
-            )
+            syncs = warmup_rounds(rounds, WARMUP) + rounds
+            runs.append(TransportRun(name, model, model_dir, syncs, args.bucket_mib << 20))
             sides[name] = runs[-1].sync
         seen: list[dict[str, float]] = []
         times = interleaved(sides, rounds, WARMUP, progress=lambda _, s, __: seen.append(s))
