@@ -76,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser, pairs: int = MIN_PAIRS) -> No
 def rounds_of(args: argparse.Namespace) -> int:
     """The rounds to time: 1 under ``--quick``; otherwise ``--pairs``, refused below 5."""
     if args.quick:
-        return 1
+        return PROOF_ROUNDS
     if args.pairs < MIN_PAIRS:
         raise SystemExit(f"--pairs {args.pairs}: a result needs at least {MIN_PAIRS} rounds")
     return args.pairs
@@ -88,10 +88,13 @@ def order(names: Sequence[str], round_index: int) -> list[str]:
     return [*names[shift:], *names[:shift]]
 
 
+#: the rounds of a proof run (``--quick``): its numbers are not read, so nothing warms up
+PROOF_ROUNDS = 1
+
+
 def warmup_rounds(rounds: int, warmup: int) -> int:
-    """The warm-up rounds to run before ``rounds`` timed ones: none for a proof run (fewer
-    than ``MIN_PAIRS`` rounds: ``--quick``), whose numbers are not read."""
-    return warmup if rounds >= MIN_PAIRS else 0
+    """The warm-up rounds to run before ``rounds`` timed ones: none for a proof run."""
+    return 0 if rounds == PROOF_ROUNDS else warmup
 
 
 def interleaved(

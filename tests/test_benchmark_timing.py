@@ -46,6 +46,12 @@ def test_interleaved_runs_sides_alternately_and_drops_the_warm_up():
     assert seen == [(0, False), (1, True), (2, True), (3, True)]
 
 
+def test_a_proof_run_times_one_round_and_warms_nothing_up():
+    calls: list[str] = []
+    times = interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 1)
+    assert calls == ["a", "b"] and {k: len(v) for k, v in times.items()} == {"a": 1, "b": 1}
+
+
 def test_interleaved_times_sides_that_return_anything_else():
     times = interleaved({"x": lambda: 3.0, "y": lambda: None}, rounds=2, warmup=0)
     # a float return is not a measurement: the wall clock times the call
