@@ -190,6 +190,10 @@ class _Play:
         oldest = min(self.started.values(), default=None)
         left = None if oldest is None else max(0.0, oldest + limit - time.monotonic())
         pending = [*self.generating, *self.stepping]
+        if not pending:  # every unfinished episode generates or is being stepped
+            raise EpisodeError(f"play {self.name}: episodes unfinished with nothing running")
+        # a turn's generation ends or fails through the service (a rollout's error, its
+        # process gone); the environment's calls are bounded by step_timeout_s
         done, _ = wait(pending, timeout=left, return_when=FIRST_COMPLETED)
         if not done and oldest is not None and time.monotonic() - oldest > limit:
             future = min(self.started, key=self.started.__getitem__)

@@ -112,10 +112,13 @@ class Source:
         """The run (re)starts at ``step``."""
 
     def draw(self, step: int, timer: PhaseTimer) -> Drawn:
+        return self.context.drawn(*self.step_samples(step, timer), timer)
+
+    def step_samples(self, step: int, timer: PhaseTimer) -> tuple[list[Any], list[Any]]:
+        """Step ``step``'s prompts and their completions, generated now."""
         prompts = self.context.step_prompts(step)
         with timer("generate"):
-            completions = self.generate(prompts, step)
-        return self.context.drawn(prompts, completions, timer)
+            return prompts, self.generate(prompts, step)
 
     def generate(self, prompts: Sequence[RLPrompt], step: int, round_: int = 0) -> list[Any]:
         params = self.context.sampling(step, round_)
@@ -152,9 +155,7 @@ class DynamicSampling(Source):
 
     def draw(self, step: int, timer: PhaseTimer) -> Drawn:
         c, alg = self.context, self.context.config.algorithm
-        prompts = c.step_prompts(step)
-        with timer("generate"):
-            completions = self.generate(prompts, step)
+        prompts, completions = self.step_samples(step, timer)
         with timer("reward"):
             first = split_groups(prompts, completions, *c.scorer(completions, prompts))
         with timer("dynamic_sampling"):
