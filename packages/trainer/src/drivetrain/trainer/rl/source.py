@@ -50,8 +50,7 @@ class PhaseTimer:
 class Drawn:
     """One step's samples, scored, as the stages take them."""
 
-    prompts: Sequence[Any]  # the step's prompts (tasks): each completion's prompt_index
-    completions: Sequence[Any]
+    completions: Sequence[Any]  # prompt_index: the completion's prompt's place in the step
     batch: Batch
     scores: torch.Tensor  # [B] each sample's reward
     reward_metrics: dict[str, float]  # reward/*, sampling/*: what was generated and scored
@@ -92,7 +91,7 @@ class SourceContext:
             scores, parts = self.scorer(completions, prompts)
         groups = split_groups(prompts, completions, scores, parts)
         return Drawn(
-            prompts, completions, completions_batch(completions, self.pad_token_id), scores,
+            completions, completions_batch(completions, self.pad_token_id), scores,
             {**reward_stats(scores, parts), **generation_stats(groups)},
         )  # fmt: skip
 
@@ -162,10 +161,9 @@ class DynamicSampling(Source):
             more = partial(self._more_groups, step, [])
             per_step = c.config.run.prompts_per_step
             sample = dynamic_sample(first, more, per_step, alg.dapo.max_sampling_rounds)
-        prompts, completions, scores, _ = join_groups(sample.kept)
+        _, completions, scores, _ = join_groups(sample.kept)
         metrics = {**reward_stats(*join_groups(sample.generated)[2:]), **sample.metrics()}
-        batch = completions_batch(completions, c.pad_token_id)
-        return Drawn(prompts, completions, batch, scores, metrics)
+        return Drawn(completions, completions_batch(completions, c.pad_token_id), scores, metrics)
 
     def _more_groups(
         self, step: int, drawn: list[int], round_: int, count: int

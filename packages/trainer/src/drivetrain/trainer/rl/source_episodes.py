@@ -45,7 +45,7 @@ class Episodes(Source):
         completions, scores = episode_samples(played)
         groups = split_groups(prompts, completions, scores, {})
         return Drawn(
-            prompts, completions, completions_batch(completions, c.pad_token_id), scores,
+            completions, completions_batch(completions, c.pad_token_id), scores,
             {**reward_stats(scores, {}), **generation_stats(groups)},
             source_metrics=episode_metrics(played), played=played,
         )  # fmt: skip
