@@ -7,13 +7,9 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 from drivetrain.api.requests import Chunk, Request, sample_seed
 from drivetrain.api.rollout import Completion, FinishReason, SamplingParams
-
-if TYPE_CHECKING:
-    pass
 
 
 @dataclass
@@ -120,12 +116,17 @@ class Collector:
         """The finished sequence's completion, forgotten here (ids of all its segments become
         free): for a caller that streams requests through one collector for a long time."""
         completion = self.completion(request_id)
+        self.forget(request_id)
+        return completion
+
+    def forget(self, request_id: str) -> None:
+        """Drop ``request_id``'s sequence, finished or not (ids of all its segments become
+        free)."""
         key = self._alias[request_id]
         del self._progress[key]
         self._order.remove(key)
         for alias in [a for a, k in self._alias.items() if k == key]:
             del self._alias[alias]
-        return completion
 
     def completions(self) -> list[Completion]:
         """Every tracked sequence's completion, in the order they were first tracked."""

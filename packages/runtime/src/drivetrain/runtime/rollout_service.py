@@ -1,30 +1,46 @@
-"""One owner of rollout traffic: a thread that submits requests to the rollouts, polls them
-and completes each request's future (``submit -> Future[Completion]``), with abort, and on
+"""One owner of rollout traffic: it submits requests to the rollouts, polls them and completes
+each request's future (``submit -> Future[Completion]``), with abort, pause and resume, and on
 close an abort-and-drain that fails nothing silently. A rollout has one poller at a time:
-whoever needs generation hands requests here instead of polling it (the trainer's episodes
-and its OpenAI endpoint, and :func:`generate_with_requests`, every request-level rollout's
-batch ``generate``)."""
+whoever needs generation hands requests here instead of polling it (sync generation through
+:func:`generate_with_requests`, every request-level rollout's batch ``generate``; generation
+ahead of training; the trainer's episodes and its OpenAI endpoint).
+
+Who polls: one thread per replica, or (``threads=False``) the owner, which calls :meth:`pump`
+at points of its choosing: a fixed interleaving, so two runs are bit-identical. A thread never
+waits inside a poll (a remote rollout's poll that waits holds its channel, which a weight
+update needs meanwhile): it polls without waiting, and after a poll that found nothing waits
+a backoff that a new command cuts short; a replica with nothing running is not polled.
+
+Partial rollouts: a request submitted with ``resume_aborted`` that the rollout aborts (a
+weight update's abort, or :meth:`paused`) continues as a new request with its tokens so far
+(:meth:`~drivetrain.runtime.collector.Collector.resume`), which waits in the replica's queue
+until polling resumes; its future completes when the whole sequence ends, each token with the
+weight version it was sampled under.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
-from drivetrain.api import Completion, Rollout
-from drivetrain.api.requests import Request
+from drivetrain.api import Completion, FinishReason, Rollout
+from drivetrain.api.requests import Chunk, Request
 from drivetrain.runtime.collector import Collector
 
 log = logging.getLogger(__name__)
 
-#: longest wait in one poll while requests run (seconds)
+#: a caller-driven poll's longest wait (seconds): :func:`generate_with_requests`, drains
 POLL_S = 0.02
-#: how long aborted requests may take to end when the service closes (seconds)
+#: a polling thread's backoff after a poll that found nothing: from the first to the last
+IDLE_POLL_S, BACKOFF_S = 0.001, 0.05
+#: how long aborted requests may take to end, and a polling thread to stop (seconds): both
+#: happen at the rollout's next token step
 SETTLE_S = 30.0
 
 
@@ -32,43 +48,133 @@ class ServiceClosed(RuntimeError):
     """The service closed (or failed) while a request was waiting or generating."""
 
 
+@dataclass
+class _Sequence:
+    """A submitted request and its continuations: one future."""
+
+    future: Future[Completion]
+    request_id: str | None  # the rollout's id of the segment running now; None: none runs
+    resume: bool  # an abort continues it (resume_aborted), unless asked for by abort()
+
+
 class RolloutService:
-    """The one thread that drives ``rollouts``: submits, polls, completes futures."""
+    """The poller of ``rollouts`` (see the module docstring): a thread per replica, or none
+    (``threads=False``: the owner calls :meth:`pump`)."""
 
-    def __init__(self, rollouts: Sequence[Rollout], *, name: str = "rollouts") -> None:
+    def __init__(
+        self, rollouts: Sequence[Rollout], *, name: str = "rollouts", threads: bool = True
+    ) -> None:
         self.rollouts = list(rollouts)
-        self.commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        self.collectors = [Collector() for _ in self.rollouts]
-        self.waiting: list[dict[str, Future[Completion]]] = [{} for _ in self.rollouts]
-        self.failure: BaseException | None = None
-        #: a submit either reaches the queue before the stop drains it, or sees the failure
-        self._closing = threading.Lock()
-        self.thread = threading.Thread(target=self._run, name=f"{name}-service", daemon=True)
-        self.thread.start()
+        self.name = name
+        replicas = range(len(self.rollouts))
+        #: guards the commands, the hold and the stop; a replica's sequences and collector
+        #: are touched only by its poller (or, while every poller is held, the holder)
+        self._cond = threading.Condition()
+        self._commands: list[list[tuple[Any, ...]]] = [[] for _ in replicas]
+        self._sequences: list[dict[str, _Sequence]] = [{} for _ in replicas]
+        self._collectors = [Collector() for _ in replicas]
+        #: ids of requests failed with their rollout's poll: their late chunks are dropped
+        self._failed_ids: list[set[str]] = [set() for _ in replicas]
+        self._segments = 0  # numbers continuations' ids
+        self._hold = False
+        self._active = 0  # pollers between taking their commands and their poll's end
+        self._stopping = False
+        self._failure: BaseException | None = None
+        self._threads = [
+            threading.Thread(target=self._run, args=(r,), name=f"{name}-{r}", daemon=True)
+            for r in (replicas if threads else ())
+        ]
+        for thread in self._threads:
+            thread.start()
 
-    def submit(self, replica: int, request: Request) -> Future[Completion]:
-        return self.submit_many(replica, [request])[0]
+    # ---- the callers' side ----------------------------------------------------------------
+    def submit(
+        self, replica: int, request: Request, *, resume_aborted: bool = False
+    ) -> Future[Completion]:
+        return self.submit_many(replica, [request], resume_aborted=resume_aborted)[0]
 
-    def submit_many(self, replica: int, requests: Sequence[Request]) -> list[Future[Completion]]:
+    def submit_many(
+        self, replica: int, requests: Sequence[Request], *, resume_aborted: bool = False
+    ) -> list[Future[Completion]]:
         """``requests`` on replica ``replica``, submitted in one call (they start together);
         each future gets its request's completion, or the error that ended it."""
         futures: list[Future[Completion]] = [Future() for _ in requests]
-        with self._closing:
-            if self.failure is not None:
-                closed = ServiceClosed(f"the rollout service stopped: {self.failure}")
-                for future in futures:
-                    future.set_exception(closed)
-            else:
-                self.commands.put(("submit", replica, list(requests), futures))
+        with self._cond:
+            refused = self._failure
+            if refused is None:
+                self._commands[replica].append(("submit", list(requests), futures, resume_aborted))
+                self._cond.notify_all()
+        if refused is not None:  # outside the lock: a future's callbacks may submit again
+            closed = ServiceClosed(f"the rollout service {self.name} stopped: {refused}")
+            for future in futures:
+                future.set_exception(closed)
         return futures
 
     def abort(self, request_id: str) -> None:
-        self.commands.put(("abort", request_id))
+        """End ``request_id`` (its future gets what it generated so far, never continued)."""
+        with self._cond:
+            for commands in self._commands:
+                commands.append(("abort", request_id))
+            self._cond.notify_all()
 
-    def close(self, timeout_s: float = SETTLE_S + 5) -> None:
-        """Stop: requests still running are aborted and drained, their waiters failed."""
-        self.commands.put(("stop",))
-        self.thread.join(timeout_s)
+    def pump(self, rounds: int = 1, poll_s: float = 0.0) -> int:
+        """The owner's polling (``threads=False``): ``rounds`` times, each replica submits what
+        was queued for it, then polls once if something of it runs; the chunks that came."""
+        got = 0
+        for _ in range(rounds):
+            for replica in range(len(self.rollouts)):
+                with self._cond:
+                    commands, self._commands[replica] = self._commands[replica], []
+                got += self._turn(replica, commands, poll_s)
+        return got
+
+    @property
+    def alive(self) -> bool:
+        """A polling thread runs (always false for an owner-polled service)."""
+        return any(thread.is_alive() for thread in self._threads)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Nothing of this service runs on the rollouts inside (another caller may generate):
+        pollers stop, running requests are aborted and their last chunks collected; those
+        submitted with ``resume_aborted`` continue afterwards, with what was queued meanwhile."""
+        with self._cond:
+            self._hold = True
+            self._cond.notify_all()
+            if not self._cond.wait_for(lambda: not self._active, SETTLE_S):
+                self._hold = False
+                raise ServiceClosed(f"a poll of {self.name} did not return within {SETTLE_S:.0f} s")
+        try:
+            self._drain()
+            yield
+        finally:
+            with self._cond:
+                self._hold = False
+                self._cond.notify_all()
+
+    def close(self, timeout_s: float = SETTLE_S) -> None:
+        """Stop: requests still running are aborted and drained (their futures get what they
+        generated), queued ones fail with :class:`ServiceClosed`."""
+        closed = ServiceClosed(f"the rollout service {self.name} closed")
+        with self._cond:
+            self._stopping = True
+            self._failure = self._failure or closed
+            queued, self._commands = self._commands, [[] for _ in self.rollouts]
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join(timeout_s)
+        stuck = [thread.name for thread in self._threads if thread.is_alive()]
+        if stuck:  # its poll never returned: nobody else may poll that rollout meanwhile
+            log.error("%s did not stop within %.0f s; not draining", stuck, timeout_s)
+        else:
+            self._drain()
+        for commands in queued:
+            for command in commands:
+                if command[0] == "submit":
+                    _fail(command[2], closed)
+        for sequences in self._sequences:
+            _fail([s.future for s in sequences.values()], closed)
+            sequences.clear()
 
     def __enter__(self) -> RolloutService:
         return self
@@ -76,103 +182,189 @@ class RolloutService:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ---- the thread ---------------------------------------------------------------------
-    def _run(self) -> None:
+    # ---- a replica's poller -------------------------------------------------------------
+    def _run(self, replica: int) -> None:
+        backoff = 0.0
         try:
             while True:
-                busy = any(self.waiting)
-                try:  # idle: wait for a command; busy: take what is queued, then poll (a
-                    # rollout its poller drives advances one token step per poll: no wait here)
-                    command = self.commands.get_nowait() if busy else self.commands.get(timeout=1.0)
-                except queue.Empty:
-                    command = None
-                while command is not None:
-                    if command[0] == "stop":
-                        self._stop()
+                with self._cond:
+                    commands = self._next_commands(replica, backoff)
+                    if commands is None:
                         return
-                    self._command(command)
-                    try:
-                        command = self.commands.get_nowait()
-                    except queue.Empty:
-                        command = None
-                for replica, waiting in enumerate(self.waiting):
-                    if waiting:
-                        self._poll(replica)
-        except BaseException as exc:  # a bug here: fail every waiter instead of hanging them
-            with self._closing:
-                self.failure = exc
-            log.exception("the rollout service failed")
-            self._fail_all(ServiceClosed(f"the rollout service failed: {exc}"))
+                    self._active += 1
+                try:
+                    got = self._turn(replica, commands, 0.0)
+                finally:
+                    with self._cond:
+                        self._active -= 1
+                        self._cond.notify_all()
+                backoff = 0.0 if got else min(max(2 * backoff, IDLE_POLL_S), BACKOFF_S)
+        except BaseException as exc:  # a bug here: fail this replica's waiters, refuse submits
+            log.exception("the rollout service %s failed", self.name)
+            with self._cond:
+                self._failure = exc
+                queued, self._commands[replica] = self._commands[replica], []
+            error = ServiceClosed(f"the rollout service {self.name} failed: {exc}")
+            _fail([s.future for s in self._sequences[replica].values()], error)
+            self._sequences[replica].clear()
+            for command in queued:
+                if command[0] == "submit":
+                    _fail(command[2], error)
 
-    def _command(self, command: tuple[Any, ...]) -> None:
-        if command[0] == "submit":
-            _, replica, requests, futures = command
-            try:
-                self.rollouts[replica].submit(requests)
-            except Exception as exc:  # a refused request (too long...): its waiters' error
-                for future in futures:
-                    future.set_exception(exc)
-                return
-            for request, future in zip(requests, futures, strict=True):
-                self.collectors[replica].track(request)
-                self.waiting[replica][request.request_id] = future
-        elif command[0] == "abort":
-            for replica, waiting in enumerate(self.waiting):
-                if command[1] in waiting:
-                    self.rollouts[replica].abort([command[1]])
-
-    def _poll(self, replica: int) -> None:
-        waiting = self.waiting[replica]
-        try:
-            chunks = self.rollouts[replica].poll(POLL_S if self.commands.empty() else 0.0)
-            finished = self.collectors[replica].add(chunks)
-        except Exception as exc:  # the rollout failed: its requests' waiters get the error
-            log.exception("rollout %d failed while polling", replica)
-            with contextlib.suppress(Exception):
-                self.rollouts[replica].abort(list(waiting))
-            for future in waiting.values():
-                future.set_exception(exc)
-            waiting.clear()
-            self.collectors[replica] = Collector()
-            return
-        for request_id in finished:
-            future = waiting.pop(request_id)
-            future.set_result(self.collectors[replica].pop(request_id))
-
-    def _stop(self) -> None:
-        closed = ServiceClosed("the rollout service closed")
-        with self._closing:  # no submit reaches the queue after this
-            self.failure = closed
-        while True:  # submits queued behind the stop: failed, never left waiting
-            try:
-                command = self.commands.get_nowait()
-            except queue.Empty:
-                break
-            if command[0] == "submit":
-                for future in command[3]:
-                    future.set_exception(closed)
-        deadline = time.monotonic() + SETTLE_S
-        for replica, waiting in enumerate(self.waiting):
-            if not waiting:
+    def _next_commands(self, replica: int, backoff: float) -> list[tuple[Any, ...]] | None:
+        """Under the lock: wait until this replica has commands, or something runs and the
+        backoff is over (never while held); its commands, or None to stop."""
+        deadline = time.monotonic() + backoff
+        while not self._stopping:
+            if self._hold:  # the holder polls meanwhile: its sequences are not ours to read
+                self._cond.wait(1.0)
                 continue
-            with contextlib.suppress(Exception):
-                self.rollouts[replica].abort(list(waiting))
-                while waiting and time.monotonic() < deadline:
-                    self._poll(replica)
-        self._fail_all(closed)
+            if self._commands[replica]:
+                break
+            running = self._running(replica)
+            if running and time.monotonic() >= deadline:
+                break
+            self._cond.wait(max(0.0, deadline - time.monotonic()) if running else 1.0)
+        else:
+            return None
+        commands, self._commands[replica] = self._commands[replica], []
+        return commands
 
-    def _fail_all(self, exc: BaseException) -> None:
-        for waiting in self.waiting:
-            for future in waiting.values():
-                if not future.done():
-                    future.set_exception(exc)
-            waiting.clear()
+    def _turn(self, replica: int, commands: list[tuple[Any, ...]], poll_s: float) -> int:
+        """Carry out ``commands`` on ``replica``, then poll it if something of ours runs."""
+        for command in commands:
+            if command[0] == "submit":
+                self._submit(replica, *command[1:])
+            elif command[0] == "continue":
+                self._continue(replica, *command[1:])
+            elif command[0] == "abort":
+                sequence = self._sequences[replica].get(command[1])
+                if sequence is not None:
+                    sequence.resume = False
+                    if sequence.request_id is not None:
+                        self.rollouts[replica].abort([sequence.request_id])
+        return self._poll(replica, poll_s) if self._running(replica) else 0
+
+    def _running(self, replica: int) -> bool:
+        """Something of this service runs on ``replica`` (read by its poller, or the holder)."""
+        return any(s.request_id for s in self._sequences[replica].values())
+
+    def _submit(
+        self,
+        replica: int,
+        requests: list[Request],
+        futures: list[Future[Completion]],
+        resume: bool,
+    ) -> None:
+        try:
+            self.rollouts[replica].submit(requests)
+        except Exception as exc:  # a refused request (too long...): its waiters' error
+            _fail(futures, exc)
+            return
+        for request, future in zip(requests, futures, strict=True):
+            self._collectors[replica].track(request)
+            self._sequences[replica][request.request_id] = _Sequence(
+                future, request.request_id, resume
+            )
+
+    def _continue(self, replica: int, key: str, continuation: Request) -> None:
+        sequence = self._sequences[replica].get(key)
+        if sequence is None:  # failed meanwhile (its rollout's poll raised)
+            return
+        try:
+            self.rollouts[replica].submit([continuation])
+        except Exception as exc:  # the rollout refused it: the sequence ends with the error
+            del self._sequences[replica][key]
+            self._collectors[replica].forget(key)
+            sequence.future.set_exception(exc)
+            return
+        sequence.request_id = continuation.request_id
+        if not sequence.resume:  # abort() came while it waited: it ends at once
+            self.rollouts[replica].abort([continuation.request_id])
+
+    def _poll(self, replica: int, poll_s: float) -> int:
+        sequences, collector = self._sequences[replica], self._collectors[replica]
+        try:
+            chunks = self._known(replica, self.rollouts[replica].poll(poll_s))
+            finished = collector.add(chunks)
+        except Exception as exc:  # the rollout failed: its requests' waiters get the error
+            log.exception("rollout %d of %s failed while polling", replica, self.name)
+            running = [s.request_id for s in sequences.values() if s.request_id]
+            self._failed_ids[replica].update(running)
+            with contextlib.suppress(Exception):
+                self.rollouts[replica].abort(running)
+            _fail([s.future for s in sequences.values()], exc)
+            sequences.clear()
+            self._collectors[replica] = Collector()
+            return 0
+        for key in finished:
+            sequence = sequences[key]
+            sequence.request_id = None
+            continuation = self._continuation(replica, key) if sequence.resume else None
+            if continuation is not None:  # submitted once polling goes on (after a pause)
+                with self._cond:
+                    self._commands[replica].append(("continue", key, continuation))
+                continue
+            del sequences[key]
+            sequence.future.set_result(collector.pop(key))
+        return len(chunks)
+
+    def _known(self, replica: int, chunks: list[Chunk]) -> list[Chunk]:
+        """``chunks`` less those of requests failed earlier (forgotten once the rollout
+        reports their end)."""
+        failed = self._failed_ids[replica]
+        if not failed:
+            return chunks
+        kept = []
+        for chunk in chunks:
+            if chunk.request_id not in failed:
+                kept.append(chunk)
+            elif chunk.finish_reason is not None:
+                failed.discard(chunk.request_id)
+        return kept
+
+    def _continuation(self, replica: int, key: str) -> Request | None:
+        """The request continuing ``key`` if the rollout aborted it (None: it is finished)."""
+        collector = self._collectors[replica]
+        if self._stopping or collector.completion(key).finish_reason is not FinishReason.ABORT:
+            return None
+        self._segments += 1
+        try:
+            return collector.resume(key, f"{key}+{self._segments}")
+        except ValueError:  # no token budget left: it is finished
+            return None
+
+    def _drain(self) -> None:
+        """Abort every running request and collect its last chunks (the pollers are held or
+        gone: this thread is every replica's poller meanwhile)."""
+        deadline = time.monotonic() + SETTLE_S
+        for replica, sequences in enumerate(self._sequences):
+            running = [s.request_id for s in sequences.values() if s.request_id]
+            if not running:
+                continue
+            self.rollouts[replica].abort(running)
+            while self._running(replica):
+                if time.monotonic() > deadline:
+                    raise ServiceClosed(
+                        f"aborted requests on replica {replica} of {self.name} did not end "
+                        f"within {SETTLE_S:.0f} s"
+                    )
+                self._poll(replica, POLL_S)
+
+
+def _fail(futures: Sequence[Future[Completion]], exc: BaseException) -> None:
+    for future in futures:
+        if not future.done():
+            future.set_exception(exc)
 
 
 def generate_with_requests(rollout: Rollout, requests: Sequence[Request]) -> list[Completion]:
     """Submit ``requests`` (in one call), wait for every one, return their completions in
-    submission order: batch generation over the request interface, through a service of its
-    own (the rollout's one poller meanwhile). If anything fails, the requests are aborted and
-    drained before the error propagates, so the rollout is left with nothing of this call."""
-    with RolloutService([rollout], name="generate") as service:
-        return [future.result() for future in service.submit_many(0, requests)]
+    submission order: batch generation over the request interface, polled by this thread. If
+    anything fails, the requests are aborted and drained before the error propagates, so the
+    rollout is left with nothing of this call."""
+    with RolloutService([rollout], name="generate", threads=False) as service:
+        futures = service.submit_many(0, requests)
+        while not all(future.done() for future in futures):
+            service.pump(poll_s=POLL_S)
+        return [future.result() for future in futures]

@@ -1,0 +1,172 @@
+"""The rollout service on the pure-Python fake rollout: futures complete with what the
+rollout's own ``generate`` gives, whoever polls; a pause leaves nothing running and resumes
+partial rollouts with their tokens and versions; abort, refusals and a failing rollout end
+exactly their requests; closing leaves nothing running and nobody waiting."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import wait
+from dataclasses import replace
+
+import pytest
+
+from drivetrain.api import FinishReason, Prompt, SamplingParams
+from drivetrain.api.requests import Request
+from drivetrain.api.testing.fake_rollout import FakeRollout, FakeRolloutConfig
+from drivetrain.runtime.rollout_service import RolloutService, ServiceClosed
+
+pytestmark = pytest.mark.timeout(60)
+
+PROMPTS = [(1, 2), (3,), (4, 5, 6)]
+
+
+def rollout(**overrides) -> FakeRollout:
+    return FakeRollout(FakeRolloutConfig(max_model_len=64, seed=3, **overrides))
+
+
+def requests(prefix: str, max_new_tokens: int = 6) -> list[Request]:
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    return [
+        Request(f"{prefix}-{i}", ids, replace(params, seed=100 + i), prompt_index=i)
+        for i, ids in enumerate(PROMPTS)
+    ]
+
+
+class SlowRollout(FakeRollout):
+    """A token step takes 5 ms: a test can act while requests run."""
+
+    def poll(self, timeout_s: float = 0.0):
+        time.sleep(0.005)
+        return super().poll(timeout_s)
+
+
+def left_running(r: FakeRollout) -> bool:
+    return bool(r.requests._running or r.requests._waiting)
+
+
+@pytest.mark.parametrize("threads", [True, False])
+def test_futures_complete_with_what_generate_gives(threads: bool) -> None:
+    ours, theirs = rollout(), rollout()
+    with RolloutService([ours], threads=threads) as service:
+        futures = service.submit_many(0, requests("a"))
+        while not threads and not all(f.done() for f in futures):
+            service.pump()
+        got = [f.result(timeout=30) for f in futures]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    want = [
+        theirs.generate([Prompt(token_ids=ids)], replace(params, seed=100 + i))[0]
+        for i, ids in enumerate(PROMPTS)
+    ]
+    assert [(c.token_ids, c.log_probs) for c in got] == [(c.token_ids, c.log_probs) for c in want]
+    assert not left_running(ours)
+
+
+@pytest.mark.parametrize("threads", [True, False])
+def test_a_pause_aborts_and_resumes_partial_rollouts(threads: bool) -> None:
+    """Inside ``paused`` nothing of the service runs on the rollout (another caller generates);
+    resumable requests continue afterwards with their first tokens' versions kept, the others
+    end with what they had."""
+    r = SlowRollout(FakeRolloutConfig(max_model_len=64, seed=3))
+    service = RolloutService([r], threads=threads)
+    try:
+        resumed = service.submit_many(0, requests("a", max_new_tokens=40), resume_aborted=True)
+        ended = service.submit(0, requests("b", max_new_tokens=40)[0])
+        if threads:
+            deadline = time.monotonic() + 30
+            while r.steps < 2 and time.monotonic() < deadline:
+                time.sleep(0.001)
+        else:
+            service.pump(2)
+        with service.paused():
+            assert not left_running(r)
+            r.update_weights([], version=1)
+            greedy = SamplingParams(temperature=0.0, max_new_tokens=3)
+            assert len(r.generate([Prompt(token_ids=(1,))], greedy)) == 1
+        assert ended.result(timeout=30).finish_reason is FinishReason.ABORT
+        while not threads and not all(f.done() for f in resumed):
+            service.pump()
+        for future in resumed:
+            c = future.result(timeout=30)
+            assert len(c.token_ids) == 40 and c.finish_reason is FinishReason.LENGTH
+            assert c.token_versions[0] == 0 and c.token_versions[-1] == 1
+    finally:
+        service.close()
+    assert not left_running(r)
+
+
+def test_abort_ends_a_request_for_good() -> None:
+    r = rollout()
+    with RolloutService([r], threads=False) as service:
+        future = service.submit(0, requests("a", max_new_tokens=30)[0], resume_aborted=True)
+        service.pump(2)
+        service.abort("a-0")
+        while not future.done():
+            service.pump()
+        completion = future.result()
+    assert completion.finish_reason is FinishReason.ABORT
+    assert 2 <= len(completion.token_ids) < 30
+
+
+def test_a_refused_request_fails_its_own_futures_only() -> None:
+    r = rollout()
+    too_long = Request("x", (1,) * 60, SamplingParams(max_new_tokens=10), prompt_index=0)
+    with RolloutService([r]) as service:
+        refused = service.submit(0, too_long)
+        fine = service.submit_many(0, requests("a"))
+        with pytest.raises(ValueError, match="max_model_len"):
+            refused.result(timeout=30)
+        assert all(f.result(timeout=30).finish_reason is FinishReason.LENGTH for f in fine)
+
+
+class FailingRollout(FakeRollout):
+    def poll(self, timeout_s: float = 0.0):
+        if self.steps >= 2 and not getattr(self, "healed", False):
+            raise ConnectionError("the rollout process died")
+        return super().poll(timeout_s)
+
+
+def test_a_failing_poll_fails_that_replicas_requests_and_the_service_goes_on() -> None:
+    bad, good = FailingRollout(FakeRolloutConfig(max_model_len=64)), rollout()
+    with RolloutService([bad, good]) as service:
+        failed = service.submit_many(0, requests("a"))
+        fine = service.submit_many(1, requests("b"))
+        for future in failed:
+            with pytest.raises(ConnectionError, match="process died"):
+                future.result(timeout=30)
+        assert all(f.result(timeout=30).token_ids for f in fine)
+        bad.healed = True
+        assert service.submit(0, requests("c")[0]).result(timeout=30).token_ids
+
+
+def test_closing_drains_what_runs_and_fails_what_waits() -> None:
+    r = rollout()
+    service = RolloutService([r], threads=False)
+    running = service.submit(0, requests("a", max_new_tokens=30)[0], resume_aborted=True)
+    service.pump(2)
+    queued = service.submit(0, requests("b")[0])
+    service.close()
+    assert running.result().finish_reason is FinishReason.ABORT  # what it generated, kept
+    with pytest.raises(ServiceClosed):
+        queued.result()
+    with pytest.raises(ServiceClosed):
+        service.submit(0, requests("c")[0]).result()
+    assert not left_running(r)
+
+
+def test_threads_poll_only_replicas_with_work_and_never_wait_in_a_poll() -> None:
+    class Counting(FakeRollout):
+        polls: list[float]
+
+        def poll(self, timeout_s: float = 0.0):
+            self.polls.append(timeout_s)
+            return super().poll(timeout_s)
+
+    idle, busy = Counting(FakeRolloutConfig(max_model_len=64)), Counting(FakeRolloutConfig())
+    idle.polls, busy.polls = [], []
+    with RolloutService([idle, busy]) as service:
+        wait(service.submit_many(1, requests("a")), timeout=30)
+        polled = len(busy.polls)
+        time.sleep(0.2)  # an idle replica's thread waits for commands, without polling
+        assert len(busy.polls) == polled and not idle.polls
+    assert set(busy.polls) == {0.0}

@@ -1,0 +1,30 @@
+"""Rollout traffic has one owner (issue 40): outside the rollout service, no product code polls
+a rollout; the rollout kit alone does, as the test of the poll contract itself."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGES = Path(__file__).resolve().parents[1] / "packages"
+#: the one poller, and the kit that checks a rollout's ``poll`` against the contract
+ALLOWED = {"runtime/rollout_service.py", "api/testing/rollout_kit.py"}
+
+
+def _rollout_polls(path: Path) -> list[int]:
+    """Lines that call ``.poll(...)`` on something named like a rollout."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        func = node.func if isinstance(node, ast.Call) else None
+        polls = isinstance(func, ast.Attribute) and func.attr == "poll"
+        if polls and "rollout" in ast.unparse(func.value):
+            found.append(node.lineno)
+    return found
+
+
+def test_only_the_rollout_service_polls_rollouts() -> None:
+    sources = list(PACKAGES.glob("*/src/drivetrain/**/*.py"))
+    polls = {str(p.relative_to(PACKAGES)): lines for p in sources if (lines := _rollout_polls(p))}
+    unexpected = {p: lines for p, lines in polls.items() if not p.endswith(tuple(ALLOWED))}
+    assert not unexpected, f"rollouts polled outside the rollout service: {unexpected}"
+    assert any(p.endswith("runtime/rollout_service.py") for p in polls)  # the check sees it
