@@ -42,9 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from drivetrain.trainer.builtin.char_tokenizer import build_char_tokenizer
 from drivetrain.trainer.builtin.tiny_model import build_llama_model
-from drivetrain.trainer.data.sft_dataset import tokenize_file
 from drivetrain.trainer.metrics import read_metrics
 from drivetrain.trainer.sft.config import DataConfig
+from drivetrain.trainer.sft.dataset import tokenize_file
 from drivetrain.trainer.sft.job import load_sft_job, prepare, run_sft
 from trl_reference import trl_sft
 

@@ -2,9 +2,9 @@
 addition task, and its exact-match accuracy rises well above the untrained model's.
 
 The run checked here is the one `drivetrain grpo` chains on an empty cache (``builtin_addition``
-in conftest.py): the same job (``load_sft_job`` with no overrides), so the SFT default trains
-once per test session. The command's own summary line is checked on a short run of the same
-built-in job in ``test_builtin_sft_command_reports_accuracy``."""
+in conftest.py): the same job (``load_sft_job`` with the built-in task and no overrides), so
+the SFT default trains once per test session. The command's own summary line is checked on a
+short run of the same built-in job in ``test_builtin_sft_command_reports_accuracy``."""
 
 from __future__ import annotations
 

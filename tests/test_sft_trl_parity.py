@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from drivetrain.trainer.data.sft_dataset import tokenize_file
 from drivetrain.trainer.sft.config import DataConfig
+from drivetrain.trainer.sft.dataset import tokenize_file
 from sft_support import make_job, run_sft, train_losses
 from trl_reference import trl_sft
 

@@ -4,7 +4,6 @@ import pytest
 
 from drivetrain.trainer.data.batching import StepPlan, make_batch
 from drivetrain.trainer.data.files import iter_rows
-from drivetrain.trainer.data.sft_dataset import load_sft_data
 from drivetrain.trainer.data.tokenize import (
     LengthLimit,
     RowKeys,
@@ -14,6 +13,7 @@ from drivetrain.trainer.data.tokenize import (
 )
 from drivetrain.trainer.errors import DataError
 from drivetrain.trainer.sft.config import DataConfig
+from drivetrain.trainer.sft.dataset import load_sft_data
 from trainer_fixtures import write_jsonl
 
 #: long enough for every row here: no characters or tokens are cut

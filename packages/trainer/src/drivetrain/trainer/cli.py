@@ -9,11 +9,11 @@ from typing import Annotated
 import typer
 
 from drivetrain.api import registry
+from drivetrain.trainer.commands.dpo import dpo
+from drivetrain.trainer.commands.rl import distill, grpo, ppo
+from drivetrain.trainer.commands.sft import sft
 from drivetrain.trainer.console import plain_console, print_error
-from drivetrain.trainer.dpo.command import dpo
 from drivetrain.trainer.plugin_table import plugin_table
-from drivetrain.trainer.rl.command import distill, grpo, ppo
-from drivetrain.trainer.sft.command import sft
 
 app = typer.Typer(
     help="drivetrain: modular LLM post-training (SFT, GRPO, PPO, DPO) over pluggable engines.",

@@ -1,5 +1,6 @@
-"""What every job's configuration shares: logging and where the workers run, and plugging the
-chosen engine's config class into a job's ``engine`` field."""
+"""What every job's configuration shares: logging and where the workers run, plugging the
+chosen engine's config class into a job's ``engine`` field, and the layers a built-in task puts
+beneath the user's config."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 from drivetrain.api.config import EngineConfig
 from drivetrain.api.errors import ConfigError
+from drivetrain.trainer.config_loader import ConfigLayer
 
 LAUNCHERS = ("auto", "inprocess", "torchrun", "ray")
 
@@ -93,3 +95,16 @@ class RunConfig:
         for name in ("eval_every", "save_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"run.{name}={getattr(self, name)} must be >= 0")
+
+
+@dataclass(frozen=True)
+class TaskLayers:
+    """What a command runs when given no data and no model: a built-in task's config beneath
+    the user's files and overrides. A job takes the function that makes these as a hook (the
+    built-in tasks sit above the jobs and pass theirs in), so no job knows a task."""
+
+    files: tuple[ConfigLayer, ...] = ()  # beneath everything the job ships
+    #: RL: the task's settings for the chosen algorithm, over the algorithm's own defaults
+    algorithm_files: tuple[ConfigLayer, ...] = ()
+    overrides: tuple[str, ...] = ()  # the paths of what it built (data, models)
+    assets: Any = None  # what the task's report reads (its held-out problems...)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from drivetrain.trainer.builtin import addition, calculator_assets
 from drivetrain.trainer.builtin.student import STUDENT_SFT_STEPS, cached_student_model
+from drivetrain.trainer.job_config import TaskLayers
 
 
 def untrained_prerequisites(
@@ -34,3 +35,12 @@ def untrained_calculator(assets: calculator_assets.CalculatorAssets, *, engine: 
         f"the calculator task's SFT model {assets.sft_model} does not exist yet: the run trains "
         f"it first ({assets.sft_path}, --engine {engine})"
     ]
+
+
+def untrained(task: TaskLayers | None, *, engine: str, student: bool = False) -> list[str]:
+    """The lines of the built-in task a job runs (none for the user's own data and model)."""
+    if task is None:
+        return []
+    if isinstance(task.assets, calculator_assets.CalculatorAssets):
+        return untrained_calculator(task.assets, engine=engine)
+    return untrained_prerequisites(task.assets, engine=engine, student=student)

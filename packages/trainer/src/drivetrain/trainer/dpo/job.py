@@ -1,27 +1,23 @@
 """Assemble a preference job (``drivetrain dpo``): config, checks that need no worker, the
 worker group (actor, and a frozen reference engine when the reference is one), the run.
 
-With no data and no model: the built-in addition task, starting from the built-in SFT model
-(the SFT default runs first when it is not cached), on pairs whose chosen answer is the true
-sum and whose rejected one is the careless annotator's slip.
+With no data and no model: the command's built-in task (a hook: ``drivetrain dpo`` passes the
+addition pairs of :mod:`drivetrain.trainer.builtin.tasks`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 
 from drivetrain.api import EngineConfig, registry
 from drivetrain.api.errors import ConfigError
 from drivetrain.api.plugin import PluginSpec
-from drivetrain.trainer.builtin import addition
-from drivetrain.trainer.builtin.addition_sft import ensure_sft_model
 from drivetrain.trainer.capabilities import fit_single_engine, require_adapter_reference
 from drivetrain.trainer.config_loader import load_config, to_yaml
 from drivetrain.trainer.data.batching import StepPlan
@@ -32,6 +28,7 @@ from drivetrain.trainer.dpo.trainer import DPOResult, DPOTrainer, PreferenceData
 from drivetrain.trainer.dpo.worker import PreferenceWorker
 from drivetrain.trainer.errors import DataError
 from drivetrain.trainer.hf_export import verify_model_dir
+from drivetrain.trainer.job_config import TaskLayers
 from drivetrain.trainer.preflight import (
     check_devices,
     check_output_dir,
@@ -42,14 +39,15 @@ from drivetrain.trainer.supervised_run import run_supervised
 from drivetrain.trainer.workers.group import WorkerGroup
 from drivetrain.trainer.workers.role_worker import ACTOR, REFERENCE, RoleSpec
 
-BUILTIN_CONFIG = Path(__file__).parent.parent / "builtin" / "addition_dpo.yaml"
+#: makes a built-in task's layers (``train``: train what it needs first)
+DPOTask = Callable[[bool], TaskLayers]
 
 
 @dataclass(frozen=True)
 class DPOJob:
     engine_name: str
     config: DPOConfig
-    builtin: addition.AdditionAssets | None = None
+    task: TaskLayers | None = None  # the built-in task it runs (no data and no model given)
 
     def to_yaml(self) -> str:
         return to_yaml(self.config)
@@ -60,12 +58,11 @@ def load_dpo_job(
     *,
     files: Sequence[str | Path] = (),
     overrides: Sequence[str] = (),
-    console: Console | None = None,
+    task: DPOTask | None = None,
     train_prerequisites: bool = True,
 ) -> DPOJob:
-    """Parse the config; with no data and no model, the built-in task (its SFT model trained
-    first when missing, unless ``train_prerequisites`` is off: then the config names where
-    that model will be)."""
+    """Parse the config; with no data and no model, ``task``'s (what it needs trained first
+    unless ``train_prerequisites`` is off: then the config names where that will be)."""
     spec = registry.engines.spec(engine_name)  # unknown or unusable: lists what is installed
     config_type = dpo_config_type(registry.engines.load_config_class(engine_name, EngineConfig))
     config = load_config(config_type, files=files, overrides=overrides)
@@ -75,15 +72,14 @@ def load_dpo_job(
         return DPOJob(engine_name, fit_engine(spec, config, load_config(config_type)))
     if config.engine.model.path:
         raise ConfigError("data.train_path is required when engine.model.path is set")
-    assets = addition.ensure_assets()
-    train, test = addition.ensure_preference_pairs(assets)
-    model = ensure_sft_model(assets, console, engine=engine_name, train=train_prerequisites)
-    builtin = [f"engine.model.path={model}", f"data.train_path={train}", f"data.val_path={test}"]
+    if task is None:
+        raise ConfigError("data.train_path and engine.model.path are required")
+    layers = task(train_prerequisites)
     config = load_config(
-        config_type, files=[BUILTIN_CONFIG, *files], overrides=[*builtin, *overrides]
+        config_type, files=[*layers.files, *files], overrides=[*layers.overrides, *overrides]
     )
-    default = load_config(config_type, files=[BUILTIN_CONFIG], overrides=builtin)
-    return DPOJob(engine_name, fit_engine(spec, config, default), assets)
+    default = load_config(config_type, files=layers.files, overrides=layers.overrides)
+    return DPOJob(engine_name, fit_engine(spec, config, default), layers)
 
 
 def fit_engine(spec: PluginSpec, config: DPOConfig, job_default: DPOConfig) -> DPOConfig:
@@ -165,23 +161,3 @@ def run_dpo(
         trainer=trainer, config_yaml=job.to_yaml(), resume=resume, overwrite=overwrite,
         console=console,
     )  # fmt: skip
-
-
-#: answers sampled per held-out problem for the sampled accuracy
-SAMPLES = 4
-
-
-def builtin_report(job: DPOJob, result: DPOResult) -> dict[str, Any]:
-    """Exact-match accuracy on the held-out problems, greedy and sampled (temperature 1,
-    ``SAMPLES`` each), the starting model against the trained one."""
-    import json
-
-    from drivetrain.trainer.builtin.exact_match import exact_match
-
-    assert job.builtin is not None and result.hf_dir is not None
-    rows = [json.loads(line) for line in job.builtin.test_path.read_text().splitlines()]
-    report: dict[str, Any] = {"test_examples": len(rows)}
-    for when, model in (("before", job.config.engine.model.path), ("after", str(result.hf_dir))):
-        report[f"exact_match_{when}"] = exact_match(model, rows)
-        report[f"sampled_accuracy_{when}"] = exact_match(model, rows, samples=SAMPLES)
-    return report

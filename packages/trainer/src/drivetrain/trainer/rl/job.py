@@ -1,29 +1,26 @@
 """Assemble an RL job (``drivetrain grpo`` / ``drivetrain ppo``): plugins, config, roles,
 prompts; every check that needs no worker runs before any starts.
 
-With no data and no model: the built-in task, starting from the built-in SFT model (the SFT
-default runs first when it is not cached).
+With no data and no model (or an environment and no model): the command's built-in task, a
+hook (``drivetrain grpo`` passes :mod:`drivetrain.trainer.builtin.tasks`' addition and
+calculator tasks).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-
 from drivetrain.api import EngineConfig, registry
 from drivetrain.api.config import LoraConfig, RolloutConfig, WeightSyncConfig
 from drivetrain.api.errors import ConfigError
-from drivetrain.trainer.builtin import addition, calculator_assets
-from drivetrain.trainer.builtin.addition_sft import ensure_sft_model
-from drivetrain.trainer.builtin.student import ensure_student_model
 from drivetrain.trainer.config_loader import ConfigLayer, load_config, to_yaml
 from drivetrain.trainer.data.tokenize import pad_token_id
 from drivetrain.trainer.hf_export import verify_model_dir
+from drivetrain.trainer.job_config import TaskLayers
 from drivetrain.trainer.named_registry import import_plugins
 from drivetrain.trainer.preflight import (
     Context,
@@ -58,11 +55,6 @@ from drivetrain.trainer.workers.role_worker import (
     RoleSpec,
 )
 
-BUILTIN_CONFIG = Path(__file__).parent.parent / "builtin" / "addition_grpo.yaml"
-DISTILL_CONFIG = Path(__file__).parent.parent / "builtin" / "addition_distill.yaml"
-#: the built-in agentic task (env=calculator with no model)
-CALCULATOR = "calculator"
-CALCULATOR_CONFIG = Path(__file__).parent.parent / "builtin" / "calculator_grpo.yaml"
 PRESETS = Path(__file__).parent / "presets"
 #: What each command changes from RLConfig's defaults (and the built-in job's file): the
 #: user's files and overrides still win.
@@ -86,12 +78,15 @@ class RLJob:
     rollout: str
     transport: str
     config: RLConfig
-    builtin: addition.AdditionAssets | None = None
-    #: env=calculator with no model: the built-in agentic task's assets
-    builtin_env: calculator_assets.CalculatorAssets | None = None
+    task: TaskLayers | None = None  # the built-in task it runs (no data and no model given)
 
     def to_yaml(self) -> str:
         return to_yaml(self.config)
+
+
+#: makes a built-in task's layers for the config the user gave (its environment, say), training
+#: what it needs first unless told not to (``train`` off: --print-config, --dry-run)
+RLTask = Callable[[RLConfig, bool], TaskLayers]
 
 
 def load_rl_job(
@@ -103,13 +98,11 @@ def load_rl_job(
     weight_sync: str = "auto",
     files: Sequence[ConfigLayer] = (),
     overrides: Sequence[str] = (),
-    console: Console | None = None,
     preset: str = "",
+    task: RLTask | None = None,
     train_prerequisites: bool = True,
 ) -> RLJob:
-    """Parse the config; with no data and no model, the built-in task, its models trained
-    first on ``engine`` when missing, unless ``train_prerequisites`` is off (--print-config,
-    --dry-run): then the config names where they will be."""
+    """Parse the config; with no model (and, without an environment, no data), ``task``'s."""
     critic_engine = critic_engine or engine
     for reg, name in ((registry.engines, engine), (registry.engines, critic_engine)):
         reg.spec(name)  # unknown or unusable plugin: lists what is installed
@@ -124,48 +117,21 @@ def load_rl_job(
     shipped: list[ConfigLayer] = [defaults, *preset_files(preset)]  # the job's, below the user's
     shipped_overrides: list[str] = []
     config = load_config(config_type, files=[*shipped, *files], overrides=overrides)
-    builtin, builtin_env = None, None
-    if config.episodic:
-        if not config.actor.model.path:
-            if config.env != CALCULATOR:
-                raise ConfigError(
-                    f"actor.model.path is required with env={config.env or '(none)'} (a "
-                    f"built-in model comes with env={CALCULATOR} only)"
-                )
-            builtin_env = (
-                calculator_assets.ensure_assets()
-                if train_prerequisites
-                else calculator_assets.assets_at()
-            )
-            model = calculator_assets.ensure_sft_model(
-                builtin_env, console, engine=engine, train=train_prerequisites
-            )
-            shipped_overrides = [f"actor.model.path={model}"]
-            shipped = [*builtin_files(rollout, CALCULATOR_CONFIG), *shipped]
-            config = load_config(
-                config_type, files=[*shipped, *files], overrides=[*shipped_overrides, *overrides]
-            )
-    elif not config.data.train_path:
-        if config.actor.model.path:
-            raise ConfigError("data.train_path is required when actor.model.path is set")
-        # nothing is built for a config that is only shown: it names where the files will be
-        builtin = addition.ensure_assets() if train_prerequisites else addition.assets_at()
-        model = ensure_sft_model(builtin, console, engine=engine, train=train_prerequisites)
-        extra = [
-            f"actor.model.path={model}",
-            f"data.train_path={builtin.rl_path}",
-            f"data.val_path={builtin.test_path}",
-        ]
-        if algorithm == "distill":  # the SFT model teaches a smaller student
-            student = ensure_student_model(
-                builtin, console, engine=engine, train=train_prerequisites
-            )
-            extra = [f"actor.model.path={student}", f"teacher.model_path={model}", *extra[1:]]
-            shipped.insert(1, DISTILL_CONFIG)
-        shipped, shipped_overrides = [*builtin_files(rollout, BUILTIN_CONFIG), *shipped], extra
-        config = load_config(config_type, files=[*shipped, *files], overrides=[*extra, *overrides])
-    elif not config.actor.model.path:
-        raise ConfigError("actor.model.path is required when data.train_path is set")
+    layers = None
+    model, data = config.actor.model.path, config.data.train_path
+    if not config.episodic and bool(model) != bool(data):
+        missing = "actor.model.path" if data else "data.train_path"
+        given = "data.train_path" if data else "actor.model.path"
+        raise ConfigError(f"{missing} is required when {given} is set")
+    if not model:  # and no data, or an environment: the built-in task's
+        if task is None:
+            raise ConfigError("actor.model.path is required")
+        layers = task(config, train_prerequisites)
+        shipped = [*layers.files, defaults, *layers.algorithm_files, *shipped[1:]]
+        shipped_overrides = list(layers.overrides)
+        config = load_config(
+            config_type, files=[*shipped, *files], overrides=[*shipped_overrides, *overrides]
+        )
     mode = resolve_mode(config.placement, config.workers)
     if config.algorithm.mode != "sync" and mode == "colocated":
         raise ConfigError(
@@ -182,14 +148,7 @@ def load_rl_job(
     plugins = RLPlugins.find(engine, critic_engine, rollout, transport)
     job_default = load_config(config_type, files=shipped, overrides=shipped_overrides)
     config = fit_plugins(config, job_default, plugins, mode)
-    return RLJob(algorithm, engine, critic_engine, rollout, transport, config, builtin, builtin_env)
-
-
-def builtin_files(rollout: str, base: Path) -> list[Path]:
-    """A built-in job's YAML, then its settings for this rollout backend when it has some
-    (``addition_grpo.hf.yaml``: keys only that backend's config has)."""
-    for_rollout = base.with_suffix(f".{rollout}.yaml")
-    return [base, *([for_rollout] if for_rollout.exists() else [])]
+    return RLJob(algorithm, engine, critic_engine, rollout, transport, config, layers)
 
 
 def preset_names() -> list[str]:

@@ -12,24 +12,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 
 from drivetrain.api import EngineConfig, registry
 from drivetrain.api.errors import ConfigError
-from drivetrain.trainer.builtin import addition
 from drivetrain.trainer.capabilities import fit_single_engine
 from drivetrain.trainer.config_loader import load_config, to_yaml
 from drivetrain.trainer.data.batching import StepPlan
-from drivetrain.trainer.data.sft_dataset import SFTData, load_sft_data
 from drivetrain.trainer.data.tokenize import pad_token_id
 from drivetrain.trainer.errors import DataError
 from drivetrain.trainer.hf_export import verify_model_dir
+from drivetrain.trainer.job_config import TaskLayers
 from drivetrain.trainer.preflight import (
     check_devices,
     check_output_dir,
@@ -37,31 +34,39 @@ from drivetrain.trainer.preflight import (
     model_context,
 )
 from drivetrain.trainer.sft.config import SFTConfig, sft_config_type
+from drivetrain.trainer.sft.dataset import SFTData, load_sft_data
 from drivetrain.trainer.sft.trainer import SFTResult, SFTTrainer, total_steps
 from drivetrain.trainer.supervised_run import run_supervised
 from drivetrain.trainer.workers.engine_worker import EngineWorker
 from drivetrain.trainer.workers.group import WorkerGroup
 
-BUILTIN_CONFIG = Path(__file__).parents[1] / "builtin" / "addition_sft.yaml"
+#: makes a built-in task's layers (``train``: train what it needs first; off for
+#: --print-config and --dry-run)
+SFTTask = Callable[[bool], TaskLayers]
 
 
 @dataclass(frozen=True)
 class SFTJob:
     engine_name: str
     config: SFTConfig
-    builtin: addition.AdditionAssets | None = None
-    #: the built-in job as shipped (only where outputs go may differ): its model is what the
-    #: RL default run starts from, so only this run caches it
-    is_builtin_default: bool = False
+    task: TaskLayers | None = None  # the built-in task it runs (no data and no model given)
+    #: the task as shipped (only where outputs go may differ): its model is what the RL
+    #: default run starts from, so only this run caches it
+    as_shipped: bool = False
 
     def to_yaml(self) -> str:
         return to_yaml(self.config)
 
 
 def load_sft_job(
-    engine_name: str, *, files: Sequence[str | Path] = (), overrides: Sequence[str] = ()
+    engine_name: str,
+    *,
+    files: Sequence[str | Path] = (),
+    overrides: Sequence[str] = (),
+    task: SFTTask | None = None,
+    train_prerequisites: bool = True,
 ) -> SFTJob:
-    """Parse the config for ``engine_name``; with no data and no model, the built-in task."""
+    """Parse the config for ``engine_name``; with no data and no model, ``task``'s."""
     spec = registry.engines.spec(engine_name)  # unknown or unusable: lists what is installed
     config_type = sft_config_type(registry.engines.load_config_class(engine_name, EngineConfig))
     config = load_config(config_type, files=files, overrides=overrides)
@@ -71,12 +76,15 @@ def load_sft_job(
         return SFTJob(engine_name, fit_single_engine(spec, config, load_config(config_type)))
     if config.engine.model.path:
         raise ConfigError("data.train_path is required when engine.model.path is set")
-    assets = addition.ensure_assets()
-    builtin = [f"engine.model.path={assets.model_dir}", f"data.train_path={assets.train_path}"]
+    if task is None:
+        raise ConfigError("data.train_path and engine.model.path are required")
+    layers = task(train_prerequisites)
     config = load_config(
-        config_type, files=[BUILTIN_CONFIG, *files], overrides=[*builtin, *overrides]
+        config_type,
+        files=[*layers.files, *files],
+        overrides=[*layers.overrides, *overrides],
     )
-    default = load_config(config_type, files=[BUILTIN_CONFIG], overrides=builtin)
+    default = load_config(config_type, files=layers.files, overrides=layers.overrides)
     as_default = dataclasses.replace(
         config,
         run=dataclasses.replace(config.run, output_dir=default.run.output_dir),
@@ -86,8 +94,8 @@ def load_sft_job(
     return SFTJob(
         engine_name,
         fit_single_engine(spec, config, default),
-        assets,
-        is_builtin_default=as_default == default,
+        layers,
+        as_shipped=as_default == default,
     )
 
 
@@ -153,20 +161,3 @@ def run_sft(
         config.run, config.workers, factory=factory, trainer=trainer, config_yaml=job.to_yaml(),
         resume=resume, overwrite=overwrite, console=console,
     )  # fmt: skip
-
-
-def builtin_report(job: SFTJob, result: SFTResult) -> dict[str, Any]:
-    """Exact-match accuracy of the built-in task before and after training; caches the trained
-    model for the RL default run when the job was the built-in default."""
-    from drivetrain.trainer.builtin.exact_match import exact_match
-
-    assert job.builtin is not None and result.hf_dir is not None
-    rows = [json.loads(line) for line in job.builtin.test_path.read_text().splitlines()]
-    report = {
-        "accuracy_before": exact_match(str(job.builtin.model_dir), rows),
-        "accuracy_after": exact_match(str(result.hf_dir), rows),
-        "test_examples": len(rows),
-    }
-    if job.is_builtin_default:
-        addition.cache_sft_model(job.builtin, result.hf_dir, report)
-    return report

@@ -19,12 +19,12 @@ from rich.console import Console
 from drivetrain.trainer.checkpoints import Checkpoint, CheckpointManager
 from drivetrain.trainer.console import plain_console
 from drivetrain.trainer.data.batching import StepPlan, eval_batches, make_batch
-from drivetrain.trainer.data.sft_dataset import SFTData
 from drivetrain.trainer.errors import CheckpointError
 from drivetrain.trainer.metrics import METRICS_FILE, MetricsLogger, plot_loss_curve
 from drivetrain.trainer.progress import TrainingProgress
 from drivetrain.trainer.run_dir import check_steps_left, steps_knob
 from drivetrain.trainer.sft.config import SFTConfig
+from drivetrain.trainer.sft.dataset import SFTData
 from drivetrain.trainer.stopping import Position, run_signals, stop_here
 from drivetrain.trainer.workers.engine_worker import EngineWorker, StepStats
 from drivetrain.trainer.workers.group import WorkerGroup, launched_by_torchrun

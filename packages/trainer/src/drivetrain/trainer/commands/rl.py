@@ -1,0 +1,238 @@
+"""``drivetrain grpo``, ``drivetrain ppo`` and ``drivetrain distill``: RL on any installed
+engine, rollout and weight-sync transport."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from drivetrain.api import registry
+from drivetrain.api.registry import Registry
+from drivetrain.trainer.commands.options import ConfigFiles, Overwrite, Resume
+from drivetrain.trainer.commands.skeleton import JobCommand, run_job_command
+from drivetrain.trainer.console import plain_console
+
+if TYPE_CHECKING:
+    from drivetrain.trainer.rl.job import PreparedRL, RLJob
+    from drivetrain.trainer.rl.trainer import RLResult
+
+console = plain_console()
+
+
+class RLCommand(JobCommand["RLJob", "PreparedRL", "RLResult"]):
+    what = "plugins"
+
+    def __init__(
+        self,
+        algorithm: str,
+        *,
+        engine: str,
+        critic_engine: str,
+        rollout: str,
+        weight_sync: str,
+        preset: str,
+        files: Sequence[Path],
+        overrides: Sequence[str],
+    ) -> None:
+        from drivetrain.trainer.rl import job as rl_job  # imports torch: not at module level
+
+        super().__init__(console)
+        self.algorithm, self.engine, self.critic_engine = algorithm, engine, critic_engine
+        self.rollout, self.weight_sync, self.preset = rollout, weight_sync, preset
+        self.files, self.overrides = files, overrides
+        self.jobs = rl_job
+
+    def load(self, *, train_prerequisites: bool) -> RLJob:
+        from drivetrain.trainer.builtin.tasks import rl_task
+
+        task = rl_task(self.algorithm, engine=self.engine, rollout=self.rollout, console=console)
+        return self.jobs.load_rl_job(
+            self.algorithm,
+            engine=self.engine,
+            critic_engine=self.critic_engine,
+            rollout=self.rollout,
+            weight_sync=self.weight_sync,
+            files=self.files,
+            overrides=self.overrides,
+            preset=self.preset,
+            task=task,
+            train_prerequisites=train_prerequisites,
+        )
+
+    def untrained(self, job: RLJob) -> list[str]:
+        from drivetrain.trainer.builtin.prerequisites import untrained
+
+        return untrained(job.task, engine=self.engine, student=self.algorithm == "distill")
+
+    def plugins(self, job: RLJob) -> list[tuple[Registry, str]]:
+        return [
+            (registry.engines, job.engine), (registry.engines, job.critic_engine),
+            (registry.rollouts, job.rollout), (registry.ckpt_engines, job.transport),
+        ]  # fmt: skip
+
+    def prepare(self, job: RLJob) -> PreparedRL:
+        return self.jobs.prepare(job)
+
+    def describe(self, prepared: PreparedRL) -> str:
+        return self.jobs.describe(prepared)
+
+    def fit(self, prepared: PreparedRL, *, resume: str, overwrite: bool) -> RLResult:
+        from drivetrain.trainer.rl.trainer import RLTrainer
+
+        placement = self.jobs.start(prepared)
+        try:
+            return RLTrainer(prepared.setup, placement, console).fit(
+                resume=resume, overwrite=overwrite
+            )
+        finally:
+            placement.close()
+
+    def summary(self, job: RLJob, prepared: PreparedRL, result: RLResult) -> dict[str, Any]:
+        from drivetrain.trainer.builtin.addition import AdditionAssets
+
+        out = Path(job.config.run.output_dir)
+        (out / "config.yaml").write_text(job.to_yaml())
+        summary, window = rl_summary(result, out)
+        weights = job.config.reward.weights
+        if window and not (weights and not any(weights)):  # all-zero weights: the reward is 0
+            console.print(
+                f"train reward (sampled, mean of {window} steps): "
+                f"{summary['reward_first_steps_mean']:.3f} first, "
+                f"{summary['reward_last_steps_mean']:.3f} last"
+            )
+        if "task_reward_first_steps_mean" in summary:
+            console.print(
+                f"task reward without the overlong penalty (mean of {window} steps): "
+                f"{summary['task_reward_first_steps_mean']:.3f} first, "
+                f"{summary['task_reward_last_steps_mean']:.3f} last"
+            )
+        addition = job.task is not None and isinstance(job.task.assets, AdditionAssets)
+        if addition and result.val_before and result.val_after:
+            console.print(
+                f"exact-match accuracy on {len(prepared.setup.val)} held-out problems: "
+                f"{result.val_before['val/exact_match']:.1%} before, "
+                f"{result.val_after['val/exact_match']:.1%} after {self.algorithm.upper()} "
+                f"({result.seconds / 60:.1f} min)"
+            )
+        return summary
+
+
+def rl_summary(result: RLResult, out: Path) -> tuple[dict[str, Any], int]:
+    """The run's JSON summary, and how many steps it averages at each end."""
+    rewards = [result.rewards[step] for step in sorted(result.rewards)]
+    tasks = [result.task_rewards[step] for step in sorted(result.task_rewards)]
+    window = min(10, len(rewards) // 2)  # steps averaged at each end (one step is noisy)
+    summary = {
+        "output_dir": str(result.output_dir),
+        "steps": result.final_step,
+        "seconds": round(result.seconds, 1),
+        "loop_seconds": round(result.loop_seconds, 2),
+        "reward_first_step": rewards[0] if rewards else None,
+        "reward_last_step": rewards[-1] if rewards else None,
+        "reward_first_steps_mean": sum(rewards[:window]) / window if window else None,
+        "reward_last_steps_mean": sum(rewards[-window:]) / window if window else None,
+        # with DAPO's overlong shaping: the task's own reward (the penalty can dominate the total)
+        **(
+            {
+                "task_reward_first_steps_mean": sum(tasks[:window]) / window,
+                "task_reward_last_steps_mean": sum(tasks[-window:]) / window,
+            }
+            if window and len(tasks) == len(rewards)
+            else {}
+        ),
+        "val_before": result.val_before,
+        "val_after": result.val_after,
+        "hf_model": str(result.hf_dir) if result.hf_dir else None,
+        "reward_curve": str(out / "reward_curve.png"),
+        "weight_digests": result.weight_digests,
+    }
+    return summary, window
+
+
+Overrides = Annotated[
+    list[str] | None,
+    typer.Argument(help="Dotted config overrides, e.g. actor.optim.lr=1e-6 run.steps=100"),
+]
+Engine = Annotated[
+    str, typer.Option("--engine", help="Engine of the actor and reference (`drivetrain engines`).")
+]
+CriticEngine = Annotated[
+    str,
+    typer.Option("--critic-engine", help="Critic and reward-model engine (default: --engine)."),
+]
+RolloutName = Annotated[
+    str, typer.Option("--rollout", help="Rollout backend (`drivetrain rollouts`).")
+]
+WeightSync = Annotated[
+    str,
+    typer.Option(
+        "--weight-sync",
+        help="Transport (`drivetrain ckpt-engines`); auto: colocated or broadcast by placement.",
+    ),
+]
+Preset = Annotated[
+    str,
+    typer.Option(
+        "--preset",
+        help="A named variant's algorithm settings (grpo, dr_grpo, bnpo, dapo, cispo, "
+        "reinforce_pp, reinforce_pp_baseline: trainer README); files and overrides win.",
+    ),
+]
+PrintConfig = Annotated[bool, typer.Option("--print-config", help="Print the config and exit.")]
+DryRun = Annotated[
+    bool, typer.Option("--dry-run", help="Validate plugins, model and data; exit without training.")
+]
+
+
+def _command(algorithm: str, doc: str) -> Callable[..., None]:
+    """The typer command for ``algorithm`` (grpo and ppo take the same options)."""
+
+    def command(
+        overrides: Overrides = None,
+        config: ConfigFiles = None,
+        engine: Engine = "fsdp2",
+        critic_engine: CriticEngine = "",
+        rollout: RolloutName = "hf",
+        weight_sync: WeightSync = "auto",
+        print_config: PrintConfig = False,
+        dry_run: DryRun = False,
+        resume: Resume = "auto",
+        overwrite: Overwrite = False,
+        preset: Preset = "",
+    ) -> None:
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        command = RLCommand(
+            algorithm,
+            engine=engine,
+            critic_engine=critic_engine,
+            rollout=rollout,
+            weight_sync=weight_sync,
+            preset=preset,
+            files=config or (),
+            overrides=overrides or (),
+        )
+        run_job_command(
+            command, print_config=print_config, dry_run=dry_run, resume=resume, overwrite=overwrite
+        )
+
+    command.__name__ = command.__qualname__ = algorithm
+    command.__doc__ = doc
+    return command
+
+
+grpo = _command(
+    "grpo",
+    "GRPO. With no data and no model: the built-in addition task from the built-in SFT model.",
+)
+ppo = _command(
+    "ppo", "PPO with GAE and a critic. With no data and no model: the built-in addition task."
+)
+distill = _command(
+    "distill",
+    "On-policy distillation: a teacher (teacher.model_path) scores every token the student "
+    "samples. With no data and no model: the built-in SFT model teaches a smaller student.",
+)
