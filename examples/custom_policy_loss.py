@@ -19,5 +19,5 @@ from drivetrain.trainer.rl.policy_losses import (
 def clipped_reinforce(inputs: PolicyLossInputs, clip: ClipConfig) -> PolicyLossResult:
     """REINFORCE with the importance ratio clipped (no min with the unclipped term)."""
     ratio = (inputs.log_probs - inputs.old_log_probs).exp()
-    clipped = ratio.clamp(1 - clip.clip_low, 1 + clip.clip_high)
+    clipped = ratio.clamp(1 - clip.low, 1 + clip.high)
     return -inputs.advantages * clipped.detach() * inputs.log_probs, {}

@@ -76,7 +76,7 @@ def test_grpo_dapo_preset_samples_until_the_groups_are_informative(tmp_path):
         assert row["reward/task"] == pytest.approx(task, abs=1e-6)
         assert 0 <= row["response/overlong_filtered_frac"] <= 1
     config = (out / "config.yaml").read_text()
-    assert "clip_high: 0.28" in config and "dynamic_sampling: true" in config
+    assert "high: 0.28" in config and "dynamic_sampling: true" in config
 
 
 def test_distill_scores_the_students_tokens_with_the_teacher(tmp_path):
@@ -109,8 +109,8 @@ def test_ppo_with_critic_reference_and_reward_model(tmp_path):
     base = make_rl_job(tmp_path)
     out = tmp_path / "run"
     summary, _ = run_rl(
-        "ppo", *base, f"run.output_dir={out}", "run.steps=2", "algorithm.kl_coef=0.05",
-        "algorithm.kl_in_reward=true", "algorithm.ppo_epochs=2", "algorithm.mini_batch_size=2",
+        "ppo", *base, f"run.output_dir={out}", "run.steps=2", "algorithm.kl.coef=0.05",
+        "algorithm.kl.in_reward=true", "algorithm.ppo_epochs=2", "algorithm.mini_batch_size=2",
         f"reward.model_path={tmp_path / 'model'}", env=sft_env(tmp_path),
     )  # fmt: skip
     assert summary["steps"] == 2

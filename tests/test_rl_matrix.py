@@ -29,9 +29,9 @@ CASES = list(itertools.product((0.0, KL_COEF), (False, True), (1, 2), REFERENCES
 REFUSED = {
     # reference mode and KL coefficient must agree: a reference nothing uses, or a KL term
     # that nothing computes, is a mistake in the config, not a run to start
-    (0.0, "engine"): "reference.mode=engine but algorithm.kl_coef is 0: nothing uses it",
-    (0.0, "adapter"): "reference.mode=adapter but algorithm.kl_coef is 0: nothing uses it",
-    (KL_COEF, "none"): f"algorithm.kl_coef={KL_COEF} needs a reference model",
+    (0.0, "engine"): "reference.mode=engine but algorithm.kl.coef is 0: nothing uses it",
+    (0.0, "adapter"): "reference.mode=adapter but algorithm.kl.coef is 0: nothing uses it",
+    (KL_COEF, "none"): f"algorithm.kl.coef={KL_COEF} needs a reference model",
 }
 
 
@@ -47,7 +47,7 @@ def job_args(tmp_path_factory) -> list[str]:
 def overrides(case: tuple, shortcut: bool) -> list[str]:
     kl_coef, kl_in_reward, epochs, reference, critic = case
     return [
-        f"algorithm.kl_coef={kl_coef}", f"algorithm.kl_in_reward={kl_in_reward}",
+        f"algorithm.kl.coef={kl_coef}", f"algorithm.kl.in_reward={kl_in_reward}",
         f"algorithm.on_policy_shortcut={shortcut}", f"algorithm.ppo_epochs={epochs}",
         f"reference.mode={reference}", f"algorithm.advantage={'gae' if critic else 'grpo'}",
         *(["actor.model.lora.rank=4"] if reference == "adapter" else []),
@@ -113,8 +113,8 @@ def test_rl_step_matrix(case, job_args, tmp_path):
     ("args", "want"),
     [
         ([], "none"),
-        (["algorithm.kl_coef=0.01"], "engine"),  # `drivetrain grpo algorithm.kl_coef=0.01`
-        (["algorithm.kl_coef=0.01", "actor.model.lora.rank=8"], "adapter"),
+        (["algorithm.kl.coef=0.01"], "engine"),  # `drivetrain grpo algorithm.kl.coef=0.01`
+        (["algorithm.kl.coef=0.01", "actor.model.lora.rank=8"], "adapter"),
     ],
 )
 def test_auto_reference(args, want):
@@ -123,4 +123,4 @@ def test_auto_reference(args, want):
 
 def test_adapter_reference_needs_lora():
     with pytest.raises(ConfigError, match=r"reference.mode=adapter needs a LoRA actor"):
-        load_config(RLConfig, overrides=["algorithm.kl_coef=0.01", "reference.mode=adapter"])
+        load_config(RLConfig, overrides=["algorithm.kl.coef=0.01", "reference.mode=adapter"])

@@ -139,7 +139,7 @@ def test_critic_and_reward_model_need_value_head(overrides, shown):
 
 
 def test_rl_adapter_reference_needs_lora():
-    user = rl("actor.model.lora.rank=8", "algorithm.kl_coef=0.1", "reference.mode=adapter")
+    user = rl("actor.model.lora.rank=8", "algorithm.kl.coef=0.1", "reference.mode=adapter")
     message = refused("lora", fit_plugins, user, rl(), plugins(actor=CPU_ONLY), "inprocess")
     assert message.startswith("reference.mode=adapter needs the 'lora' capability")
 

@@ -162,13 +162,13 @@ def test_extra_prompts_avoid_the_step_and_each_other() -> None:
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "bnpo", "dapo", "cispo", "reinforce_pp"])
 def test_presets_load_and_user_overrides_win(name: str) -> None:
     assert name in preset_names()
-    config = load_config(RLConfig, files=preset_files(name), overrides=["algorithm.clip_low=0.1"])
-    assert config.algorithm.clip_low == 0.1
+    config = load_config(RLConfig, files=preset_files(name), overrides=["algorithm.clip.low=0.1"])
+    assert config.algorithm.clip.low == 0.1
 
 
 def test_preset_values() -> None:
     dapo = load_config(RLConfig, files=preset_files("dapo")).algorithm
-    assert (dapo.clip_high, dapo.dapo.dynamic_sampling, dapo.dapo.overlong_buffer) == (
+    assert (dapo.clip.high, dapo.dapo.dynamic_sampling, dapo.dapo.overlong_buffer) == (
         0.28,
         True,
         0.2,

@@ -11,7 +11,7 @@ from drivetrain.api import Batch, LossContext
 from drivetrain.api.batch import Layout
 from drivetrain.trainer.rl.advantages import ADVANTAGES, AdvantageInputs
 from drivetrain.trainer.rl.aggregation import aggregate
-from drivetrain.trainer.rl.kl import kl_penalty
+from drivetrain.trainer.rl.kl import KLConfig, kl_penalty
 from drivetrain.trainer.rl.losses import ActorLoss, CriticLoss, state_values
 from drivetrain.trainer.rl.policy_losses import POLICY_LOSSES, ClipConfig, PolicyLossInputs
 
@@ -166,7 +166,7 @@ def test_actor_loss_combines_terms() -> None:
         seq_lens=[3],
         token_keys=["input_ids", "loss_mask", "old_log_probs", "advantages", "ref_log_probs"],
     )
-    loss_fn = ActorLoss(entropy_coef=0.1, kl_loss_coef=0.5, kl_estimator="k3")
+    loss_fn = ActorLoss(entropy_coef=0.1, kl=KLConfig(coef=0.5, estimator="k3"))
     loss, metrics = loss_fn({"log_probs": logp, "entropy": entropy}, batch, _ctx(2, 1))
     pg = (-2.0 + 1.0) / 2  # ratio 1: -A
     ent = (0.5 + 1.5) / 2

@@ -30,7 +30,7 @@ RENAMED = {
     "placement.rollout_workers": "placement.rollout_replicas",
     "episode.workers": "episode.env_threads",
     # the algorithm's components, each with its config next to it (rl/dapo.py, rl/off_policy.py,
-    # rl/group_stream.py)
+    # rl/group_stream.py, rl/policy_losses.py, rl/kl.py)
     **{f"algorithm.{k}": f"algorithm.dapo.{k}" for k in (
         "dynamic_sampling", "max_sampling_rounds", "overlong_buffer", "overlong_penalty",
         "overlong_filter",
@@ -39,6 +39,10 @@ RENAMED = {
         "max_staleness", "stale_samples", "sync_every", "partial_rollouts", "scripted_rounds",
     )},
     "algorithm.correction": "algorithm.correction.method",
+    **{f"algorithm.{k}": f"algorithm.clip.{v}" for k, v in (
+        ("clip_low", "low"), ("clip_high", "high"), ("dual_clip", "dual"),
+    )},
+    **{f"algorithm.kl_{k}": f"algorithm.kl.{k}" for k in ("coef", "in_reward", "estimator")},
     **{f"algorithm.correction_{k}": f"algorithm.correction.{k}" for k in ("cap", "low", "high")},
 }  # fmt: skip
 

@@ -25,8 +25,9 @@ from drivetrain.trainer.job_config import LoggingConfig, WorkersConfig
 from drivetrain.trainer.rl.aggregation import AGGREGATIONS
 from drivetrain.trainer.rl.dapo import DAPOConfig
 from drivetrain.trainer.rl.group_stream import AheadConfig
-from drivetrain.trainer.rl.kl import KL_ESTIMATORS
+from drivetrain.trainer.rl.kl import KLConfig
 from drivetrain.trainer.rl.off_policy import CorrectionConfig
+from drivetrain.trainer.rl.policy_losses import ClipConfig
 
 REFERENCE_MODES = ("auto", "none", "engine", "adapter")
 MODES = ("sync", "one_step_off", "async")
@@ -65,15 +66,11 @@ class AlgorithmConfig:
     gamma: float = 1.0
     lam: float = 1.0
     policy_loss: str = "vanilla"  # vanilla (PPO clip, dual-clip) | reinforce | gspo | registered
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float = 3.0  # 0 disables
+    clip: ClipConfig = field(default_factory=ClipConfig)  # rl/policy_losses.py
     value_clip: float = 0.5  # critic
     entropy_coef: float = 0.0
     aggregation: str = "token-mean"
-    kl_coef: float = 0.0  # 0: no reference model is needed
-    kl_in_reward: bool = False  # True: PPO-style penalty in the reward; False: a loss term
-    kl_estimator: str = "k3"
+    kl: KLConfig = field(default_factory=KLConfig)  # rl/kl.py; coef 0: no reference needed
     ppo_epochs: int = 1
     mini_batch_size: int = 0  # samples per optimizer step; 0: the whole step's batch
     # with one optimizer step per batch, take the old log-probs from the update's own forward
@@ -99,18 +96,13 @@ class AlgorithmConfig:
             raise ConfigError(
                 f"algorithm.aggregation={self.aggregation!r} is not one of {AGGREGATIONS}"
             )
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ConfigError(
-                f"algorithm.kl_estimator={self.kl_estimator!r} is not one of {KL_ESTIMATORS}"
-            )
         if self.ppo_epochs < 1 or self.mini_batch_size < 0:
             raise ConfigError("algorithm.ppo_epochs must be >= 1, mini_batch_size >= 0")
-        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
-            raise ConfigError("algorithm.clip_low must be in [0, 1), clip_high >= 0")
-        if self.dual_clip and self.dual_clip <= 1:
-            raise ConfigError(f"algorithm.dual_clip={self.dual_clip} must be > 1 (or 0: off)")
-        if self.kl_coef < 0:
-            raise ConfigError(f"algorithm.kl_coef={self.kl_coef} must be >= 0")
+        clip = self.clip
+        if not (0 <= clip.low < 1 and clip.high >= 0):
+            raise ConfigError("algorithm.clip.low must be in [0, 1), algorithm.clip.high >= 0")
+        if clip.dual and clip.dual <= 1:
+            raise ConfigError(f"algorithm.clip.dual={clip.dual} must be > 1 (or 0: off)")
 
     def _check_generation_ahead(self) -> None:
         if self.mode not in MODES:
@@ -145,7 +137,7 @@ class AlgorithmConfig:
 
 @dataclass(frozen=True)
 class ReferenceConfig:
-    """``auto``: none when ``algorithm.kl_coef == 0``; the actor with its LoRA adapter disabled
+    """``auto``: none when ``algorithm.kl.coef == 0``; the actor with its LoRA adapter disabled
     when the actor trains LoRA; else a frozen engine (the actor's backend and config)."""
 
     mode: str = "auto"
@@ -316,17 +308,17 @@ class RLConfig:
                 "algorithm.dapo.dynamic_sampling needs sampling.n >= 2: a group of one sample "
                 "never has reward variance"
             )
-        kl_coef, mode = self.algorithm.kl_coef, self.reference_mode
+        kl_coef, mode = self.algorithm.kl.coef, self.reference_mode
         if mode == "adapter" and not self.actor.model.lora.enabled:
             raise ConfigError(
                 "reference.mode=adapter needs a LoRA actor (actor.model.lora.rank > 0)"
             )
         if mode != "none" and kl_coef == 0:
-            raise ConfigError(f"reference.mode={mode} but algorithm.kl_coef is 0: nothing uses it")
+            raise ConfigError(f"reference.mode={mode} but algorithm.kl.coef is 0: nothing uses it")
         if mode == "none" and kl_coef != 0:
             raise ConfigError(
-                f"algorithm.kl_coef={kl_coef} needs a reference model, but reference.mode=none "
-                "(auto, engine or adapter; or algorithm.kl_coef=0)"
+                f"algorithm.kl.coef={kl_coef} needs a reference model, but reference.mode=none "
+                "(auto, engine or adapter; or algorithm.kl.coef=0)"
             )
 
     def _check_episodes(self) -> None:
@@ -360,7 +352,7 @@ class RLConfig:
         """The reference actually used: ``none``, ``engine`` or ``adapter`` (``auto`` resolved)."""
         if self.reference.mode != "auto":
             return self.reference.mode
-        if self.algorithm.kl_coef == 0:
+        if self.algorithm.kl.coef == 0:
             return "none"
         return "adapter" if self.actor.model.lora.enabled else "engine"
 

@@ -11,10 +11,36 @@ With ``r = ref_log_prob - log_prob`` (log of the density ratio at the sampled to
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from drivetrain.api.errors import ConfigError
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 K3_CLAMP = 10.0
+
+
+@dataclass(frozen=True)
+class KLConfig:
+    """``algorithm.kl``: the penalty on KL(policy ‖ reference)."""
+
+    coef: float = 0.0  # 0: no reference model is needed
+    in_reward: bool = False  # True: PPO-style penalty in the reward; False: a loss term
+    estimator: str = "k3"
+
+    def __post_init__(self) -> None:
+        if self.estimator not in KL_ESTIMATORS:
+            raise ConfigError(
+                f"algorithm.kl.estimator={self.estimator!r} is not one of {KL_ESTIMATORS}"
+            )
+        if self.coef < 0:
+            raise ConfigError(f"algorithm.kl.coef={self.coef} must be >= 0")
+
+    @property
+    def loss_coef(self) -> float:
+        """The coefficient of the KL as a loss term (GRPO's): 0 when it is in the reward."""
+        return 0.0 if self.in_reward else self.coef
 
 
 def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str) -> torch.Tensor:

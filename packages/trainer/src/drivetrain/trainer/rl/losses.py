@@ -27,7 +27,7 @@ from drivetrain.api.columns import (
     VALUES,
 )
 from drivetrain.trainer.rl.aggregation import aggregate
-from drivetrain.trainer.rl.kl import kl_penalty
+from drivetrain.trainer.rl.kl import KLConfig, kl_penalty
 from drivetrain.trainer.rl.off_policy import CorrectionConfig, CorrectionInputs, correct
 from drivetrain.trainer.rl.policy_losses import POLICY_LOSSES, ClipConfig, PolicyLossInputs
 
@@ -51,8 +51,7 @@ class ActorLoss:
     aggregation: str = "token-mean"
     max_length: int = 0  # seq-mean-token-sum-norm's fixed normaliser (sampling.max_new_tokens)
     entropy_coef: float = 0.0
-    kl_loss_coef: float = 0.0  # KL as a loss term (GRPO's); needs ref_log_probs
-    kl_estimator: str = "k3"
+    kl: KLConfig = field(default_factory=KLConfig)  # a loss term unless in the reward
     temperature: float = 1.0
     #: one update per batch: the old log-probs are this pass's own (detached), so no separate
     #: forward computes them (the ratio is 1)
@@ -122,14 +121,14 @@ class ActorLoss:
         # on-policy, this pass is the old policy: KL(old ‖ ref) is measured here, since the
         # controller has no old log-probs to measure it with
         measure_kl = self.on_policy and REF_LOG_PROBS in mb
-        if self.kl_loss_coef != 0.0 or measure_kl:
+        if self.kl.loss_coef != 0.0 or measure_kl:
             ref = mb[REF_LOG_PROBS].to(log_probs.dtype)
-            kl = kl_penalty(log_probs, ref, self.kl_estimator)
+            kl = kl_penalty(log_probs, ref, self.kl.estimator)
             if measure_kl:
                 metrics["actor/kl_ref"] = agg(kl.detach(), "token-mean")
-            if self.kl_loss_coef != 0.0:
+            if self.kl.loss_coef != 0.0:
                 kl_loss = agg(kl)
-                loss = loss + self.kl_loss_coef * kl_loss
+                loss = loss + self.kl.loss_coef * kl_loss
                 metrics["actor/kl_loss"] = kl_loss.detach()
         return loss, metrics
 

@@ -8,7 +8,7 @@ indicator metrics (e.g. ``clip_frac``); the actor loss aggregates both over the 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -18,9 +18,11 @@ from drivetrain.trainer.rl.aggregation import expand_sequences, sequence_means
 
 @dataclass(frozen=True)
 class ClipConfig:
-    clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
-    clip_high: float = 0.2  # > clip_low: DAPO's "clip-higher"
-    dual_clip: float = 3.0  # dual-clip bound c for negative advantages (> 1); 0 disables
+    """``algorithm.clip``: the importance ratio is clipped to ``[1 - low, 1 + high]``."""
+
+    low: float = 0.2
+    high: float = 0.2  # > low: DAPO's "clip-higher"
+    dual: float = 3.0  # dual-clip bound c for negative advantages (> 1); 0 disables
 
 
 @dataclass(frozen=True)
@@ -41,12 +43,12 @@ def _clipped_surrogate(
     ratio: torch.Tensor, adv: torch.Tensor, clip: ClipConfig
 ) -> PolicyLossResult:
     unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - clip.clip_low, 1.0 + clip.clip_high)
+    clipped = -adv * ratio.clamp(1.0 - clip.low, 1.0 + clip.high)
     loss = torch.maximum(unclipped, clipped)
     metrics = {"clip_frac": (clipped > unclipped).float()}
-    if clip.dual_clip > 0:
+    if clip.dual > 0:
         # a negative advantage with a huge ratio would push without bound: cap at -A·c
-        bound = -adv * clip.dual_clip
+        bound = -adv * clip.dual
         dual = torch.minimum(loss, bound)
         metrics["dual_clip_frac"] = ((adv < 0) & (loss > bound)).float()
         loss = torch.where(adv < 0, dual, loss)
@@ -69,14 +71,14 @@ def reinforce_loss(inputs: PolicyLossInputs, clip: ClipConfig) -> PolicyLossResu
 
 @POLICY_LOSSES.register("cispo")
 def cispo_loss(inputs: PolicyLossInputs, clip: ClipConfig) -> PolicyLossResult:
-    """CISPO (MiniMax-M1): ``-sg(min(ratio, 1 + clip_high)) · A · log π``. The importance
+    """CISPO (MiniMax-M1): ``-sg(min(ratio, 1 + clip.high)) · A · log π``. The importance
     weight is clipped and detached instead of the update: every token keeps a gradient (PPO's
     clip zeroes the clipped tokens', which are often the rare reasoning tokens). No lower
-    bound, as the paper recommends; TRL's ``epsilon_high=5.0`` is ``clip_high=4.0`` here."""
+    bound, as the paper recommends; TRL's ``epsilon_high=5.0`` is ``clip.high=4.0`` here."""
     ratio = (inputs.log_probs - inputs.old_log_probs).clamp(-20.0, 20.0).exp().detach()
-    weight = ratio.clamp(max=1.0 + clip.clip_high)
+    weight = ratio.clamp(max=1.0 + clip.high)
     loss = -weight * inputs.advantages * inputs.log_probs
-    return loss, {"clip_frac": (ratio > 1.0 + clip.clip_high).float()}
+    return loss, {"clip_frac": (ratio > 1.0 + clip.high).float()}
 
 
 @POLICY_LOSSES.register("gspo")
@@ -89,6 +91,4 @@ def gspo_loss(inputs: PolicyLossInputs, clip: ClipConfig) -> PolicyLossResult:
     per_seq = expand_sequences(seq_log_ratio.detach(), inputs.log_probs, inputs.seq_lens)
     token_log_ratio = per_seq + inputs.log_probs - inputs.log_probs.detach()
     ratio = token_log_ratio.clamp(max=10.0).exp()
-    return _clipped_surrogate(
-        ratio, inputs.advantages, ClipConfig(clip.clip_low, clip.clip_high, 0)
-    )
+    return _clipped_surrogate(ratio, inputs.advantages, replace(clip, dual=0.0))

@@ -171,10 +171,10 @@ class Advantages(Stage):
         if REF_LOG_PROBS in batch and not self.on_policy:
             # KL(old ‖ ref); on-policy, the old log-probs come from the update's own forward,
             # which reports it (the KL in the reward always has them: it turns on-policy off)
-            kl = kl_penalty(batch[OLD_LOG_PROBS], batch[REF_LOG_PROBS], alg.kl_estimator)
+            kl = kl_penalty(batch[OLD_LOG_PROBS], batch[REF_LOG_PROBS], alg.kl.estimator)
             step.metrics["actor/kl_ref"] = masked_mean(kl, mask)
-            if alg.kl_in_reward:
-                rewards = rewards - alg.kl_coef * kl * mask
+            if alg.kl.in_reward:
+                rewards = rewards - alg.kl.coef * kl * mask
         if TEACHER_LOG_PROBS in batch:  # on-policy distillation: -coef x reverse KL per token
             reverse_kl = (batch[OLD_LOG_PROBS] - batch[TEACHER_LOG_PROBS]) * mask
             rewards = rewards - self.config.teacher.coef * reverse_kl

@@ -93,9 +93,7 @@ class RLTrainer:
             c, self.group, on_policy=self.on_policy, reference=reference,
             teacher=setup.teacher, reward_model=setup.reward_model, critic=setup.critic,
         )  # fmt: skip
-        self.updates = build_updates(
-            c, on_policy=self.on_policy, reference_enabled=reference.enabled, critic=setup.critic
-        )
+        self.updates = build_updates(c, on_policy=self.on_policy, critic=setup.critic)
         self.trainable = (ACTOR, CRITIC) if setup.critic else (ACTOR,)
         self.checkpoints = CheckpointManager(
             self.out / "checkpoints", keep_last=c.run.keep_last, writer=True

@@ -12,7 +12,6 @@ from drivetrain.api import Batch
 from drivetrain.trainer.rl.batch_ops import engine_view
 from drivetrain.trainer.rl.config import RLConfig, updates_per_step
 from drivetrain.trainer.rl.losses import ActorLoss, CriticLoss
-from drivetrain.trainer.rl.policy_losses import ClipConfig
 from drivetrain.trainer.rl.step_metrics import mean_stats
 from drivetrain.trainer.workers.engine_worker import StepStats
 from drivetrain.trainer.workers.group import WorkerGroup
@@ -60,24 +59,21 @@ def on_policy(config: RLConfig, reference_enabled: bool, teacher: bool) -> bool:
     own forward gives them (no separate pass). The KL in the reward and the teacher's reverse
     KL need them before the update."""
     alg = config.algorithm
-    needs_old = (alg.kl_in_reward and reference_enabled) or teacher
+    needs_old = (alg.kl.in_reward and reference_enabled) or teacher
     return alg.on_policy_shortcut and updates_per_step(config) == 1 and not needs_old
 
 
-def build_updates(
-    config: RLConfig, *, on_policy: bool, reference_enabled: bool, critic: bool
-) -> list[Update]:
+def build_updates(config: RLConfig, *, on_policy: bool, critic: bool) -> list[Update]:
     """The step's updates in the order they run: the critic's (its values are the old ones
     the advantages used), then the actor's."""
     alg, max_length = config.algorithm, config.sampling.max_new_tokens
     actor = ActorLoss(
         policy_loss=alg.policy_loss,
-        clip=ClipConfig(alg.clip_low, alg.clip_high, alg.dual_clip),
+        clip=alg.clip,
         aggregation=alg.aggregation,
         max_length=max_length,
         entropy_coef=alg.entropy_coef,
-        kl_loss_coef=alg.kl_coef if reference_enabled and not alg.kl_in_reward else 0.0,
-        kl_estimator=alg.kl_estimator,
+        kl=alg.kl,  # its coefficient is 0 without a reference (config refuses otherwise)
         temperature=config.sampling.temperature,
         on_policy=on_policy,
         correction=alg.correction_name,
