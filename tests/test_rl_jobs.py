@@ -76,7 +76,7 @@ def test_grpo_dapo_preset_samples_until_the_groups_are_informative(tmp_path):
         assert row["reward/task"] == pytest.approx(task, abs=1e-6)
         assert 0 <= row["response/overlong_filtered_frac"] <= 1
     config = (out / "config.yaml").read_text()
-    assert "high: 0.28" in config and "dynamic_sampling: true" in config
+    assert "clip:\n    low: 0.2\n    high: 0.28" in config and "dynamic_sampling: true" in config
 
 
 def test_distill_scores_the_students_tokens_with_the_teacher(tmp_path):

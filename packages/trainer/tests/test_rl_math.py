@@ -241,3 +241,8 @@ def test_digit_match_credits_aligned_digits():
     assert digit_match("47", "46") == 0.5  # tens right, units wrong
     assert digit_match("146", "46") == pytest.approx(2 / 3)  # aligned from the units digit
     assert digit_match("no number", "46") == 0.0
+
+
+def test_a_policy_loss_reading_the_old_clip_fields_is_told_the_new_ones() -> None:
+    with pytest.raises(AttributeError, match=r"ClipConfig.clip_high is now ClipConfig.high"):
+        ClipConfig().clip_high  # noqa: B018

@@ -39,7 +39,9 @@ class KLConfig:
 
     @property
     def loss_coef(self) -> float:
-        """The coefficient of the KL as a loss term (GRPO's): 0 when it is in the reward."""
+        """The coefficient of the KL as a loss term (GRPO's): 0 when it is in the reward. A
+        non-zero one needs the reference's log-probs in the batch: RLConfig refuses a
+        coefficient without a reference, and a reference without one."""
         return 0.0 if self.in_reward else self.coef
 
 

@@ -24,6 +24,19 @@ class ClipConfig:
     high: float = 0.2  # > low: DAPO's "clip-higher"
     dual: float = 3.0  # dual-clip bound c for negative advantages (> 1); 0 disables
 
+    def __getattr__(self, name: str) -> float:
+        # only for names that are not fields: a policy loss written for the old field names
+        # fails saying what to read instead
+        if name in _OLD_CLIP_FIELDS:
+            raise AttributeError(
+                f"ClipConfig.{name} is now ClipConfig.{_OLD_CLIP_FIELDS[name]} "
+                "(algorithm.clip.low/high/dual)"
+            )
+        raise AttributeError(name)
+
+
+_OLD_CLIP_FIELDS = {"clip_low": "low", "clip_high": "high", "dual_clip": "dual"}
+
 
 @dataclass(frozen=True)
 class PolicyLossInputs:
