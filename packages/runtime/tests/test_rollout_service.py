@@ -170,3 +170,72 @@ def test_threads_poll_only_replicas_with_work_and_never_wait_in_a_poll() -> None
         time.sleep(0.2)  # an idle replica's thread waits for commands, without polling
         assert len(busy.polls) == polled and not idle.polls
     assert set(busy.polls) == {0.0}
+
+
+class BrokenAbort(FakeRollout):
+    def abort(self, request_ids=None):
+        raise ConnectionError("the rollout's channel is gone")
+
+
+def test_closing_ends_every_future_even_when_the_rollout_cannot_abort() -> None:
+    r = BrokenAbort(FakeRolloutConfig(max_model_len=64))
+    service = RolloutService([r], threads=False)
+    running = service.submit(0, requests("a", max_new_tokens=30)[0])
+    service.pump(2)
+    queued = service.submit(0, requests("b")[0])
+    service.close()  # logs the failed abort; raises nothing
+    with pytest.raises(ConnectionError, match="channel is gone"):
+        running.result(timeout=1)
+    with pytest.raises(ServiceClosed):
+        queued.result(timeout=1)
+
+
+class StepFailsOnce(FakeRollout):
+    def _step(self, joining, aborted):
+        if self.steps == 2 and not getattr(self, "failed", False):
+            self.failed = True
+            raise RuntimeError("a CUDA error, say")
+        return super()._step(joining, aborted)
+
+
+def test_a_failed_generate_leaves_nothing_for_the_next_caller() -> None:
+    r = StepFailsOnce(FakeRolloutConfig(max_model_len=64, seed=3))
+    params = SamplingParams(max_new_tokens=6, seed=1)
+    with pytest.raises(RuntimeError, match="a CUDA error"):
+        r.generate([Prompt(token_ids=ids) for ids in PROMPTS], params)
+    assert not left_running(r)
+    assert len(r.generate([Prompt(token_ids=(1,))], params)) == 1  # no stray chunks
+
+
+def test_closing_gives_a_sequence_between_segments_what_it_generated() -> None:
+    """Aborted by a weight update, its continuation queued: closing ends it with its tokens."""
+    r = rollout()
+    service = RolloutService([r], threads=False)
+    future = service.submit(0, requests("a", max_new_tokens=30)[0], resume_aborted=True)
+    service.pump(3)
+    r.pause_generation(abort=True)
+    service.pump()  # collects the abort; the continuation waits in the queue
+    service.close()
+    completion = future.result(timeout=1)
+    assert completion.finish_reason is FinishReason.ABORT and len(completion.token_ids) == 3
+
+
+def test_nothing_is_pumped_while_paused() -> None:
+    r = rollout()
+    with RolloutService([r], threads=False) as service, service.paused():
+        service.submit(0, requests("a")[0])
+        assert service.pump(3) == 0 and not left_running(r)
+
+
+def test_a_bug_in_a_poller_fails_its_waiters_and_refuses_later_submits(monkeypatch) -> None:
+    def broken(self, replica, poll_s):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(RolloutService, "_poll", broken)
+    r = rollout()
+    with RolloutService([r]) as service:
+        with pytest.raises(ServiceClosed, match="failed: 'a bug'"):
+            service.submit(0, requests("a")[0]).result(timeout=30)
+        with pytest.raises(ServiceClosed, match="stopped"):
+            service.submit(0, requests("b")[0]).result(timeout=1)
+    assert not left_running(r)

@@ -91,6 +91,11 @@ class Collector:
             first.prompt_index,
         )
 
+    def abandon(self, request_id: str) -> None:
+        """``request_id`` (a continuation) will never run: its sequence ends as aborted, with
+        what it generated before."""
+        self._progress[self._alias[request_id]].finish_reason = FinishReason.ABORT
+
     @property
     def done(self) -> bool:
         return all(p.finish_reason is not None for p in self._progress.values())

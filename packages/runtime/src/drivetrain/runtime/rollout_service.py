@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,7 +76,7 @@ class RolloutService:
         #: ids of requests failed with their rollout's poll: their late chunks are dropped
         self._failed_ids: list[set[str]] = [set() for _ in replicas]
         self._segments = 0  # numbers continuations' ids
-        self._hold = False
+        self._holds = 0  # paused() blocks open: nothing of this service runs meanwhile
         self._active = 0  # pollers between taking their commands and their poll's end
         self._stopping = False
         self._failure: BaseException | None = None
@@ -119,11 +119,14 @@ class RolloutService:
 
     def pump(self, rounds: int = 1, poll_s: float = 0.0) -> int:
         """The owner's polling (``threads=False``): ``rounds`` times, each replica submits what
-        was queued for it, then polls once if something of it runs; the chunks that came."""
+        was queued for it, then polls once if something of it runs; the chunks that came
+        (none while paused: another caller may be generating)."""
         got = 0
         for _ in range(rounds):
             for replica in range(len(self.rollouts)):
                 with self._cond:
+                    if self._holds or self._stopping:
+                        return got
                     commands, self._commands[replica] = self._commands[replica], []
                 got += self._turn(replica, commands, poll_s)
         return got
@@ -139,42 +142,45 @@ class RolloutService:
         pollers stop, running requests are aborted and their last chunks collected; those
         submitted with ``resume_aborted`` continue afterwards, with what was queued meanwhile."""
         with self._cond:
-            self._hold = True
+            self._holds += 1
             self._cond.notify_all()
             if not self._cond.wait_for(lambda: not self._active, SETTLE_S):
-                self._hold = False
+                self._holds -= 1
                 raise ServiceClosed(f"a poll of {self.name} did not return within {SETTLE_S:.0f} s")
         try:
             self._drain()
             yield
         finally:
             with self._cond:
-                self._hold = False
+                self._holds -= 1
                 self._cond.notify_all()
 
     def close(self, timeout_s: float = SETTLE_S) -> None:
-        """Stop: requests still running are aborted and drained (their futures get what they
-        generated), queued ones fail with :class:`ServiceClosed`."""
+        """Stop: requests still running are aborted and drained, and their futures get what
+        they generated, as do sequences whose continuation had not started; submits still
+        queued fail with :class:`ServiceClosed`. Whatever fails on the way is logged: every
+        future ends."""
         closed = ServiceClosed(f"the rollout service {self.name} closed")
         with self._cond:
             self._stopping = True
             self._failure = self._failure or closed
-            queued, self._commands = self._commands, [[] for _ in self.rollouts]
             self._cond.notify_all()
-        for thread in self._threads:
+        for thread in self._threads:  # a poller ends its turn, then sees the stop
             thread.join(timeout_s)
         stuck = [thread.name for thread in self._threads if thread.is_alive()]
-        if stuck:  # its poll never returned: nobody else may poll that rollout meanwhile
-            log.error("%s did not stop within %.0f s; not draining", stuck, timeout_s)
-        else:
-            self._drain()
-        for commands in queued:
-            for command in commands:
-                if command[0] == "submit":
-                    _fail(command[2], closed)
-        for sequences in self._sequences:
-            _fail([s.future for s in sequences.values()], closed)
-            sequences.clear()
+        with self._cond:
+            queued, self._commands = self._commands, [[] for _ in self.rollouts]
+        try:
+            if stuck:  # its poll never returned: nobody else may poll that rollout meanwhile
+                log.error("%s did not stop within %.0f s; not draining", stuck, timeout_s)
+            else:
+                self._drain(strict=False)
+        finally:
+            for replica, commands in enumerate(queued):
+                self._settle_queued(replica, commands, closed)
+            for sequences in self._sequences:
+                _fail([s.future for s in list(sequences.values())], closed)
+                sequences.clear()
 
     def __enter__(self) -> RolloutService:
         return self
@@ -185,38 +191,45 @@ class RolloutService:
     # ---- a replica's poller -------------------------------------------------------------
     def _run(self, replica: int) -> None:
         backoff = 0.0
-        try:
-            while True:
-                with self._cond:
-                    commands = self._next_commands(replica, backoff)
-                    if commands is None:
-                        return
-                    self._active += 1
-                try:
-                    got = self._turn(replica, commands, 0.0)
-                finally:
-                    with self._cond:
-                        self._active -= 1
-                        self._cond.notify_all()
-                backoff = 0.0 if got else min(max(2 * backoff, IDLE_POLL_S), BACKOFF_S)
-        except BaseException as exc:  # a bug here: fail this replica's waiters, refuse submits
-            log.exception("the rollout service %s failed", self.name)
+        while True:
             with self._cond:
-                self._failure = exc
-                queued, self._commands[replica] = self._commands[replica], []
-            error = ServiceClosed(f"the rollout service {self.name} failed: {exc}")
-            _fail([s.future for s in self._sequences[replica].values()], error)
-            self._sequences[replica].clear()
-            for command in queued:
-                if command[0] == "submit":
-                    _fail(command[2], error)
+                commands = self._next_commands(replica, backoff)
+                if commands is None:
+                    return
+                self._active += 1
+            try:
+                got = self._turn(replica, commands, 0.0)
+            except BaseException as exc:  # a bug here: nothing of it may hang or keep running
+                self._crashed(replica, commands, exc)
+                return
+            finally:
+                with self._cond:
+                    self._active -= 1
+                    self._cond.notify_all()
+            backoff = 0.0 if got else min(max(2 * backoff, IDLE_POLL_S), BACKOFF_S)
+
+    def _crashed(self, replica: int, commands: list[tuple[Any, ...]], exc: BaseException) -> None:
+        """This replica's poller failed (a bug): its requests are aborted and every waiter
+        of it fails; later submits are refused."""
+        log.exception("the rollout service %s failed", self.name)
+        error = ServiceClosed(f"the rollout service {self.name} failed: {exc}")
+        with self._cond:
+            self._failure = exc
+            commands = commands + self._commands[replica]
+            self._commands[replica] = []
+        sequences = self._sequences[replica]
+        with contextlib.suppress(Exception):
+            self.rollouts[replica].abort([s.request_id for s in sequences.values() if s.request_id])
+        _fail([s.future for s in sequences.values()], error)
+        sequences.clear()
+        self._settle_queued(replica, commands, error)  # submits taken or queued: failed too
 
     def _next_commands(self, replica: int, backoff: float) -> list[tuple[Any, ...]] | None:
         """Under the lock: wait until this replica has commands, or something runs and the
         backoff is over (never while held); its commands, or None to stop."""
         deadline = time.monotonic() + backoff
         while not self._stopping:
-            if self._hold:  # the holder polls meanwhile: its sequences are not ours to read
+            if self._holds:  # the holder polls meanwhile: its sequences are not ours to read
                 self._cond.wait(1.0)
                 continue
             if self._commands[replica]:
@@ -242,7 +255,7 @@ class RolloutService:
                 if sequence is not None:
                     sequence.resume = False
                     if sequence.request_id is not None:
-                        self.rollouts[replica].abort([sequence.request_id])
+                        self._abort(replica, [sequence.request_id])
         return self._poll(replica, poll_s) if self._running(replica) else 0
 
     def _running(self, replica: int) -> bool:
@@ -256,13 +269,19 @@ class RolloutService:
         futures: list[Future[Completion]],
         resume: bool,
     ) -> None:
+        collector = self._collectors[replica]
+        tracked: list[Request] = []
         try:
+            for request in requests:
+                collector.track(request)  # a reused id is refused before the rollout sees it
+                tracked.append(request)
             self.rollouts[replica].submit(requests)
         except Exception as exc:  # a refused request (too long...): its waiters' error
+            for request in tracked:
+                collector.forget(request.request_id)
             _fail(futures, exc)
             return
         for request, future in zip(requests, futures, strict=True):
-            self._collectors[replica].track(request)
             self._sequences[replica][request.request_id] = _Sequence(
                 future, request.request_id, resume
             )
@@ -276,11 +295,17 @@ class RolloutService:
         except Exception as exc:  # the rollout refused it: the sequence ends with the error
             del self._sequences[replica][key]
             self._collectors[replica].forget(key)
-            sequence.future.set_exception(exc)
+            _fail([sequence.future], exc)
             return
         sequence.request_id = continuation.request_id
         if not sequence.resume:  # abort() came while it waited: it ends at once
-            self.rollouts[replica].abort([continuation.request_id])
+            self._abort(replica, [continuation.request_id])
+
+    def _abort(self, replica: int, request_ids: list[str]) -> None:
+        try:
+            self.rollouts[replica].abort(request_ids)
+        except Exception as exc:  # the rollout is gone: as when its poll fails
+            self._replica_failed(replica, exc)
 
     def _poll(self, replica: int, poll_s: float) -> int:
         sequences, collector = self._sequences[replica], self._collectors[replica]
@@ -288,14 +313,7 @@ class RolloutService:
             chunks = self._known(replica, self.rollouts[replica].poll(poll_s))
             finished = collector.add(chunks)
         except Exception as exc:  # the rollout failed: its requests' waiters get the error
-            log.exception("rollout %d of %s failed while polling", replica, self.name)
-            running = [s.request_id for s in sequences.values() if s.request_id]
-            self._failed_ids[replica].update(running)
-            with contextlib.suppress(Exception):
-                self.rollouts[replica].abort(running)
-            _fail([s.future for s in sequences.values()], exc)
-            sequences.clear()
-            self._collectors[replica] = Collector()
+            self._replica_failed(replica, exc)
             return 0
         for key in finished:
             sequence = sequences[key]
@@ -306,8 +324,22 @@ class RolloutService:
                     self._commands[replica].append(("continue", key, continuation))
                 continue
             del sequences[key]
-            sequence.future.set_result(collector.pop(key))
+            _settle(sequence.future, collector.pop(key))
         return len(chunks)
+
+    def _replica_failed(self, replica: int, exc: Exception) -> None:
+        """``replica`` raised: its running requests are aborted (their last chunks collected
+        once, so the next poller of that rollout does not get them) and their waiters fail."""
+        log.exception("rollout %d of %s failed", replica, self.name)
+        sequences = self._sequences[replica]
+        running = [s.request_id for s in sequences.values() if s.request_id]
+        self._failed_ids[replica].update(running)
+        with contextlib.suppress(Exception):
+            self.rollouts[replica].abort(running)
+            self._known(replica, self.rollouts[replica].poll(0.0))
+        _fail([s.future for s in sequences.values()], exc)
+        sequences.clear()
+        self._collectors[replica] = Collector()
 
     def _known(self, replica: int, chunks: list[Chunk]) -> list[Chunk]:
         """``chunks`` less those of requests failed earlier (forgotten once the rollout
@@ -334,28 +366,53 @@ class RolloutService:
         except ValueError:  # no token budget left: it is finished
             return None
 
-    def _drain(self) -> None:
+    def _settle_queued(
+        self, replica: int, commands: list[tuple[Any, ...]], exc: BaseException
+    ) -> None:
+        """Commands that will never run: submits fail with ``exc``; a sequence whose
+        continuation never started gets what it generated."""
+        for command in commands:
+            if command[0] == "submit":
+                _fail(command[2], exc)
+            elif command[0] == "continue":
+                sequence = self._sequences[replica].pop(command[1], None)
+                if sequence is not None:
+                    collector = self._collectors[replica]
+                    collector.abandon(command[2].request_id)
+                    _settle(sequence.future, collector.pop(command[1]))
+
+    def _drain(self, *, strict: bool = True) -> None:
         """Abort every running request and collect its last chunks (the pollers are held or
-        gone: this thread is every replica's poller meanwhile)."""
+        gone: this thread is every replica's poller meanwhile). ``strict``: a replica whose
+        requests do not end raises; else it is logged and the next one drained."""
         deadline = time.monotonic() + SETTLE_S
-        for replica, sequences in enumerate(self._sequences):
-            running = [s.request_id for s in sequences.values() if s.request_id]
+        for replica in range(len(self.rollouts)):
+            running = [s.request_id for s in self._sequences[replica].values() if s.request_id]
             if not running:
                 continue
-            self.rollouts[replica].abort(running)
+            self._abort(replica, running)
             while self._running(replica):
                 if time.monotonic() > deadline:
-                    raise ServiceClosed(
+                    error = ServiceClosed(
                         f"aborted requests on replica {replica} of {self.name} did not end "
                         f"within {SETTLE_S:.0f} s"
                     )
+                    if strict:
+                        raise error
+                    log.error("%s", error)
+                    break
                 self._poll(replica, POLL_S)
 
 
 def _fail(futures: Sequence[Future[Completion]], exc: BaseException) -> None:
     for future in futures:
-        if not future.done():
+        with contextlib.suppress(InvalidStateError):  # done, or cancelled by its caller
             future.set_exception(exc)
+
+
+def _settle(future: Future[Completion], completion: Completion) -> None:
+    with contextlib.suppress(InvalidStateError):  # cancelled by its caller
+        future.set_result(completion)
 
 
 def generate_with_requests(rollout: Rollout, requests: Sequence[Request]) -> list[Completion]:
