@@ -7,11 +7,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from drivetrain.api.config import EngineConfig
 from drivetrain.api.errors import ConfigError
-from drivetrain.trainer.config_loader import ConfigLayer
+
+if TYPE_CHECKING:
+    from drivetrain.trainer.config_loader import ConfigLayer
 
 LAUNCHERS = ("auto", "inprocess", "torchrun", "ray")
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,11 +29,8 @@ console = plain_console()
 
 class DPOCommand(JobCommand["DPOJob", "PreparedDPO", "DPOResult"]):
     def __init__(self, engine: str, files: Sequence[Path], overrides: Sequence[str]) -> None:
-        from drivetrain.trainer.dpo import job as dpo_job  # imports torch: not at module level
-
-        super().__init__(console)
+        super().__init__(console, "drivetrain.trainer.dpo.job")
         self.engine, self.files, self.overrides = engine, files, overrides
-        self.jobs = dpo_job
 
     def load(self, *, train_prerequisites: bool) -> DPOJob:
         from drivetrain.trainer.builtin.tasks import addition_dpo
@@ -54,12 +50,6 @@ class DPOCommand(JobCommand["DPOJob", "PreparedDPO", "DPOResult"]):
 
     def plugins(self, job: DPOJob) -> list[tuple[Registry, str]]:
         return [(registry.engines, job.engine_name)]
-
-    def prepare(self, job: DPOJob) -> PreparedDPO:
-        return self.jobs.prepare(job)
-
-    def describe(self, prepared: PreparedDPO) -> str:
-        return self.jobs.describe(prepared)
 
     def fit(self, prepared: PreparedDPO, *, resume: str, overwrite: bool) -> DPOResult | None:
         return self.jobs.run_dpo(prepared, resume=resume, overwrite=overwrite, console=console)
@@ -106,7 +96,6 @@ def dpo(
     overwrite: Overwrite = False,
 ) -> None:
     """Preference optimisation. With no data and no model: the built-in addition pairs."""
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     command = DPOCommand(engine, config or (), overrides or ())
     run_job_command(
         command, print_config=print_config, dry_run=dry_run, resume=resume, overwrite=overwrite

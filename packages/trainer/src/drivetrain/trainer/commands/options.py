@@ -1,5 +1,6 @@
-"""The command-line options every training command shares: config files and overrides, the
-engine, what to do instead of training, and where a run starts."""
+"""The training commands' command-line options: config files and overrides, the engine, what
+to do instead of training, and where a run starts; then the RL commands' own (their roles'
+engines, the rollout, the transport, a preset)."""
 
 from __future__ import annotations
 
@@ -31,4 +32,38 @@ Resume = Annotated[
 ]
 Overwrite = Annotated[
     bool, typer.Option("--overwrite", help="Start a new run; move a run in the output dir aside.")
+]
+
+# ---- the RL commands' (grpo, ppo, distill) ----
+RLOverrides = Annotated[
+    list[str] | None,
+    typer.Argument(help="Dotted config overrides, e.g. actor.optim.lr=1e-6 run.steps=100"),
+]
+RLEngine = Annotated[
+    str, typer.Option("--engine", help="Engine of the actor and reference (`drivetrain engines`).")
+]
+CriticEngine = Annotated[
+    str,
+    typer.Option("--critic-engine", help="Critic and reward-model engine (default: --engine)."),
+]
+RolloutName = Annotated[
+    str, typer.Option("--rollout", help="Rollout backend (`drivetrain rollouts`).")
+]
+WeightSync = Annotated[
+    str,
+    typer.Option(
+        "--weight-sync",
+        help="Transport (`drivetrain ckpt-engines`); auto: colocated or broadcast by placement.",
+    ),
+]
+Preset = Annotated[
+    str,
+    typer.Option(
+        "--preset",
+        help="A named variant's algorithm settings (grpo, dr_grpo, bnpo, dapo, cispo, "
+        "reinforce_pp, reinforce_pp_baseline: trainer README); files and overrides win.",
+    ),
+]
+PluginsDryRun = Annotated[
+    bool, typer.Option("--dry-run", help="Validate plugins, model and data; exit without training.")
 ]

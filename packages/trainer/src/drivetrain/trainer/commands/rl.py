@@ -3,16 +3,25 @@ engine, rollout and weight-sync transport."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
-
-import typer
+from typing import TYPE_CHECKING, Any
 
 from drivetrain.api import registry
 from drivetrain.api.registry import Registry
-from drivetrain.trainer.commands.options import ConfigFiles, Overwrite, Resume
+from drivetrain.trainer.commands.options import (
+    ConfigFiles,
+    CriticEngine,
+    Overwrite,
+    PluginsDryRun,
+    Preset,
+    PrintConfig,
+    Resume,
+    RLEngine,
+    RLOverrides,
+    RolloutName,
+    WeightSync,
+)
 from drivetrain.trainer.commands.skeleton import JobCommand, run_job_command
 from drivetrain.trainer.console import plain_console
 
@@ -38,13 +47,10 @@ class RLCommand(JobCommand["RLJob", "PreparedRL", "RLResult"]):
         files: Sequence[Path],
         overrides: Sequence[str],
     ) -> None:
-        from drivetrain.trainer.rl import job as rl_job  # imports torch: not at module level
-
-        super().__init__(console)
+        super().__init__(console, "drivetrain.trainer.rl.job")
         self.algorithm, self.engine, self.critic_engine = algorithm, engine, critic_engine
         self.rollout, self.weight_sync, self.preset = rollout, weight_sync, preset
         self.files, self.overrides = files, overrides
-        self.jobs = rl_job
 
     def load(self, *, train_prerequisites: bool) -> RLJob:
         from drivetrain.trainer.builtin.tasks import rl_task
@@ -73,12 +79,6 @@ class RLCommand(JobCommand["RLJob", "PreparedRL", "RLResult"]):
             (registry.engines, job.engine), (registry.engines, job.critic_engine),
             (registry.rollouts, job.rollout), (registry.ckpt_engines, job.transport),
         ]  # fmt: skip
-
-    def prepare(self, job: RLJob) -> PreparedRL:
-        return self.jobs.prepare(job)
-
-    def describe(self, prepared: PreparedRL) -> str:
-        return self.jobs.describe(prepared)
 
     def fit(self, prepared: PreparedRL, *, resume: str, overwrite: bool) -> RLResult:
         from drivetrain.trainer.rl.trainer import RLTrainer
@@ -153,58 +153,22 @@ def rl_summary(result: RLResult, out: Path) -> tuple[dict[str, Any], int]:
     return summary, window
 
 
-Overrides = Annotated[
-    list[str] | None,
-    typer.Argument(help="Dotted config overrides, e.g. actor.optim.lr=1e-6 run.steps=100"),
-]
-Engine = Annotated[
-    str, typer.Option("--engine", help="Engine of the actor and reference (`drivetrain engines`).")
-]
-CriticEngine = Annotated[
-    str,
-    typer.Option("--critic-engine", help="Critic and reward-model engine (default: --engine)."),
-]
-RolloutName = Annotated[
-    str, typer.Option("--rollout", help="Rollout backend (`drivetrain rollouts`).")
-]
-WeightSync = Annotated[
-    str,
-    typer.Option(
-        "--weight-sync",
-        help="Transport (`drivetrain ckpt-engines`); auto: colocated or broadcast by placement.",
-    ),
-]
-Preset = Annotated[
-    str,
-    typer.Option(
-        "--preset",
-        help="A named variant's algorithm settings (grpo, dr_grpo, bnpo, dapo, cispo, "
-        "reinforce_pp, reinforce_pp_baseline: trainer README); files and overrides win.",
-    ),
-]
-PrintConfig = Annotated[bool, typer.Option("--print-config", help="Print the config and exit.")]
-DryRun = Annotated[
-    bool, typer.Option("--dry-run", help="Validate plugins, model and data; exit without training.")
-]
-
-
 def _command(algorithm: str, doc: str) -> Callable[..., None]:
     """The typer command for ``algorithm`` (grpo and ppo take the same options)."""
 
     def command(
-        overrides: Overrides = None,
+        overrides: RLOverrides = None,
         config: ConfigFiles = None,
-        engine: Engine = "fsdp2",
+        engine: RLEngine = "fsdp2",
         critic_engine: CriticEngine = "",
         rollout: RolloutName = "hf",
         weight_sync: WeightSync = "auto",
         print_config: PrintConfig = False,
-        dry_run: DryRun = False,
+        dry_run: PluginsDryRun = False,
         resume: Resume = "auto",
         overwrite: Overwrite = False,
         preset: Preset = "",
     ) -> None:
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         command = RLCommand(
             algorithm,
             engine=engine,

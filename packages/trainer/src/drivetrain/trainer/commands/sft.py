@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,12 +31,8 @@ console = plain_console()  # errors stay whole lines (greppable)
 
 class SFTCommand(JobCommand["SFTJob", "PreparedSFT", "SFTResult"]):
     def __init__(self, engine: str, files: Sequence[Path], overrides: Sequence[str]) -> None:
-        # Here, not at module level: it imports torch, which `drivetrain engines` does not need.
-        from drivetrain.trainer.sft import job as sft_job
-
-        super().__init__(console)
+        super().__init__(console, "drivetrain.trainer.sft.job")
         self.engine, self.files, self.overrides = engine, files, overrides
-        self.jobs = sft_job
 
     def load(self, *, train_prerequisites: bool) -> SFTJob:
         from drivetrain.trainer.builtin.addition_sft import addition_sft
@@ -65,12 +60,6 @@ class SFTCommand(JobCommand["SFTJob", "PreparedSFT", "SFTResult"]):
             console.print(f"note: {exc}; showing the keys every engine shares")
             base = sft_config_type(EngineConfig)
             return to_yaml(load_config(base, files=self.files, overrides=self.overrides))
-
-    def prepare(self, job: SFTJob) -> PreparedSFT:
-        return self.jobs.prepare(job)
-
-    def describe(self, prepared: PreparedSFT) -> str:
-        return self.jobs.describe(prepared)
 
     def fit(self, prepared: PreparedSFT, *, resume: str, overwrite: bool) -> SFTResult | None:
         return self.jobs.run_sft(prepared, resume=resume, overwrite=overwrite, console=console)
@@ -106,9 +95,6 @@ def sft(
     overwrite: Overwrite = False,
 ) -> None:
     """Supervised fine-tuning. With no data and no model: the built-in addition task."""
-    # Our progress bar is the one to watch; read by huggingface_hub when transformers loads
-    # (here, in torchrun ranks and in Ray actors, which get HF_* variables forwarded).
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     command = SFTCommand(engine, config or (), overrides or ())
     run_job_command(
         command, print_config=print_config, dry_run=dry_run, resume=resume, overwrite=overwrite

@@ -7,7 +7,9 @@ line instead of a traceback."""
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
+import os
 import signal
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
@@ -66,8 +68,14 @@ class JobCommand(ABC, Generic[J, P, R]):
     #: what a dry run checks besides the config ("engine" or "plugins")
     what = "engine"
 
-    def __init__(self, console: Console) -> None:
+    def __init__(self, console: Console, jobs: str) -> None:
+        """``jobs``: the job's module (``drivetrain.trainer.sft.job``...), imported here and
+        not at module level: it imports torch, which `drivetrain engines` does not need."""
         self.console = console
+        # Our progress bar is the one to watch; read by huggingface_hub when transformers
+        # loads (here, in torchrun ranks and in Ray actors, which get HF_* variables forwarded)
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        self.jobs: Any = importlib.import_module(jobs)  # prepare, describe, and its own
 
     @abstractmethod
     def load(self, *, train_prerequisites: bool) -> J:
@@ -89,12 +97,12 @@ class JobCommand(ABC, Generic[J, P, R]):
             self.console.print(line)
         return job.to_yaml()
 
-    @abstractmethod
     def prepare(self, job: J) -> P:
         """Model, data and plugins loaded and checked; nothing written, no worker started."""
+        return self.jobs.prepare(job)
 
-    @abstractmethod
-    def describe(self, prepared: P) -> str: ...
+    def describe(self, prepared: P) -> str:
+        return self.jobs.describe(prepared)
 
     @abstractmethod
     def fit(self, prepared: P, *, resume: str, overwrite: bool) -> R | None:

@@ -114,7 +114,8 @@ def load_rl_job(
         _transport_config(weight_sync),
     )
     defaults = tuple(ALGORITHM_DEFAULTS[algorithm])
-    shipped: list[ConfigLayer] = [defaults, *preset_files(preset)]  # the job's, below the user's
+    presets = preset_files(preset)
+    shipped: list[ConfigLayer] = [defaults, *presets]  # the job's, below the user's
     shipped_overrides: list[str] = []
     config = load_config(config_type, files=[*shipped, *files], overrides=overrides)
     layers = None
@@ -127,7 +128,7 @@ def load_rl_job(
         if task is None:
             raise ConfigError("actor.model.path is required")
         layers = task(config, train_prerequisites)
-        shipped = [*layers.files, defaults, *layers.algorithm_files, *shipped[1:]]
+        shipped = [*layers.files, defaults, *layers.algorithm_files, *presets]
         shipped_overrides = list(layers.overrides)
         config = load_config(
             config_type, files=[*shipped, *files], overrides=[*shipped_overrides, *overrides]
