@@ -24,7 +24,7 @@ The last line is JSON with ``speedup_vs_naive.<size>.<transport>`` (and its spre
 ``fraction_of_memcpy`` per model and transport. ``--quick``: the 100M model, one round.
 
     uv run python benchmarks/weight_sync.py [--sizes 100M,500M] [--pairs 5] [--bucket-mib 64]
-    [--quick]
+    [--device cuda] [--quick]
 """
 
 from __future__ import annotations
@@ -227,10 +227,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser)
     parser.add_argument("--sizes", default="100M,500M")
-    parser.add_argument("--bucket-mib", type=int, default=64)
+    parser.add_argument(
+        "--bucket-mib",
+        type=int,
+        default=None,
+        help="bucket size; default 64 on the CPU (two shared-memory buckets per transport), "
+        "the product's weight_sync.bucket_bytes (256) on a GPU",
+    )
     parser.add_argument("--transports", default=",".join(TRANSPORTS))
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU: no broadcast)")
     args = parser.parse_args()
+    if args.bucket_mib is None:
+        from drivetrain.api.config import WeightSyncConfig
+
+        args.bucket_mib = 64 if args.device == "cpu" else WeightSyncConfig.bucket_bytes >> 20
     rounds = rounds_of(args)
     sizes = ["100M"] if args.quick else args.sizes.split(",")
     torch.set_num_threads(1)

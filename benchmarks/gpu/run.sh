@@ -4,6 +4,9 @@
 #
 #   bash benchmarks/gpu/run.sh              # the GPU run (about 10 minutes on one H100)
 #   bash benchmarks/gpu/run.sh --cpu-smoke  # every step it can on the CPU (CI's slow set)
+#   STEPS=gpu-tests,mfu bash benchmarks/gpu/run.sh  # only these (install and wheels always
+#                                                   # run): to split a run across calls
+#   LOG_DIR=$OUT bash benchmarks/gpu/run.sh  # keep every step's log and the JSON there
 #
 # Steps: install the workspace's wheels from WHEELS (default .whl, made beforehand by
 # benchmarks/gpu/prepare.sh) into a scratch target with pip (--no-index --no-deps); every
@@ -20,21 +23,26 @@ PY=${PYTHON:-python3}
 WHEELS=${WHEELS:-.whl}
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/drivetrain-gpu-XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
+LOGS=${LOG_DIR:-$WORK}  # each step's log as it ends: a run cut short keeps what it finished
+mkdir -p "$LOGS"
 ls "$WHEELS"/*.whl >/dev/null 2>&1 || {
   echo "no wheels in $WHEELS: run benchmarks/gpu/prepare.sh first (see its header)" >&2
   exit 2
 }
 status=0
-step() {  # step NAME COMMAND...: run it, its output to the log and to $WORK/NAME.log
+step() {  # step NAME COMMAND...: run it, its output to the log and to $LOGS/NAME.log
   local name=$1 begin
   shift
+  case "$name" in install | wheels) ;; *)
+    if [ -n "${STEPS:-}" ] && [[ ",$STEPS," != *",$name,"* ]]; then return 0; fi ;;
+  esac
   begin=$(date +%s)
   echo "== $name"
-  if "$@" 2>&1 | tee "$WORK/$name.log"; then
+  if "$@" 2>&1 | tee "$LOGS/$name.log"; then
     echo "== $name: ok in $(($(date +%s) - begin)) s"
   else
     echo "== $name: FAILED after $(($(date +%s) - begin)) s"
-    echo "$name" >>"$WORK/failed"
+    echo "$name" >>"$LOGS/failed"
     status=1
   fi
 }
@@ -56,7 +64,7 @@ step wheels "$PY" -c "import drivetrain.trainer.cli as m, drivetrain.engine.fsdp
 print(m.__file__, e.__file__); assert {m.__file__[:len('$WORK/site')], e.__file__[:len('$WORK/site')]} == {'$WORK/site'}"
 # pytest-xdist may be absent there: the project's addopts are replaced
 step gpu-tests "$PY" -m pytest -o addopts="" -p no:cacheprovider --import-mode=importlib -m gpu \
-  -q -rfE --junitxml "$WORK/gpu-tests.xml" packages tests
+  -q -rfE --junitxml "$LOGS/gpu-tests.xml" packages tests
 step mfu "$PY" benchmarks/gpu/mfu.py $SMOKE
 if [ -n "$SMOKE" ]; then
   step weight-sync "$PY" benchmarks/weight_sync.py --quick --transports colocated
@@ -68,5 +76,5 @@ else
     --sizes 500M
   step grpo "$PY" -m drivetrain.trainer grpo run.output_dir="$WORK/grpo" logging.progress=false
 fi
-"$PY" benchmarks/gpu/summary.py "$WORK"
+"$PY" benchmarks/gpu/summary.py "$LOGS" | tee "$LOGS/summary.json"
 exit "$status"

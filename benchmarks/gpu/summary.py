@@ -47,7 +47,11 @@ def main(work: Path) -> None:
     result = {
         **{key: mfu.get(key) for key in headline},
         "gpu_tests": test_counts(work / "gpu-tests.xml"),
-        "weight_sync": {k: v for k, v in sync.items() if k.startswith(("speedup", "seconds"))},
+        "weight_sync": {
+            k: v
+            for k, v in sync.items()
+            if k.startswith(("speedup", "seconds", "fraction_of_memcpy", "memcpy", "bucket"))
+        },
         "grpo": {k: grpo.get(k) for k in ("steps", "loop_seconds", "seconds", "val_after")},
         "mfu_table": mfu.get("configurations"),
         "device": mfu.get("device"),

@@ -12,7 +12,9 @@ from drivetrain.ckpt.buckets import (
     Piece,
     Reassembler,
     StreamDigest,
+    decode_pieces,
     digest_of,
+    encode_pieces,
     pack,
     plan_buckets,
 )
@@ -29,14 +31,12 @@ def round_trip(weights, bucket_bytes, into=None):
         used = pack(bucket, buffer)
         assert used <= bucket_bytes
         buckets += 1
-        for row in [p.to_wire() for p, _ in bucket]:  # through the wire format
-            piece = Piece.from_wire(row)
+        pieces = decode_pieces(encode_pieces(p for p, _ in bucket))  # through the wire format
+        for piece in pieces:
             assert piece.offset % ALIGN == 0
-            data = buffer[piece.offset : piece.offset + piece.nbytes]
-            digest.update(piece, data)
-            tensor = rebuild.add(piece, data)
-            if tensor is not None:
-                out.append((tensor[0], tensor[1].clone()))  # a view of the reused buffer
+            digest.update(piece, buffer[piece.offset : piece.offset + piece.nbytes])
+        for name, tensor in rebuild.add_bucket(pieces, buffer):
+            out.append((name, tensor.clone()))  # a view of the reused buffer
     rebuild.check_complete()
     return out, buckets, digest.hexdigest()
 
@@ -57,9 +57,10 @@ def test_every_tensor_survives_any_bucket_size(bucket_bytes):
         assert buckets >= big // 4096  # the big tensor is split across buckets
 
 
-def test_a_split_tensor_is_written_straight_into_the_consumers_tensor():
-    """Given a destination, pieces land in it as they arrive and the stream yields it itself
-    (no allocation, no second copy); a destination of another dtype is not used."""
+def test_every_tensor_is_written_straight_into_the_consumers_tensor():
+    """Given a destination, a whole tensor and the pieces of a split one land in it and the
+    stream yields it itself (no allocation, no second copy); a destination of another dtype
+    is not used and that tensor arrives as usual."""
     weights = make_weights(0)
     live = {name: torch.zeros_like(t) for name, t in weights}
     asked = []
@@ -69,12 +70,43 @@ def test_a_split_tensor_is_written_straight_into_the_consumers_tensor():
         return live[name] if dtype != "bfloat16" else live[name].float()  # wrong dtype
 
     out, _, _ = round_trip(weights, 4096, into)
-    split = [name for name, t in weights if t.numel() * t.element_size() > 4096]
-    assert split and asked == split  # only tensors that arrive in pieces ask
+    assert asked == [name for name, _ in weights]
     for (name, want), (_, got) in zip(weights, out, strict=True):
         assert torch.equal(got, want), name
-        if name in split:  # written in place, pieces and all, where the dtype matched
-            assert torch.equal(live[name], want) == (want.dtype != torch.bfloat16)
+        assert torch.equal(live[name], want) == (want.dtype != torch.bfloat16), name
+
+
+def test_a_bucket_is_packed_and_applied_in_one_batched_copy_each():
+    """Per-tensor host work is what a fast device waits on: packing a bucket of many tensors
+    and applying it into the consumer's tensors are one multi-tensor copy each, and no tensor
+    is copied on its own."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "copy" in func.__name__:
+                self.ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    weights = make_weights(0, big=30, tiny=100)
+    live = {name: torch.zeros_like(t) for name, t in weights}
+    buffer = torch.zeros(1 << 20, dtype=torch.uint8)
+    (bucket,) = plan_buckets(weights, 1 << 20)
+    with Count() as packing:
+        pack(bucket, buffer)
+    pieces = [piece for piece, _ in bucket]
+    rebuild = Reassembler(torch.device("cpu"), lambda name, *_: live[name])
+    with Count() as applying:
+        out = rebuild.add_bucket(pieces, buffer)
+    assert len(out) == len(weights) > 100
+    assert packing.ops == ["_foreach_copy_.default"]
+    assert applying.ops == ["_foreach_copy_.default"]
+    for name, want in weights:
+        assert torch.equal(live[name], want), name
 
 
 def test_small_tensors_are_not_split_and_big_ones_are():

@@ -93,3 +93,27 @@ def test_streams_that_reuse_one_buffer_are_copied_as_they_arrive():
         stage_weights(reusing(), {"w1": (3,), "w2": (3,)}),
     ):
         assert [t.tolist() for _, t in staged] == [[1.0] * 3, [2.0] * 3]
+
+
+def test_a_tensor_the_transport_wrote_in_place_is_not_copied_onto_itself():
+    """A transport that wrote a weight into the model's own tensor (``destination``) yields
+    an alias of it; copying that onto itself would move every byte again."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from drivetrain.rollout.weights import apply_weights, destination
+    from drivetrain.runtime.request_queue import WeightUpdate
+
+    class Copies(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Copies.count += "copy" in func.__name__
+            return func(*args, **(kwargs or {}))
+
+    params = {"a": torch.zeros(4, 3), "b": torch.zeros(2)}
+    update = WeightUpdate(1)
+    written = destination(params, update, "a", (4, 3), "float32").detach()  # an alias
+    with Copies():
+        apply_weights([("a", written), ("b", torch.ones(2))], params, update)
+    assert Copies.count == 1  # "b" only
+    assert torch.equal(params["b"], torch.ones(2)) and update.changed

@@ -103,6 +103,8 @@ class _Sender(_Link):
 
 
 class _Receiver(_Link):
+    read_ahead = True  # see ReceiverLink.read_ahead
+
     def __init__(self, transport: BroadcastTransport) -> None:
         super().__init__(transport)
         self._free = [threading.Semaphore(1), threading.Semaphore(1)]

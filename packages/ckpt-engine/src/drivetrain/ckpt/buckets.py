@@ -11,6 +11,7 @@ of the bytes, so the receiver needs nothing else to rebuild the stream.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,8 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as a flat ``uint8`` tensor (a view when already contiguous)."""
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    flat = tensor.detach().reshape(-1)  # a view of a contiguous tensor, else a copy
+    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,21 @@ class Piece:
         return cls(name, tuple(shape), dtype, total, start, stop, offset)
 
 
+def encode_pieces(pieces: Iterable[Piece]) -> str:
+    """A bucket's piece table as one JSON string: a header field a channel's codec passes
+    through whole (walking every piece's fields cost more than a small tensor's copy)."""
+    return json.dumps([piece.to_wire() for piece in pieces], separators=(",", ":"))
+
+
+def decode_pieces(text: Any) -> list[Piece]:
+    """:func:`encode_pieces`' table; :class:`WeightSyncError` for anything else."""
+    try:
+        rows = json.loads(text)
+        return [Piece.from_wire(row) for row in rows]
+    except (TypeError, ValueError) as exc:
+        raise WeightSyncError(f"malformed piece table in a bucket header: {exc}") from None
+
+
 Bucket = list[tuple[Piece, torch.Tensor]]  # each piece with its source tensor's byte view
 
 
@@ -119,21 +136,25 @@ def plan_buckets(weights: Iterable[NamedTensor], bucket_bytes: int) -> Iterator[
 
 
 def pack(bucket: Bucket, buffer: torch.Tensor) -> int:
-    """Copy the bucket's pieces into ``buffer``; returns the bytes used."""
-    used = 0
+    """Copy the bucket's pieces into ``buffer`` in one batched copy (one multi-tensor kernel
+    on a GPU instead of a launch per tensor: per-tensor host work is what a fast device
+    waits on); returns the bytes used."""
+    targets, sources = [], []
     for piece, data in bucket:
-        end = piece.offset + piece.nbytes
-        buffer[piece.offset : end].copy_(data[piece.start : piece.stop], non_blocking=True)
-        used = end
-    return used
+        targets.append(buffer[piece.offset : piece.offset + piece.nbytes])
+        whole = piece.first and piece.last
+        sources.append(data if whole else data[piece.start : piece.stop])
+    if targets:
+        torch._foreach_copy_(targets, sources, non_blocking=True)
+    return bucket[-1][0].offset + bucket[-1][0].nbytes if bucket else 0
 
 
 class Reassembler:
-    """Rebuilds full tensors from pieces on the receiving side. A tensor that arrived whole is
-    a view of the bucket (valid until the consumer moves past the bucket, as the stream
-    contract says: consumers copy what they keep, and copying once is the cost of a sync);
-    one that arrived in pieces is written into the consumer's own tensor when ``into`` gives
-    one (no second copy, no allocation), else rejoined in new memory on ``device``."""
+    """Rebuilds full tensors from pieces on the receiving side. Any tensor is written into
+    the consumer's own tensor when ``into`` gives one (no second copy, no allocation).
+    Otherwise a tensor that arrived whole is a view of the bucket (valid until the consumer
+    moves past the bucket, as the stream contract says: consumers copy what they keep), and
+    one that arrived in pieces is rejoined in new memory on ``device``."""
 
     def __init__(self, device: torch.device, into: Destination | None = None) -> None:
         self.device = device
@@ -166,6 +187,31 @@ class Reassembler:
             self.completed += 1
             return piece.name, target
         return self._finish(piece, storage)
+
+    def add_bucket(self, pieces: list[Piece], buffer: torch.Tensor) -> list[NamedTensor]:
+        """Every piece of one bucket (``buffer`` holds their bytes): the tensors it completes,
+        in stream order. A whole tensor the consumer gives a destination for (``into``) is
+        written there, all of a bucket's in one batched copy (the bucket applied in place:
+        no per-tensor copy left for the consumer); the rest go through :meth:`add`."""
+        out: list[NamedTensor] = []
+        targets: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
+        for piece in pieces:
+            data = buffer[piece.offset : piece.offset + piece.nbytes]
+            whole = piece.first and piece.last and self._partial is None
+            target = self._destination(piece) if whole else None
+            if target is None:
+                tensor = self.add(piece, data)
+                if tensor is not None:
+                    out.append(tensor)
+                continue
+            targets.append(byte_view(target))
+            sources.append(data)
+            self.completed += 1
+            out.append((piece.name, target))
+        if targets:
+            torch._foreach_copy_(targets, sources, non_blocking=True)
+        return out
 
     def _destination(self, piece: Piece) -> torch.Tensor | None:
         """The consumer's tensor for ``piece``'s weight when it can take the bytes as they are

@@ -96,6 +96,8 @@ class _Sender:
 
 
 class _Receiver:
+    read_ahead = False  # see ReceiverLink.read_ahead
+
     def __init__(self, buffers: list[torch.Tensor], conn: Connection, timeout: float) -> None:
         self.buffers = buffers
         self.conn = conn

@@ -18,7 +18,14 @@ import torch
 
 from drivetrain.api.engine import NamedTensor
 from drivetrain.api.weight_sync import Destination, SyncStats, WeightSyncError
-from drivetrain.ckpt.buckets import Piece, Reassembler, StreamDigest, pack, plan_buckets
+from drivetrain.ckpt.buckets import (
+    Reassembler,
+    StreamDigest,
+    decode_pieces,
+    encode_pieces,
+    pack,
+    plan_buckets,
+)
 from drivetrain.ckpt.devices import synchronize
 
 
@@ -40,6 +47,10 @@ class SenderLink(Protocol):
 
 class ReceiverLink(Protocol):
     buffers: list[torch.Tensor]
+    #: Whether :meth:`next` moves the bucket's bytes itself (a collective: run in a thread,
+    #: filling one buffer while the consumer empties the other) or only reads a notice that
+    #: they are there (shared memory: called inline, a thread would only add hand-offs).
+    read_ahead: bool
 
     def next(self) -> tuple[str, dict[str, Any], int]:
         """Block for the next message: ``("bucket", header, buffer_index)`` once its bytes
@@ -77,7 +88,7 @@ def send_stream(
             if digest is not None:
                 for piece in pieces:
                     digest.update(piece, buffer[piece.offset : piece.offset + piece.nbytes])
-            header = {"version": version, "pieces": [p.to_wire() for p in pieces], "nbytes": used}
+            header = {"version": version, "pieces": encode_pieces(pieces), "nbytes": used}
             link.post(index, header)
             in_flight[index] = True
             index ^= 1
@@ -127,17 +138,39 @@ def _read_ahead(link: ReceiverLink, out: queue.Queue[Any], stop: threading.Event
         out.put(exc)
 
 
-def _next_message(messages: queue.Queue[Any], timeout_s: float) -> tuple[str, Any, Any]:
-    """The reader's next message; its failure (or silence) as a :class:`WeightSyncError`."""
-    try:
-        message = messages.get(timeout=timeout_s)
-    except queue.Empty:
-        raise WeightSyncError(f"no weight-sync data for {timeout_s:.0f} s") from None
-    if isinstance(message, WeightSyncError):
-        raise message
-    if isinstance(message, BaseException):
-        raise WeightSyncError(f"receiving failed: {message}") from message
-    return message
+class _Messages:
+    """A link's messages, read in a background thread when the link reads ahead, else
+    inline; each failure (or silence) as a :class:`WeightSyncError`."""
+
+    def __init__(self, link: ReceiverLink, timeout_s: float) -> None:
+        self.link, self.timeout_s = link, timeout_s
+        self.stop = threading.Event()
+        self.queue: queue.Queue[Any] | None = None
+        if link.read_ahead:
+            self.queue = queue.Queue()
+            threading.Thread(
+                target=_read_ahead,
+                args=(link, self.queue, self.stop),
+                name="weight-sync-recv",
+                daemon=True,
+            ).start()
+
+    def next(self) -> tuple[str, Any, Any]:
+        if self.queue is None:
+            try:
+                message: Any = self.link.next()
+            except Exception as exc:
+                message = exc
+        else:
+            try:
+                message = self.queue.get(timeout=self.timeout_s)
+            except queue.Empty:
+                raise WeightSyncError(f"no weight-sync data for {self.timeout_s:.0f} s") from None
+        if isinstance(message, WeightSyncError):
+            raise message
+        if isinstance(message, BaseException):
+            raise WeightSyncError(f"receiving failed: {message}") from message
+        return message
 
 
 def _confirm_end(
@@ -170,32 +203,24 @@ def receive_stream(
     Raises :class:`WeightSyncError` (before the end) on abort, timeout, or a mismatch. A
     tensor sent in pieces goes straight into ``into``'s tensor when it names one."""
     start = time.perf_counter()
-    messages: queue.Queue[Any] = queue.Queue()
-    stop = threading.Event()
-    reader = threading.Thread(
-        target=_read_ahead, args=(link, messages, stop), name="weight-sync-recv", daemon=True
-    )
-    reader.start()
+    messages = _Messages(link, timeout_s)
     rebuild = Reassembler(device, into)
     digest = StreamDigest() if verify else None
     num_buckets = total_bytes = 0
     completed = False
     try:
         while True:
-            kind, header, index = _next_message(messages, timeout_s)
+            kind, header, index = messages.next()
             if kind == "end":
                 break
             buffer = link.buffers[index]
             synchronize(device)
-            for row in header["pieces"]:
-                piece = Piece.from_wire(row)
-                data = buffer[piece.offset : piece.offset + piece.nbytes]
-                if digest is not None:
-                    digest.update(piece, data)
-                total_bytes += piece.nbytes
-                tensor = rebuild.add(piece, data)
-                if tensor is not None:
-                    yield tensor
+            pieces = decode_pieces(header["pieces"])
+            if digest is not None:
+                for piece in pieces:
+                    digest.update(piece, buffer[piece.offset : piece.offset + piece.nbytes])
+            total_bytes += sum(piece.nbytes for piece in pieces)
+            yield from rebuild.add_bucket(pieces, buffer)
             synchronize(device)  # copies out of the buffer are done before it is reused
             link.release(index)
             num_buckets += 1
@@ -220,7 +245,7 @@ def receive_stream(
         )
         completed = True
     finally:
-        stop.set()
+        messages.stop.set()
         if not completed:  # unblock and drop the reader: this stream is over either way
             close = getattr(link, "close", None)
             if close is not None:

@@ -169,9 +169,10 @@ class Rollout(abc.ABC):
 
     def weight_destination(self, name: str, shape: tuple[int, ...], dtype: str) -> Any:
         """During :meth:`update_weights`: the tensor the weight ``name`` is copied into, when
-        it has this shape and dtype (``"bfloat16"``...), so a transport that rebuilds a tensor
-        from pieces writes them there directly (see ``WeightTransport.receive``); else
-        ``None``, the default. A backend that returns one applies weights as they arrive."""
+        it has this shape and dtype (``"bfloat16"``...), so a transport writes the bytes there
+        directly and yields that tensor (see ``WeightTransport.receive``: copy a yielded
+        tensor only when it is not already your own memory); else ``None``, the default. A
+        backend that returns one applies weights as they arrive."""
         return None
 
     @property

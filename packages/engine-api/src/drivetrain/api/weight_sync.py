@@ -134,10 +134,11 @@ class WeightTransport(abc.ABC):
         :class:`WeightSyncError` before the end if the stream is incomplete or fails
         verification (an all-or-nothing consumer stages what it got and applies nothing).
 
-        ``into`` lets a transport skip a copy: for a tensor it must rebuild (one that arrives
-        in pieces), it may ask ``into(name, shape, dtype)`` for the consumer's own tensor,
-        write the pieces there as they arrive and yield that tensor itself (copying it onto
-        itself is free). Such a consumer's weights change before the stream ends."""
+        ``into`` lets a transport skip a copy: for any tensor it may ask ``into(name,
+        shape, dtype)`` for the consumer's own tensor, write the bytes (or the pieces of a
+        split tensor, as they arrive) there, and yield that tensor itself, which the consumer
+        then need not copy (the built-in transports apply a whole bucket so, in one batched
+        copy). Such a consumer's weights change before the stream ends."""
 
     @abc.abstractmethod
     def finalize(self) -> None:

@@ -37,16 +37,30 @@ def apply_weights(
     staging: a stream's tensors may be views of a transport's buffers, each valid until the
     next). A bad name or shape raises before that tensor is written; ``update.changed`` is set
     before the first write. A tensor a transport already wrote into ``params`` (see
-    :func:`destination`) is the parameter itself, and copying it onto itself is free. Returns
-    the number of tensors."""
+    :func:`destination`) is the parameter's own memory and is not copied again. Returns the
+    number of tensors."""
     count = 0
     with torch.no_grad():
         for name, tensor in weights:
             _check(name, tensor, params)
             update.changed = True
-            params[name].copy_(tensor)
+            target = params[name]
+            if not _same_memory(target, tensor):
+                target.copy_(tensor)
             count += 1
     return count
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``b`` is ``a``'s memory as it is (a detached alias: ``copy_`` would still copy
+    every byte onto itself)."""
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.dtype == b.dtype
+        and a.device == b.device
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+    )
 
 
 def destination(

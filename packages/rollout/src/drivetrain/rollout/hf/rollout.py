@@ -35,6 +35,7 @@ class HFRollout(TokenizedRollout):
         self.model.eval().requires_grad_(False)
         if self.device.type == "cpu":
             _own_parameters(self.model)
+        self._index_weights()
         positions = getattr(self.model.config, "max_position_embeddings", None)
         self.max_model_len = min(config.max_model_len, positions or config.max_model_len)
         self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
@@ -68,11 +69,18 @@ class HFRollout(TokenizedRollout):
     def update_weights(self, weights: Iterable[NamedTensor], *, version: int) -> None:
         # applied as they arrive, between token steps (see QueuedRollout.updating_weights)
         with self.updating_weights(version) as update:
-            apply_weights(weights, self.model.state_dict(), update)
+            apply_weights(weights, self._weights, update)
             self._version = version
 
     def weight_destination(self, name: str, shape: tuple[int, ...], dtype: str) -> Any:
-        return destination(self.model.state_dict(), self.weight_update, name, shape, dtype)
+        return destination(self._weights, self.weight_update, name, shape, dtype)
+
+    def _index_weights(self) -> None:
+        """The name -> tensor table every update writes through, built once (a state_dict()
+        per update cost more than copying a small model): the parameters themselves, which
+        keep their identity when ``.to()`` moves their memory; the buffers, which do not,
+        are looked up again after every move."""
+        self._weights = self.model.state_dict(keep_vars=True)
 
     # ---- memory -------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> bool:
@@ -86,6 +94,7 @@ class HFRollout(TokenizedRollout):
             self.requests.pause(abort=True)
             self.batcher.reset()
             self.model.to("cpu")
+            self._index_weights()
         torch.cuda.empty_cache()
         self._woken = set()
         return True
@@ -101,6 +110,7 @@ class HFRollout(TokenizedRollout):
         if "weights" in wanted - self._woken:
             with self.requests.lock:
                 self.model.to(self.device)
+                self._index_weights()
         self._woken |= wanted
         if self._woken >= MEMORY_TAGS:
             self._woken = None
