@@ -135,17 +135,24 @@ def plan_buckets(weights: Iterable[NamedTensor], bucket_bytes: int) -> Iterator[
         yield current
 
 
+def copy_bytes(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """``targets[i].copy_(sources[i])`` for flat ``uint8`` tensors of equal sizes, as one
+    multi-tensor copy: on an H200 a copy per tensor cost more host time than the copy itself
+    (packing a 1 GB, 192-tensor model: 4.2 ms batched, 5.3 ms one by one, 5.1 ms with the
+    tensors over 1 MiB on their own; memcpy of 1 GB: 0.5 ms). Asynchronous on a device."""
+    if targets:
+        torch._foreach_copy_(targets, sources, non_blocking=True)
+
+
 def pack(bucket: Bucket, buffer: torch.Tensor) -> int:
-    """Copy the bucket's pieces into ``buffer`` in one batched copy (one multi-tensor kernel
-    on a GPU instead of a launch per tensor: per-tensor host work is what a fast device
-    waits on); returns the bytes used."""
+    """Copy the bucket's pieces into ``buffer`` (:func:`copy_bytes`); returns the bytes
+    used."""
     targets, sources = [], []
     for piece, data in bucket:
         targets.append(buffer[piece.offset : piece.offset + piece.nbytes])
         whole = piece.first and piece.last
         sources.append(data if whole else data[piece.start : piece.stop])
-    if targets:
-        torch._foreach_copy_(targets, sources, non_blocking=True)
+    copy_bytes(targets, sources)
     return bucket[-1][0].offset + bucket[-1][0].nbytes if bucket else 0
 
 
@@ -191,8 +198,8 @@ class Reassembler:
     def add_bucket(self, pieces: list[Piece], buffer: torch.Tensor) -> list[NamedTensor]:
         """Every piece of one bucket (``buffer`` holds their bytes): the tensors it completes,
         in stream order. A whole tensor the consumer gives a destination for (``into``) is
-        written there, all of a bucket's in one batched copy (the bucket applied in place:
-        no per-tensor copy left for the consumer); the rest go through :meth:`add`."""
+        written there, a bucket's all at once (:func:`copy_bytes`: the bucket applied in
+        place, no copy left for the consumer); the rest go through :meth:`add`."""
         out: list[NamedTensor] = []
         targets: list[torch.Tensor] = []
         sources: list[torch.Tensor] = []
@@ -209,8 +216,7 @@ class Reassembler:
             sources.append(data)
             self.completed += 1
             out.append((piece.name, target))
-        if targets:
-            torch._foreach_copy_(targets, sources, non_blocking=True)
+        copy_bytes(targets, sources)
         return out
 
     def _destination(self, piece: Piece) -> torch.Tensor | None:
