@@ -20,8 +20,10 @@ speedup over naive is the median of the per-round ratios (with min-max), and "fi
 very first, cold run.
 
 One torch thread per process (the machine has two cores: sender and receiver get one each).
-The last line is JSON with ``speedup_vs_naive.<size>.<transport>`` (and its spread) and
-``fraction_of_memcpy`` per model and transport. ``--quick``: the 100M model, one round.
+The last line is JSON with ``speedup_vs_naive.<size>.<transport>`` (and its spread),
+``fraction_of_memcpy`` per model and transport, and the delta rows of ``weight_delta.py``
+(``delta_bytes_fraction.unchanged`` / ``.half_frozen``, ``delta_vs_adapter_bytes.lora`` /
+``.lora_merged``; ``--delta-size ''`` skips them). ``--quick``: the 100M model, one round.
 
     uv run python benchmarks/weight_sync.py [--sizes 100M,500M] [--pairs 5] [--bucket-mib 64]
     [--device cuda] [--quick]
@@ -88,11 +90,12 @@ def build_model(size: str, *, random: bool, device: str = "cpu"):
     return model
 
 
-def save_model(size: str, directory: Path) -> Path:
-    """The model (bf16) with a small tokenizer, for the receiving rollout to load."""
+def save_model(size: str, directory: Path, model=None) -> Path:
+    """The model (bf16; ``model`` or an uninitialised one of ``size``) with a small tokenizer,
+    for the receiving rollout to load."""
     from drivetrain.trainer.builtin.char_tokenizer import build_char_tokenizer
 
-    build_model(size, random=False).save_pretrained(directory)
+    (model or build_model(size, random=False)).save_pretrained(directory)
     build_char_tokenizer(directory)
     return directory
 
@@ -236,6 +239,9 @@ def main() -> None:
     )
     parser.add_argument("--transports", default=",".join(TRANSPORTS))
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU: no broadcast)")
+    parser.add_argument(
+        "--delta-size", default="100M", help="the model of the delta rows ('' skips them)"
+    )
     args = parser.parse_args()
     if args.bucket_mib is None:
         from drivetrain.api.config import WeightSyncConfig
@@ -259,6 +265,14 @@ def main() -> None:
                     ratios[f"speedup_vs_naive.{size}.{name}"] = speedup(times, name, "naive")
                     first[size][name] = round(cold["naive"] / cold[name], 2)
                     fraction[size][name] = round(nbytes / steady / 1e9 / memcpy, 3)
+        delta = {}
+        if args.delta_size:  # bytes a delta sync moves (weight_delta.py)
+            import weight_delta
+
+            model = build_model(args.delta_size, random=True)
+            trained = save_model(args.delta_size, work / "delta", model)  # LoRA trains on it
+            delta.update(weight_delta.model_rows(model))
+            delta.update(weight_delta.lora_rows(trained))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"{'model':>6} {'backend':>10} {'first s':>8} {'steady s':>9} {'GB/s':>6} "
@@ -270,6 +284,7 @@ def main() -> None:
               f"{gbs / memcpy:>9.2f}  {ratio}")  # fmt: skip
     print_result(
         ratios,
+        **delta,
         memcpy_gb_per_s=round(memcpy, 2),
         bucket_mib=args.bucket_mib,
         speedup_vs_naive_first_sync=first,

@@ -40,10 +40,57 @@ def test_grpo_inprocess_with_user_plugins(tmp_path):
         assert key in rows[0], key
     # the rollout generated with exactly the weights the trainer scores with
     assert rows[0]["actor/rollout_log_prob_diff"] < 1e-4
+    assert "rollout_log_prob_diff is" not in done.stderr  # the alarm stays quiet
     assert "time/old_log_probs_s" not in rows[0]  # one update per batch: no separate forward
     assert (out / "reward_curve.png").is_file() and (out / "config.yaml").is_file()
     assert "validation before" in done.stderr
     assert "reward/examples.custom_reward:brevity" in rows[0]
+
+
+SKEWED_ROLLOUT = """
+import dataclasses
+from drivetrain.api.plugin import PluginSpec
+from drivetrain.rollout.hf.rollout import HFRollout
+
+SPEC = PluginSpec(
+    name="hf_skewed", factory="skewed_rollout:Skewed",
+    config="drivetrain.rollout.config:HFRolloutConfig", api=">=0.1,<0.2",
+    capabilities=frozenset({"device:cpu"}), description="hf, log-probs 0.01 off",
+)
+
+class Skewed(HFRollout):
+    # a third party's rollout whose log-probs are off by a constant 0.01
+    def poll(self, timeout_s=0.0):
+        return [dataclasses.replace(c, log_probs=tuple(x - 0.01 for x in c.log_probs))
+                for c in super().poll(timeout_s)]
+"""
+
+
+def test_the_log_prob_alarm_fires_once_on_a_rollout_off_by_a_constant(tmp_path):
+    """A rollout (a plugin, as a third party ships one) whose log-probs are 0.01 off trains
+    without failing, but the run says so once, with the step and what to check."""
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "skewed_rollout.py").write_text(SKEWED_ROLLOUT)
+    info = plugins / "skewed_rollout-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: skewed-rollout\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[drivetrain.rollouts]\nhf_skewed = skewed_rollout:SPEC\n"
+    )
+    base = make_rl_job(tmp_path)
+    out = tmp_path / "run"
+    env = {**sft_env(tmp_path), "PYTHONPATH": str(plugins)}
+    _, done = run_rl(
+        "grpo", *base, "--rollout", "hf_skewed", f"run.output_dir={out}", "run.steps=3",
+        env=env,
+    )  # fmt: skip
+    key = "actor/rollout_log_prob_diff"
+    diffs = [r[key] for r in metrics_rows(out) if key in r]
+    assert len(diffs) == 3 and all(abs(d - 0.01) < 1e-3 for d in diffs), diffs
+    warnings = [line for line in done.stderr.splitlines() if "rollout_log_prob_diff is" in line]
+    assert len(warnings) == 1 and "step 1:" in warnings[0], done.stderr[-2000:]
+    assert "weight_sync.provenance" in warnings[0]
 
 
 @pytest.mark.fault

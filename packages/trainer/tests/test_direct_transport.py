@@ -32,7 +32,7 @@ def test_every_rollout_gets_the_export_even_from_a_reused_buffer():
     sender, rollouts, receivers = connected()
     new = fake_model.init_weights(8, seed=9, scale=0.5)
     manager = WeightSyncManager(
-        lambda v: sender.send(reused_buffer_export(new), version=v), rollouts, receivers
+        lambda v, _base=None: sender.send(reused_buffer_export(new), version=v), rollouts, receivers
     )
     report = manager.sync(4)
     assert report.sent.num_tensors == len(new) and len(report.received) == 2
@@ -49,14 +49,14 @@ def test_a_rollout_refusing_the_stream_fails_the_sync_and_keeps_old_weights():
     sender, rollouts, receivers = connected(timeout_s=5)
     old = [dict(r.weights) for r in rollouts]
     manager = WeightSyncManager(
-        lambda v: sender.send(iter([("nope", [0.0])]), version=v), rollouts, receivers
+        lambda v, _base=None: sender.send(iter([("nope", [0.0])]), version=v), rollouts, receivers
     )
     with pytest.raises(WeightSyncError, match="unknown weight 'nope'"):
         manager.sync(1)
     assert [r.weights for r in rollouts] == old and {r.weight_version for r in rollouts} == {0}
     # the connection still works
     new = fake_model.init_weights(8, seed=2, scale=0.5)
-    manager.send = lambda v: sender.send(iter(new.items()), version=v)
+    manager.send = lambda v, _base=None: sender.send(iter(new.items()), version=v)
     assert manager.sync(2).version == 2 and rollouts[1].weights == new
 
 
@@ -67,7 +67,9 @@ def test_a_failing_export_aborts_every_receiver():
         yield "bigram.bias", [0.0] * 8
         raise RuntimeError("export died")
 
-    manager = WeightSyncManager(lambda v: sender.send(broken(), version=v), rollouts, receivers)
+    manager = WeightSyncManager(
+        lambda v, _base=None: sender.send(broken(), version=v), rollouts, receivers
+    )
     with pytest.raises(WeightSyncError, match="export died"):
         manager.sync(1)
     assert {r.weight_version for r in rollouts} == {0}

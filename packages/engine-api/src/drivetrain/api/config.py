@@ -202,6 +202,14 @@ class WeightSyncConfig:
     min_gb_per_s: float = 0.05
     device: str = "auto"
     verify: bool = False
+    #: Send only the tensors whose fingerprint changed since the version every rollout holds
+    #: (frozen layers never travel; an unchanged model moves nothing); a failed sync makes
+    #: the next one send everything.
+    delta: bool = True
+    #: After each sync, every rollout that can fingerprint its weights
+    #: (``Rollout.weights_fingerprint``) must serve exactly what was sent, or the sync fails
+    #: naming the rollout, the version and the first tensor that differs.
+    provenance: bool = True
 
     def __post_init__(self) -> None:
         _check_positive("weight_sync", "bucket_bytes", self.bucket_bytes)

@@ -175,6 +175,15 @@ class Rollout(abc.ABC):
         backend that returns one applies weights as they arrive."""
         return None
 
+    def weights_fingerprint(self, expected: Mapping[str, str]) -> Mapping[str, str] | None:
+        """The fingerprints of the weights this rollout serves, for the names of ``expected``
+        and each in its dtype and kind (``drivetrain.runtime.fingerprint.fingerprint_like`` does
+        it for weights kept by those names), so the trainer can check after a sync that it
+        serves what was sent (``weight_sync.provenance``). ``None``, the default, when the
+        backend cannot tell (it fuses or shards weights under other names): it is then not
+        checked."""
+        return None
+
     @property
     @abc.abstractmethod
     def weight_version(self) -> int:

@@ -82,6 +82,10 @@ class SyncStats:
 
     ``digest`` is the hash of every name, dtype, shape and byte moved when the transport's
     ``verify`` is on (equal at both ends, or the receiver refused the stream), else ``None``.
+    The sender's side also carries, when it keeps a ledger of what the receivers hold
+    (``weight_sync.delta`` / ``provenance``): ``fingerprints``, by name, of the tensors this
+    sync moved (:mod:`drivetrain.runtime.fingerprint`), and the tensors and bytes it left out
+    because every receiver already held them (``skipped``, ``skipped_bytes``).
     """
 
     version: int
@@ -90,6 +94,9 @@ class SyncStats:
     bytes: int
     seconds: float
     digest: str | None = None
+    fingerprints: Mapping[str, str] | None = None
+    skipped: int = 0
+    skipped_bytes: int = 0
 
     @property
     def gb_per_s(self) -> float:

@@ -28,7 +28,7 @@ from drivetrain.runtime.weight_receiver import Receiving, WeightReceiver
 ROLLOUT_CALLS = frozenset(
     {
         "generate", "submit", "poll", "abort", "pause_generation", "resume_generation",
-        "weight_version", "sleep", "wake_up", "shutdown",
+        "weight_version", "weights_fingerprint", "sleep", "wake_up", "shutdown",
         "weights_connect", "weights_receive", "weights_disconnect",
     }
 )  # fmt: skip
@@ -148,6 +148,9 @@ class RemoteRollout(Rollout):
     @property
     def weight_version(self) -> int:
         return self.channel.call("weight_version")
+
+    def weights_fingerprint(self, expected: Mapping[str, str]) -> Mapping[str, str] | None:
+        return self.channel.call("weights_fingerprint", dict(expected))
 
     def sleep(self, level: int = 1) -> bool:
         super().sleep(level)  # validates the level here

@@ -10,8 +10,10 @@
         resume generation               (also after a failure: a rollout that got part of
                                          the weights refuses requests until the next sync)
 
-Nothing here touches tensors: the sender is any function ``send(version)`` (an engine rank
-exporting into a transport, or a Ray call doing so); each rollout (in this process, or behind
+Nothing here touches tensors: the sender is any function ``send(version, base)`` (an engine
+rank exporting into a transport, or a Ray call doing so; ``base`` is the version every rollout
+last confirmed, which a sender's ledger sends the difference from); each rollout (in this
+process, or behind
 a :class:`~drivetrain.runtime.remote_rollout.RemoteRollout` proxy) has a receiving end
 (:class:`~drivetrain.runtime.weight_receiver.WeightReceiver`, kept here or by the rollout's host)
 joined to the same transport by :func:`connect_rollouts`. In-process placement uses the
@@ -38,10 +40,12 @@ from drivetrain.api.weight_sync import (
     WeightTransport,
     drain,
 )
+from drivetrain.runtime.fingerprint import first_difference
 from drivetrain.runtime.remote_rollout import RemoteRollout
+from drivetrain.runtime.weight_ledger import WeightLedger
 from drivetrain.runtime.weight_receiver import Receiving, WeightReceiver
 
-SendFn = Callable[[int], SyncStats | None]
+SendFn = Callable[[int, int | None], SyncStats | None]
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,7 @@ class SyncReport:
         out = {
             f"{prefix}seconds": self.seconds,
             f"{prefix}bytes": float(self.sent.bytes),
+            f"{prefix}skipped_bytes": float(self.sent.skipped_bytes),
             f"{prefix}gb_per_s": self.gb_per_s,
             f"{prefix}version": float(self.version),
         }
@@ -77,16 +82,23 @@ class SyncReport:
 
 
 def engine_sender(
-    export: Callable[[], Iterable[NamedTensor]], transport: WeightTransport | None
+    export: Callable[[], Iterable[NamedTensor]],
+    transport: WeightTransport | None,
+    ledger: WeightLedger | None = None,
 ) -> SendFn:
-    """``send(version)`` for one engine rank: the rank that holds ``transport`` sends the
-    export; the others (``transport=None``) consume it, since exporting runs collectives."""
+    """``send(version, base)`` for one engine rank: the rank that holds ``transport`` sends
+    the export (through ``ledger``, when it keeps one: fingerprinted, and only what changed
+    since ``base``); the others (``transport=None``) consume it, since exporting runs
+    collectives."""
 
-    def send(version: int) -> SyncStats | None:
+    def send(version: int, base: int | None = None) -> SyncStats | None:
         if transport is None:
             drain(export())
             return None
-        return transport.send(export(), version=version)
+        if ledger is None:
+            return transport.send(export(), version=version)
+        stream = ledger.stream(export(), version=version, base=base)
+        return ledger.stamp(transport.send(stream, version=version))
 
     return send
 
@@ -182,6 +194,8 @@ class WeightSyncManager:
         self.abort_inflight = abort_inflight
         self.colocated = colocated
         self.reports: list[SyncReport] = []
+        #: The last version every rollout received whole (and, where checked, serves).
+        self.confirmed: int | None = None
 
     def _each(self, method: str, *args: Any, settle: bool = False, **kwargs: Any) -> list[Any]:
         """Call ``method`` on every rollout at once. ``settle``: call it on all of them even if
@@ -231,6 +245,11 @@ class WeightSyncManager:
             sent, received = self._transfer(version)
             phases["transfer"] = time.perf_counter() - start
             start = time.perf_counter()
+            if sent.fingerprints:
+                self._check_provenance(version, sent.fingerprints)
+                phases["provenance"] = time.perf_counter() - start
+                start = time.perf_counter()
+            self.confirmed = version
         finally:
             self._each("resume_generation", settle=True)  # whatever failed, they serve again
         phases["resume"] = time.perf_counter() - start
@@ -238,8 +257,23 @@ class WeightSyncManager:
         self.reports.append(report)
         return report
 
+    def _check_provenance(self, version: int, sent: Mapping[str, str]) -> None:
+        """Every rollout that can fingerprint its weights serves exactly what was sent."""
+        served = self._each("weights_fingerprint", sent)
+        for index, actual in enumerate(served):
+            if actual is None:  # this backend cannot tell (e.g. it fuses or shards weights)
+                continue
+            differs = first_difference(sent, actual)
+            if differs is not None:
+                name, want, got = differs
+                raise WeightSyncError(
+                    f"rollout {index} does not serve weights version {version}: tensor "
+                    f"{name!r} has fingerprint {got}, the trainer sent {want} (the rollout "
+                    "lost or misapplied part of the stream)"
+                )
+
     def _transfer(self, version: int) -> tuple[SyncStats, list[SyncStats]]:
-        calls: list[Callable[[], Any]] = [lambda: self.send(version)]
+        calls: list[Callable[[], Any]] = [lambda: self.send(version, self.confirmed)]
         calls += [lambda r=r: r.receive(version) for r in self.receivers]
         results = _all_at_once(calls, settle=True)
         failures = [r for r in results if isinstance(r, Exception)]

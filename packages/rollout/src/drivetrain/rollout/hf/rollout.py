@@ -3,7 +3,7 @@ continuous batching (:mod:`drivetrain.rollout.hf.batcher`), driven by whoever po
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -16,6 +16,7 @@ from drivetrain.rollout.devices import model_dir, resolve_device
 from drivetrain.rollout.hf.batcher import ContinuousBatcher
 from drivetrain.rollout.tokenized import TokenizedRollout
 from drivetrain.rollout.weights import apply_weights, destination
+from drivetrain.runtime.fingerprint import fingerprint_like
 from drivetrain.runtime.request_queue import RequestQueue
 
 
@@ -74,6 +75,10 @@ class HFRollout(TokenizedRollout):
 
     def weight_destination(self, name: str, shape: tuple[int, ...], dtype: str) -> Any:
         return destination(self._weights, self.weight_update, name, shape, dtype)
+
+    def weights_fingerprint(self, expected: Mapping[str, str]) -> Mapping[str, str] | None:
+        with self.requests.lock:  # not while an update writes
+            return fingerprint_like(self._weights, expected)
 
     def _index_weights(self) -> None:
         """The name -> tensor table every update writes through, built once (a state_dict()

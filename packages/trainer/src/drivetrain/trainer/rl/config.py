@@ -227,6 +227,9 @@ class RLRunConfig:
     export_hf: bool = True
     stop_grace_s: float = 25.0  # as SFT's run.stop_grace_s (trainer/stopping.py)
     checkpoint_on_interrupt: bool = False  # SIGINT also checkpoints; SIGTERM always
+    #: warn once when actor/rollout_log_prob_diff exceeds this (rl/log_prob_alarm.py);
+    #: 0: from the dtypes (0.002 when the actor and rollout run float32, else 0.05); < 0: off
+    log_prob_alarm: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "keep_last"):

@@ -76,6 +76,12 @@ def transport_config(transport: str, config: WeightSyncConfig) -> WeightSyncConf
     return cls(**shared)
 
 
+def takes_adapters(rollout_config: object) -> bool:
+    """Whether rollouts of this config load LoRA adapters themselves (``rollout.lora``)."""
+    lora = getattr(rollout_config, "lora", None)
+    return bool(lora is not None and lora.enabled)
+
+
 def connect_weights(
     group: WorkerGroup,
     pool: RolloutPool,
@@ -83,10 +89,12 @@ def connect_weights(
     config: WeightSyncConfig,
     *,
     colocated: bool = False,
+    adapter: bool = False,
 ) -> WeightSyncManager:
     """Join the actor's rank 0 and every rollout into the placement's transport once; the
-    returned manager (the weight path's one owner) runs every sync over it."""
-    endpoint = group.run_all(RoleWorker.sync_prepare, transport, config)
+    returned manager (the weight path's one owner) runs every sync over it. ``adapter``: the
+    rollouts take LoRA adapters (a LoRA actor sends its adapter alone)."""
+    endpoint = group.run_all(RoleWorker.sync_prepare, transport, config, adapter)
 
     def sender(topology: Topology, endpoint: Any) -> None:
         group.run_all(RoleWorker.sync_connect, topology, endpoint)
@@ -151,7 +159,9 @@ def build_placement(spec: PlacementSpec) -> Placement:
     pool = RolloutPool(rollouts)
     try:
         sync_config = transport_config(spec.transport, spec.sync_config)
-        weights = connect_weights(group, pool, spec.transport, sync_config)
+        weights = connect_weights(
+            group, pool, spec.transport, sync_config, adapter=takes_adapters(spec.rollout_config)
+        )
     except BaseException:
         pool.shutdown()
         group.close()
@@ -229,7 +239,10 @@ def _ray_placement(spec: PlacementSpec, factory: Any) -> Placement:
             for a in actors
         ]
         pool = RolloutPool(handles)
-        weights = connect_weights(group, pool, spec.transport, sync_config, colocated=colocated)
+        weights = connect_weights(
+            group, pool, spec.transport, sync_config, colocated=colocated,
+            adapter=takes_adapters(spec.rollout_config),
+        )  # fmt: skip
         return Placement(spec.mode, group, pool, weights, started_ray=started)
     except BaseException:
         for handle in handles:

@@ -23,6 +23,7 @@ from drivetrain.trainer.progress import TrainingProgress
 from drivetrain.trainer.reference import Reference
 from drivetrain.trainer.rl.config import RLConfig
 from drivetrain.trainer.rl.episode_setup import EpisodeSetup
+from drivetrain.trainer.rl.log_prob_alarm import LogProbAlarm, default_threshold
 from drivetrain.trainer.rl.placement import Placement
 from drivetrain.trainer.rl.prompts import PromptSampler
 from drivetrain.trainer.rl.scoring import SampleScorer
@@ -99,6 +100,8 @@ class RLTrainer:
             self.out / "checkpoints", keep_last=c.run.keep_last, writer=True
         )
         self.position = Position(self.checkpoints)  # where the run is (for a stop)
+        threshold = c.run.log_prob_alarm or default_threshold(c.actor.model.dtype, c.rollout.dtype)
+        self.alarm = LogProbAlarm(threshold, self.console.print)
 
     # ---- the algorithm ------------------------------------------------------------------
     def step(self, step: int) -> dict[str, float]:
@@ -239,6 +242,7 @@ class RLTrainer:
                     raise stop_here(stop, self.position, self.save)
                 metrics = self.step(step)
                 done = self.position.done = step + 1
+                self.alarm.check(done, metrics)
                 if not math.isfinite(metrics["actor/loss"]):
                     raise FloatingPointError(f"actor loss is {metrics['actor/loss']} at {done}")
                 if c.run.eval_every and done % c.run.eval_every == 0 and done < c.run.steps:

@@ -18,6 +18,7 @@ from typing import Any
 from drivetrain.api import Batch, EngineConfig, LossFn, OutputSpec, ParallelInfo, registry
 from drivetrain.api.config import WeightSyncConfig
 from drivetrain.api.weight_sync import SyncStats, Topology, TransportRole, WeightTransport
+from drivetrain.runtime.weight_ledger import WeightLedger
 from drivetrain.trainer.named_registry import import_plugins
 from drivetrain.trainer.sync_manager import engine_sender
 from drivetrain.trainer.workers.engine_worker import EngineWorker, StepStats
@@ -39,6 +40,8 @@ class RoleWorker:
             raise ValueError("an RL worker needs the actor role")
         self.roles = {name: EngineWorker(s.engine, s.config) for name, s in roles.items()}
         self._sender: WeightTransport | None = None
+        self._ledger: WeightLedger | None = None  # what the rollouts hold (rank 0)
+        self._adapter_sync = False  # the rollouts take the actor's LoRA adapter alone
 
     def initialize(self) -> ParallelInfo:
         infos = {name: worker.initialize() for name, worker in self.roles.items()}
@@ -90,23 +93,31 @@ class RoleWorker:
         self.roles[ACTOR].export_hf(path)
 
     def export_weights(self) -> Any:
-        """The actor's weight stream (what rank 0's transport sends)."""
-        return self.roles[ACTOR].engine.export_weights()
+        """The actor's weight stream (what rank 0's transport sends): its LoRA adapter alone
+        when the rollouts take adapters, else the (merged) weights."""
+        return self.roles[ACTOR].engine.export_weights(adapter_only=self._adapter_sync)
 
     # ---- weight sync (rank 0 sends; the others join the export's collectives) -----------
-    def sync_prepare(self, transport: str, config: WeightSyncConfig) -> Mapping[str, Any] | None:
+    def sync_prepare(
+        self, transport: str, config: WeightSyncConfig, adapter: bool = False
+    ) -> Mapping[str, Any] | None:
+        """``adapter``: the rollouts take LoRA adapters; a LoRA actor then sends its adapter
+        alone (every rank: exporting runs collectives)."""
+        self._adapter_sync = adapter and self.roles[ACTOR].engine.adapter_config() is not None
         if self.rank != 0:
             return None
         self.sync_close()
         self._sender = registry.ckpt_engines.load(transport)(config)
+        keeps = config.delta or config.provenance
+        self._ledger = WeightLedger(delta=config.delta) if keeps else None
         return self._sender.prepare()
 
     def sync_connect(self, topology: Topology, endpoint: Mapping[str, Any]) -> None:
         if self._sender is not None:
             self._sender.connect(TransportRole.SENDER, 0, topology, endpoint)
 
-    def sync_send(self, version: int) -> SyncStats | None:
-        return engine_sender(self.export_weights, self._sender)(version)
+    def sync_send(self, version: int, base: int | None = None) -> SyncStats | None:
+        return engine_sender(self.export_weights, self._sender, self._ledger)(version, base)
 
     def sync_close(self) -> None:
         if self._sender is not None:
