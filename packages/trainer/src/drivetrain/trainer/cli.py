@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from drivetrain.api import registry
+from drivetrain.trainer.commands.diagnose import mismatch
 from drivetrain.trainer.commands.dpo import dpo
 from drivetrain.trainer.commands.rl import distill, grpo, ppo
 from drivetrain.trainer.commands.sft import sft
@@ -83,6 +84,9 @@ def environments(check: Check = False) -> None:
     console.print(plugin_table(registry.environments, check=check))
 
 
+diagnose_app = typer.Typer(help="Find what is wrong with a run's parts.", no_args_is_help=True)
+diagnose_app.command()(mismatch)
+app.add_typer(diagnose_app, name="diagnose")
 app.command()(sft)
 app.command()(grpo)
 app.command()(ppo)

@@ -1,0 +1,132 @@
+"""``drivetrain diagnose mismatch``: where a rollout and the trainer stop agreeing, stage by
+stage, through the contracts alone (any engine, any rollout):
+
+1. **weights**: every tensor of the engine's export against what the rollout serves, by
+   fingerprint (``Rollout.weights_fingerprint``; a rollout that cannot tell is not checked);
+2. **log_probs**: the rollout samples a few prompts (seeded, temperature 1); the engine scores
+   the same tokens; the first token whose log-probs differ beyond the tolerance;
+3. **hidden_states**: per layer, where a rollout exposes them (an optional capability no
+   built-in rollout offers yet: reported as not checked).
+
+The first stage that diverges is where to look: a weight names the lost, perturbed or cast
+tensor; log-probs with equal weights point at sampling (temperature, top-p/top-k, the dtype
+the rollout computes in).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from drivetrain.api import Engine, OutputSpec, Prompt, SamplingParams
+from drivetrain.api.engine import NamedTensor
+from drivetrain.api.rollout import Completion, Rollout
+from drivetrain.runtime.fingerprint import fingerprints, first_difference
+from drivetrain.trainer.rollout_batch import completions_to_batch
+
+#: Log-prob tolerance by the dtype the two sides compute in (float32 agrees to ~1e-6 here).
+TOLERANCE = {"float32": 1e-3, "float64": 1e-3}
+HALF_TOLERANCE = 0.05
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One comparison: ``agrees`` is ``None`` when it could not be made."""
+
+    name: str
+    agrees: bool | None
+    detail: str
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    stages: tuple[Stage, ...]
+
+    @property
+    def first_divergence(self) -> Stage | None:
+        return next((s for s in self.stages if s.agrees is False), None)
+
+    def summary(self) -> str:
+        found = self.first_divergence
+        if found is None:
+            return "the rollout and the trainer agree at every stage checked"
+        return f"first divergence: {found.name}: {found.detail}"
+
+
+def compare_weights(export: Iterable[NamedTensor], rollout: Rollout) -> Stage:
+    expected = fingerprints(export)
+    served = rollout.weights_fingerprint(expected)
+    if served is None:
+        return Stage("weights", None, "the rollout cannot fingerprint its weights")
+    differs = first_difference(expected, served)
+    if differs is None:
+        return Stage("weights", True, f"all {len(expected)} tensors equal")
+    name, want, got = differs
+    return Stage("weights", False, f"tensor {name!r}: rollout {got}, trainer {want}")
+
+
+def compare_log_probs(
+    engine: Engine,
+    rollout: Rollout,
+    prompts: Sequence[Prompt],
+    *,
+    tolerance: float,
+    max_new_tokens: int = 16,
+    pad_token_id: int = 0,
+) -> Stage:
+    params = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, seed=0)
+    completions = rollout.generate(prompts, params)
+    worst = (0.0, -1, -1)
+    for index, (completion, scored) in enumerate(
+        zip(completions, _scored(engine, completions, pad_token_id), strict=True)
+    ):
+        for position, (sampled, recomputed) in enumerate(
+            zip(completion.log_probs, scored, strict=True)
+        ):
+            gap = abs(sampled - recomputed)
+            if gap > tolerance:
+                token = completion.token_ids[position]
+                return Stage(
+                    "log_probs", False,
+                    f"prompt {index}, generated token {position} (id {token}): rollout "
+                    f"{sampled:.5f}, trainer {recomputed:.5f} (tolerance {tolerance:g})",
+                )  # fmt: skip
+            worst = max(worst, (gap, index, position))
+    tokens = sum(len(c.token_ids) for c in completions)
+    return Stage("log_probs", True, f"{tokens} sampled tokens, largest gap {worst[0]:.2e}")
+
+
+def _scored(
+    engine: Engine, completions: Sequence[Completion], pad_token_id: int
+) -> list[list[float]]:
+    import torch
+
+    batch = completions_to_batch(completions, pad_token_id=pad_token_id, as_tensor=torch.tensor)
+    with engine.eval_mode():
+        out = engine.infer(batch, OutputSpec(log_probs=True, temperature=1.0))
+    rows = []
+    for i, completion in enumerate(completions):
+        start = len(completion.prompt_ids)
+        rows.append(out["log_probs"][i, start : start + len(completion.token_ids)].tolist())
+    return rows
+
+
+def diagnose(
+    engine: Engine,
+    rollout: Rollout,
+    prompts: Sequence[Prompt],
+    *,
+    dtype: str = "float32",
+    tolerance: float | None = None,
+    pad_token_id: int = 0,
+) -> Diagnosis:
+    """Every stage, in order (each runs even when an earlier one diverged: the later ones
+    say how far the divergence reaches)."""
+    tolerance = tolerance if tolerance is not None else TOLERANCE.get(dtype, HALF_TOLERANCE)
+    with engine.eval_mode():
+        weights = compare_weights(engine.export_weights(), rollout)
+    log_probs = compare_log_probs(
+        engine, rollout, prompts, tolerance=tolerance, pad_token_id=pad_token_id
+    )
+    hidden = Stage("hidden_states", None, "the rollout does not expose per-layer hidden states")
+    return Diagnosis((weights, log_probs, hidden))
