@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -37,21 +37,13 @@ def moved(ledger: WeightLedger, weights: Iterable, version: int) -> tuple[int, f
     return total, time.perf_counter() - start
 
 
-def frozen_half(model: torch.nn.Module) -> Callable[[], None]:
+def train_upper_half(model: torch.nn.Module) -> None:
     """A training step of a model whose embeddings and lower half of layers are frozen."""
-    layers = model.config.num_hidden_layers
-    trained = [
-        p for name, p in model.named_parameters()
-        if not name.startswith("model.embed_tokens")
-        and not any(name.startswith(f"model.layers.{i}.") for i in range(layers // 2))
-    ]  # fmt: skip
-
-    def step() -> None:
-        with torch.no_grad():
-            for param in trained:
+    lower = tuple(f"model.layers.{i}." for i in range(model.config.num_hidden_layers // 2))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not name.startswith(("model.embed_tokens", *lower)):
                 param.add_(1e-3)
-
-    return step
 
 
 def model_rows(model: torch.nn.Module) -> dict[str, float]:
@@ -60,7 +52,7 @@ def model_rows(model: torch.nn.Module) -> dict[str, float]:
     ledger = WeightLedger()
     full, full_s = moved(ledger, state(), 1)
     unchanged, unchanged_s = moved(ledger, state(), 2)
-    frozen_half(model)()
+    train_upper_half(model)
     half, half_s = moved(ledger, state(), 3)
     assert full == total
     print(f"full sync {total / 1e6:.1f} MB in {full_s:.3f} s (fingerprints included); "

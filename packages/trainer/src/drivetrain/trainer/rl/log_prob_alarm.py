@@ -9,15 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 METRIC = "actor/rollout_log_prob_diff"
-#: The threshold when both sides run in float32, and when either runs in a 16-bit dtype
-#: (whose rounding alone moves log-probs by about 0.01).
-FLOAT32_THRESHOLD = 0.002
-HALF_THRESHOLD = 0.05
-
-
-def default_threshold(*dtypes: str) -> float:
-    """The threshold for a trainer and a rollout in ``dtypes``."""
-    return FLOAT32_THRESHOLD if all(d in ("float32", "float64") for d in dtypes) else HALF_THRESHOLD
 
 
 class LogProbAlarm:

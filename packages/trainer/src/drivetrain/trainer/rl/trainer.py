@@ -18,12 +18,13 @@ from drivetrain.api import SamplingParams
 from drivetrain.api.columns import LOSS_MASK
 from drivetrain.trainer.checkpoints import CheckpointManager
 from drivetrain.trainer.console import plain_console
+from drivetrain.trainer.diagnose import log_prob_tolerance
 from drivetrain.trainer.metrics import METRICS_FILE, MetricsLogger, plot_curve
 from drivetrain.trainer.progress import TrainingProgress
 from drivetrain.trainer.reference import Reference
 from drivetrain.trainer.rl.config import RLConfig
 from drivetrain.trainer.rl.episode_setup import EpisodeSetup
-from drivetrain.trainer.rl.log_prob_alarm import LogProbAlarm, default_threshold
+from drivetrain.trainer.rl.log_prob_alarm import LogProbAlarm
 from drivetrain.trainer.rl.placement import Placement
 from drivetrain.trainer.rl.prompts import PromptSampler
 from drivetrain.trainer.rl.scoring import SampleScorer
@@ -100,7 +101,7 @@ class RLTrainer:
             self.out / "checkpoints", keep_last=c.run.keep_last, writer=True
         )
         self.position = Position(self.checkpoints)  # where the run is (for a stop)
-        threshold = c.run.log_prob_alarm or default_threshold(c.actor.model.dtype, c.rollout.dtype)
+        threshold = c.run.log_prob_alarm or log_prob_tolerance(c.actor.model.dtype, c.rollout.dtype)
         self.alarm = LogProbAlarm(threshold, self.console.print)
 
     # ---- the algorithm ------------------------------------------------------------------
