@@ -125,6 +125,35 @@ def test_new_weights_from_an_engine_equal_a_fresh_vllm(vllm, model_dir, tmp_path
         fresh.shutdown()
 
 
+def test_a_delta_update_goes_through_vllms_weight_transfer_api_and_equals_the_full_one(
+    vllm, model_dir
+):
+    """A delta (the sender's ledger leaves out what vLLM holds) changing one tensor of a
+    fused layer: vLLM rebuilds ``qkv_proj`` from its parts, so the whole layer travels and the
+    result equals the full update. Both go through vLLM's weight-transfer API, which stamps the
+    version on vLLM's own outputs."""
+    from drivetrain.runtime.weight_ledger import WeightLedger
+
+    initial = KeptRollout(vllm, model_dir).initial
+    q = "model.layers.0.self_attn.q_proj.weight"
+    changed = [(n, t + 0.05 if n == q else t) for n, t in initial]
+    ledger = WeightLedger()
+    vllm.update_weights(ledger.stream(initial, version=1, base=None), version=1)
+    before = vllm.generate(CHAT_PROMPTS, GREEDY)
+    delta = list(ledger.stream(changed, version=2, base=1))
+    assert {n for n, _ in delta} == {n for n, _ in initial if n.startswith("model.layers.0.")}
+    vllm.update_weights(delta, version=2)
+    after_delta = vllm.generate(CHAT_PROMPTS, GREEDY)
+    vllm.update_weights(changed, version=3)
+    after_full = vllm.generate(CHAT_PROMPTS, GREEDY)
+    assert [c.token_ids for c in after_delta] == [c.token_ids for c in after_full]
+    assert [c.token_ids for c in after_delta] != [c.token_ids for c in before]
+    assert {c.weight_version for c in after_delta} == {2}
+    log = vllm.channel.log_path.read_text(errors="replace")
+    assert "Creating weight transfer engine: DrivetrainWeightTransferEngine" in log
+    vllm.update_weights(initial, version=0)  # as built, for the tests after this one
+
+
 def test_lora_adapter_updates_equal_the_merged_model(model_dir, tmp_path):
     from drivetrain.api import LoraConfig
 
@@ -162,11 +191,19 @@ def test_worker_processes_and_tensor_parallel_take_new_weights(
     model_dir, tmp_path, tensor_parallel_size
 ):
     """vLLM with worker processes (tensor parallel over gloo on CPU) matches transformers
-    before and after a weight update (handed over through a directory)."""
+    before and after a weight update (handed over through a directory), whichever way it
+    enters vLLM."""
     engine = fsdp_engine(model_dir)
     hf = rollouts.load("hf")(HFRolloutConfig(model_path=str(model_dir), max_model_len=256))
     train_step(engine, hf.generate(CHAT_PROMPTS, SAMPLED))
-    workers = start_vllm(model_dir, multiprocessing=True, tensor_parallel_size=tensor_parallel_size)
+    # one worker takes the update through vLLM's reload_weights (vLLM before its weight-transfer
+    # API), two through the API
+    workers = start_vllm(
+        model_dir,
+        multiprocessing=True,
+        tensor_parallel_size=tensor_parallel_size,
+        weight_transfer="reload" if tensor_parallel_size == 1 else "api",
+    )
     try:
         for c in workers.generate(CHAT_PROMPTS, GREEDY):
             assert list(c.token_ids) == transformers_greedy(model_dir, c)

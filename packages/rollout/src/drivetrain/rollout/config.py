@@ -62,7 +62,10 @@ class VLLMRolloutConfig(BackendConfig):
     tensor-parallel size 1), so new weights are handed over as tensors through vLLM's
     ``reload_weights``; with worker processes (``multiprocessing=True``, required for tensor
     parallel) they are handed over through a directory (see ``vllm/rollout.py``).
-    ``kv_cache_space_gib`` sets ``VLLM_CPU_KVCACHE_SPACE`` on CPU.
+    ``kv_cache_space_gib`` sets ``VLLM_CPU_KVCACHE_SPACE`` on CPU. ``weight_transfer``: how
+    full weight updates enter vLLM: ``"api"`` through vLLM's weight-transfer API (its update
+    lifecycle, with drivetrain's engine), ``"reload"`` through ``reload_weights``, ``"auto"``
+    the API where the installed vLLM has it (0.32 does).
     """
 
     gpu_memory_utilization: float = 0.5
@@ -74,9 +77,14 @@ class VLLMRolloutConfig(BackendConfig):
     multiprocessing: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
     max_loras: int = 1
+    weight_transfer: str = "auto"
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.weight_transfer not in ("auto", "api", "reload"):
+            raise ConfigError(
+                f"rollout.weight_transfer must be auto, api or reload, got {self.weight_transfer!r}"
+            )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError("rollout.gpu_memory_utilization must be in (0, 1]")
         if self.kv_cache_space_gib < 1 or self.max_num_seqs < 1:

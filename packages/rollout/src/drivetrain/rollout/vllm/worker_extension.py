@@ -1,28 +1,31 @@
 """Methods vLLM mixes into each of its workers (``worker_extension_cls``), called by name
 through ``collective_rpc``: no callable crosses vLLM's process boundary, so this works with
-worker processes and without ``VLLM_ALLOW_INSECURE_SERIALIZATION``. Imported only by vLLM."""
+worker processes and without ``VLLM_ALLOW_INSECURE_SERIALIZATION``. Imported only by vLLM, in
+every worker process before its model loads: importing it registers drivetrain's
+weight-transfer engine there (:mod:`drivetrain.rollout.vllm.transfer_engine`)."""
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
+
+from drivetrain.rollout.vllm.tied_head import refresh_tied_lm_head
 
 
 class DrivetrainWorkerExtension:
     def drivetrain_refresh_tied_lm_head(self) -> bool:
-        """Re-derive the output layer from the embedding it is tied to.
-
-        On CPU vLLM keeps a packed (oneDNN) copy of each linear weight. With tied embeddings
-        (SmolLM2, Qwen2.5-0.5B) no weight is addressed to ``lm_head`` when weights are
-        reloaded, so its packed copy kept the step-0 weights: logits came from the old output
-        layer while every other layer was updated (rollout/trainer log-prob gap 5e-6 at step
-        1, then 4e-4). Returns whether it refreshed anything."""
+        """After ``reload_weights`` (vLLM without the weight-transfer API): see
+        :func:`~drivetrain.rollout.vllm.tied_head.refresh_tied_lm_head`."""
         model: Any = self.get_model()  # type: ignore[attr-defined]
-        head = getattr(model, "lm_head", None)
-        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-        if head is None or embed is None or head.weight is not embed.weight:
-            return False
-        method = getattr(head, "quant_method", None)
-        if method is None:
-            return False
-        method.process_weights_after_loading(head)
-        return True
+        return refresh_tied_lm_head(model)
+
+
+def has_weight_transfer_api() -> bool:
+    """Whether the installed vLLM has ``vllm.distributed.weight_transfer`` (0.32 has it)."""
+    return importlib.util.find_spec("vllm.distributed.weight_transfer") is not None
+
+
+if has_weight_transfer_api():
+    from drivetrain.rollout.vllm.transfer_engine import register
+
+    register()
