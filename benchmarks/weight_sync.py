@@ -1,10 +1,11 @@
 """Weight sync: seconds and GB/s per transport against the naive path and memcpy.
 
-For a ~100M and a ~500M parameter Llama (bf16), a sender in this process streams the model's
-tensors to a receiver process running drivetrain's ``hf`` rollout on the same model, which
-applies them as they arrive (the rollout's own weight path: ``WeightReceiver.receive`` ->
-``update_weights``; a tensor split across buckets is written straight into its parameter),
-through each drivetrain transport, measured side by side with:
+For a ~100M and a ~500M parameter Llama (bf16), and one of many small tensors (``many``: 579
+tensors, 13.5 MB, where the host work per tensor is what is measured), a sender in this
+process streams the model's tensors to a receiver process running drivetrain's ``hf``
+rollout on the same model, which applies them as they arrive (the rollout's own weight path:
+``WeightReceiver.receive`` -> ``update_weights``; a tensor split across buckets is written
+straight into its parameter), through each drivetrain transport, measured side by side with:
 
 - the naive path: ``torch.save(model.state_dict())`` and ``from_pretrained`` on the other
   side (the reload of a whole checkpoint that weight sync replaces), and
@@ -21,7 +22,8 @@ very first, cold run.
 
 One torch thread per process (the machine has two cores: sender and receiver get one each).
 The last line is JSON with ``speedup_vs_naive.<size>.<transport>`` (and its spread),
-``fraction_of_memcpy`` per model and transport, and the delta rows of ``weight_delta.py``
+``fraction_of_memcpy`` and ``host_us_per_tensor`` (a steady sync's seconds over its tensors)
+per model and transport, and the delta rows of ``weight_delta.py``
 (``delta_bytes_fraction.unchanged`` / ``.half_frozen``, ``delta_vs_adapter_bytes.lora`` /
 ``.lora_merged``; ``--delta-size ''`` skips them). ``--quick``: the 100M model, one round.
 
@@ -56,6 +58,8 @@ SIZES = {
     # hidden, layers, intermediate, heads: 106M and 497M parameters with a 32k vocabulary
     "100M": (768, 8, 2048, 12),
     "500M": (1280, 21, 3456, 20),
+    # 579 small tensors (13.5 MB): the per-tensor host work, which bounds a sync on a GPU
+    "many": (64, 64, 128, 2),
 }
 
 
@@ -192,9 +196,10 @@ class NaiveSync:
 
 def time_paths(args: argparse.Namespace, size: str, work: Path, rounds: int) -> tuple:
     """Seconds per timed round of the naive path and each transport, interleaved, plus the
-    first (cold) sync of each and the state dict's bytes."""
+    first (cold) sync of each, the state dict's bytes and its number of tensors."""
     model = build_model(size, random=True, device=args.device)
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    count = len(model.state_dict())
     model_dir = save_model(size, work / f"model-{size}")
     runs: list[TransportRun] = []
     try:
@@ -210,7 +215,7 @@ def time_paths(args: argparse.Namespace, size: str, work: Path, rounds: int) -> 
     finally:
         for run in runs:
             run.stop()
-    return times, seen[0], nbytes
+    return times, seen[0], nbytes, count
 
 
 def memcpy_gb_per_s(nbytes: int = 1 << 30, device: str = "cpu") -> float:
@@ -252,12 +257,12 @@ def main() -> None:
     torch.set_num_threads(1)
     memcpy = memcpy_gb_per_s(device=args.device)
     print(f"memcpy ({args.device}, 1 GiB): {memcpy:.2f} GB/s; buckets {args.bucket_mib} MiB")
-    ratios, first, fraction, rows = {}, {}, {}, []
+    ratios, first, fraction, per_tensor, rows = {}, {}, {}, {}, []
     work = Path(tempfile.mkdtemp(prefix="drivetrain-bench-sync-"))
     try:
         for size in sizes:
-            times, cold, nbytes = time_paths(args, size, work, rounds)
-            first[size], fraction[size] = {}, {}
+            times, cold, nbytes, count = time_paths(args, size, work, rounds)
+            first[size], fraction[size], per_tensor[size] = {}, {}, {}
             for name, seconds in times.items():
                 steady = statistics.median(seconds)
                 rows.append((size, name, cold[name], steady, nbytes))
@@ -265,6 +270,7 @@ def main() -> None:
                     ratios[f"speedup_vs_naive.{size}.{name}"] = speedup(times, name, "naive")
                     first[size][name] = round(cold["naive"] / cold[name], 2)
                     fraction[size][name] = round(nbytes / steady / 1e9 / memcpy, 3)
+                    per_tensor[size][name] = round(steady / count * 1e6, 1)
         delta = {}
         if args.delta_size:  # bytes a delta sync moves (weight_delta.py)
             import weight_delta
@@ -289,6 +295,7 @@ def main() -> None:
         bucket_mib=args.bucket_mib,
         speedup_vs_naive_first_sync=first,
         fraction_of_memcpy=fraction,
+        host_us_per_tensor=per_tensor,
         rounds=rounds,
     )
 

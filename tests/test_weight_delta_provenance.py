@@ -104,11 +104,11 @@ def test_a_lost_bucket_fails_the_same_sync_naming_the_tensor(model_dir, monkeypa
             if not getattr(here, "lose", False):
                 copy_bytes(targets, sources)
 
-        def lose_the_second(self, pieces, buffer):
-            seen.append(pieces)
+        def lose_the_second(self, layout):
+            seen.append(layout.pieces)
             here.lose = len(seen) == 2
             try:
-                return add_bucket(self, pieces, buffer)
+                return add_bucket(self, layout)
             finally:
                 here.lose = False
 

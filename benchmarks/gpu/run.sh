@@ -73,7 +73,7 @@ if [ -n "$SMOKE" ]; then
     logging.progress=false
 else
   step weight-sync "$PY" benchmarks/weight_sync.py --device cuda --transports colocated,disk \
-    --sizes 500M
+    --sizes 500M,many
   step grpo "$PY" -m drivetrain.trainer grpo run.output_dir="$WORK/grpo" logging.progress=false
 fi
 "$PY" benchmarks/gpu/summary.py "$LOGS" | tee "$LOGS/summary.json"

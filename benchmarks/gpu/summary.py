@@ -50,7 +50,9 @@ def main(work: Path) -> None:
         "weight_sync": {
             k: v
             for k, v in sync.items()
-            if k.startswith(("speedup", "seconds", "fraction_of_memcpy", "memcpy", "bucket"))
+            if k.startswith(
+                ("speedup", "seconds", "fraction_of_memcpy", "host_us", "memcpy", "bucket")
+            )
         },
         "grpo": {k: grpo.get(k) for k in ("steps", "loop_seconds", "seconds", "val_after")},
         "mfu_table": mfu.get("configurations"),

@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drivetrain.runtime.fingerprint import fingerprint, fingerprint_like, first_difference
+from drivetrain.runtime.fingerprint import (
+    fingerprint,
+    fingerprint_all,
+    fingerprint_like,
+    first_difference,
+)
 
 
 @pytest.mark.parametrize("kind", ["crc32", "isum"])
@@ -45,3 +50,17 @@ def test_a_rollout_checks_its_weights_in_the_senders_dtype():
     )  # fmt: skip
     with pytest.raises(ValueError, match="names no torch dtype"):
         fingerprint_like(kept_in_fp32, {"w": "nonsense:crc32:00"})
+
+
+def test_fingerprints_taken_together_equal_each_taken_alone():
+    """The ledger fingerprints a layer at once (one device sync for its ``isum`` sums)."""
+    g = torch.Generator().manual_seed(3)
+    tensors = [
+        torch.randn(5, 3, generator=g).to(torch.bfloat16),
+        torch.randn(7, generator=g),
+        torch.arange(5, dtype=torch.uint8),  # not a multiple of 8 bytes
+        torch.randn(4, 4, generator=g).t(),  # not contiguous
+    ]
+    for kind in ("isum", "crc32", None):
+        assert fingerprint_all(tensors, kind) == [fingerprint(t, kind) for t in tensors]
+    assert fingerprint_all([]) == []

@@ -210,6 +210,7 @@ class BroadcastTransport(BucketTransport):
             self.group.all_reduce_max(zero, timeout)
         except WeightSyncError as exc:
             raise WeightSyncError(f"joining the weight-sync group failed: {exc}") from exc
+        self.layouts.clear()
         self.buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in (0, 1)]
         self.role = role
 
@@ -235,6 +236,7 @@ class BroadcastTransport(BucketTransport):
         self.group = None
 
     def finalize(self) -> None:
+        self.layouts.clear()
         if self.group is not None:
             self.group.shut_down(abort=False)
         self.group = None

@@ -10,6 +10,7 @@ import torch
 
 from drivetrain.api.engine import NamedTensor
 from drivetrain.api.weight_sync import Destination, SyncStats, WeightTransport
+from drivetrain.ckpt.buckets import Layouts
 from drivetrain.ckpt.pipeline import (
     ReceiverLink,
     SenderLink,
@@ -20,6 +21,14 @@ from drivetrain.ckpt.pipeline import (
 
 class BucketTransport(WeightTransport):
     device: torch.device = torch.device("cpu")
+    _layouts: Layouts | None = None
+
+    @property
+    def layouts(self) -> Layouts:
+        """The bucket layouts of this transport's buffers, kept from sync to sync."""
+        if self._layouts is None:
+            self._layouts = Layouts()
+        return self._layouts
 
     @abc.abstractmethod
     def _sender_link(self) -> SenderLink:
@@ -37,10 +46,16 @@ class BucketTransport(WeightTransport):
         link = self._sender_link()
         try:
             return send_stream(
-                link, weights, version=version, device=self.device, verify=self.config.verify
+                link,
+                weights,
+                version=version,
+                device=self.device,
+                verify=self.config.verify,
+                layouts=self.layouts,
             )
         finally:
             if getattr(link, "broken", False):
+                self.layouts.clear()  # the next link may map other buffers
                 self._on_broken()
 
     def receive(self, into: Destination | None = None) -> Iterator[NamedTensor]:
@@ -56,9 +71,11 @@ class BucketTransport(WeightTransport):
                 timeout_s=self.config.deadline_s(link.buffers[0].numel()),  # one bucket
                 on_stats=self._record,
                 into=into,
+                layouts=self.layouts,
             )
         finally:
             if getattr(link, "broken", False):
+                self.layouts.clear()  # the next link may map other buffers
                 self._on_broken()
 
     def _record(self, stats: SyncStats) -> None:

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -41,9 +42,10 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
 
 
-@dataclass(frozen=True)
-class Piece:
-    """Bytes ``[start, stop)`` of tensor ``name`` (``total`` bytes), at ``offset`` in a bucket."""
+class Piece(NamedTuple):
+    """Bytes ``[start, stop)`` of tensor ``name`` (``total`` bytes), at ``offset`` in a bucket.
+    A tuple: made for every tensor of every sync, and a bucket's layout is looked up by its
+    pieces, so building, hashing and comparing them is C work."""
 
     name: str
     shape: tuple[int, ...]
@@ -97,7 +99,8 @@ def decode_pieces(text: Any) -> list[Piece]:
         raise WeightSyncError(f"malformed piece table in a bucket header: {exc}") from None
 
 
-Bucket = list[tuple[Piece, torch.Tensor]]  # each piece with its source tensor's byte view
+Bucket = list[tuple[Piece, torch.Tensor]]  # each piece with its source: the tensor when it goes
+# whole, its byte view when it is split
 
 
 def _aligned(position: int) -> int:
@@ -109,14 +112,14 @@ def plan_buckets(weights: Iterable[NamedTensor], bucket_bytes: int) -> Iterator[
     current: Bucket = []
     used = 0
     for name, tensor in weights:
-        data = byte_view(tensor)
-        total = data.numel()
+        total = tensor.numel() * tensor.element_size()
         meta = (name, tuple(tensor.shape), dtype_name(tensor.dtype), total)
         offset = _aligned(used) if used else 0
         if current and total <= bucket_bytes and offset + total > bucket_bytes:
             yield current  # it fits in a fresh bucket: do not split it
             current, used, offset = [], 0, 0
         start = 0
+        source = tensor
         while True:
             room = bucket_bytes - offset
             # a sliver at the end of a used bucket is not worth a piece: start a fresh one
@@ -125,7 +128,9 @@ def plan_buckets(weights: Iterable[NamedTensor], bucket_bytes: int) -> Iterator[
                 current, used, offset = [], 0, 0
                 continue
             stop = min(total, start + room)
-            current.append((Piece(*meta, start, stop, offset), data))
+            if source is tensor and stop < total:  # split: its pieces are byte ranges
+                source = byte_view(tensor)
+            current.append((Piece(*meta, start, stop, offset), source))
             used = offset + (stop - start)
             start = stop
             if start >= total:
@@ -136,24 +141,87 @@ def plan_buckets(weights: Iterable[NamedTensor], bucket_bytes: int) -> Iterator[
 
 
 def copy_bytes(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    """``targets[i].copy_(sources[i])`` for flat ``uint8`` tensors of equal sizes, as one
+    """``targets[i].copy_(sources[i])`` for tensors of equal shapes and dtypes, as one
     multi-tensor copy: on an H200 a copy per tensor cost more host time than the copy itself
     (packing a 1 GB, 192-tensor model: 4.2 ms batched, 5.3 ms one by one, 5.1 ms with the
     tensors over 1 MiB on their own; memcpy of 1 GB: 0.5 ms). Asynchronous on a device."""
     if targets:
-        torch._foreach_copy_(targets, sources, non_blocking=True)
+        with torch.no_grad():
+            torch._foreach_copy_(targets, sources, non_blocking=True)
 
 
-def pack(bucket: Bucket, buffer: torch.Tensor) -> int:
-    """Copy the bucket's pieces into ``buffer`` (:func:`copy_bytes`); returns the bytes
-    used."""
-    targets, sources = [], []
-    for piece, data in bucket:
-        targets.append(buffer[piece.offset : piece.offset + piece.nbytes])
-        whole = piece.first and piece.last
-        sources.append(data if whole else data[piece.start : piece.stop])
-    copy_bytes(targets, sources)
-    return bucket[-1][0].offset + bucket[-1][0].nbytes if bucket else 0
+@dataclass(frozen=True)
+class Layout:
+    """One bucket's pieces at their places in one bucket buffer: ``views[i]`` is piece ``i``'s
+    bytes in the buffer, typed as its tensor (dtype and shape) when the tensor goes whole, raw
+    bytes when it is split; ``text`` is the piece table as it travels. Built once per bucket
+    layout and reused (:class:`Layouts`): views made for every tensor of every sync cost more
+    host time than the bytes' copy."""
+
+    pieces: list[Piece]
+    views: list[torch.Tensor]
+    text: str
+    used: int
+
+    @classmethod
+    def build(cls, pieces: list[Piece], buffer: torch.Tensor, text: str | None = None) -> Layout:
+        views = []
+        for piece in pieces:
+            raw = buffer[piece.offset : piece.offset + piece.nbytes]
+            if piece.first and piece.last:
+                raw = raw.view(dtype_from_name(piece.dtype)).view(piece.shape)
+            views.append(raw)
+        used = pieces[-1].offset + pieces[-1].nbytes if pieces else 0
+        if used > buffer.numel():
+            raise WeightSyncError(f"a bucket of {used} bytes does not fit its {buffer.numel()}")
+        return cls(pieces, views, encode_pieces(pieces) if text is None else text, used)
+
+
+class Layouts:
+    """The bucket layouts seen lately, by buffer and piece table: a sync of the same weights (or
+    the same delta of them) finds every bucket's views made already. Each holds views of its
+    buffer, so a buffer a transport drops stays mapped until its layouts are evicted."""
+
+    def __init__(self, capacity: int = 64) -> None:
+        self.capacity = capacity
+        self._entries: OrderedDict[tuple[int, Any], Layout] = OrderedDict()
+
+    def sending(self, bucket: Bucket, buffer: torch.Tensor) -> Layout:
+        pieces = [piece for piece, _ in bucket]
+        return self._get((buffer.data_ptr(), tuple(pieces)), lambda: Layout.build(pieces, buffer))
+
+    def receiving(self, text: Any, buffer: torch.Tensor) -> Layout:
+        def build() -> Layout:
+            return Layout.build(decode_pieces(text), buffer, text)
+
+        if not isinstance(text, str):
+            return build()  # malformed: decode_pieces says why
+        return self._get((buffer.data_ptr(), text), build)
+
+    def _get(self, key: tuple[int, Any], build: Callable[[], Layout]) -> Layout:
+        layout = self._entries.get(key)
+        if layout is None:
+            layout = self._entries[key] = build()
+            if len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+        else:
+            self._entries.move_to_end(key)
+        return layout
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+def pack(bucket: Bucket, buffer: torch.Tensor, layouts: Layouts | None = None) -> Layout:
+    """Copy the bucket's pieces into ``buffer`` (:func:`copy_bytes`: each whole tensor as it is,
+    strided or not); returns its layout there."""
+    layout = (layouts or Layouts()).sending(bucket, buffer)
+    sources = [
+        source if piece.first and piece.last else source[piece.start : piece.stop]
+        for piece, source in bucket
+    ]
+    copy_bytes(layout.views, sources)
+    return layout
 
 
 class Reassembler:
@@ -195,44 +263,49 @@ class Reassembler:
             return piece.name, target
         return self._finish(piece, storage)
 
-    def add_bucket(self, pieces: list[Piece], buffer: torch.Tensor) -> list[NamedTensor]:
-        """Every piece of one bucket (``buffer`` holds their bytes): the tensors it completes,
-        in stream order. A whole tensor the consumer gives a destination for (``into``) is
-        written there, a bucket's all at once (:func:`copy_bytes`: the bucket applied in
-        place, no copy left for the consumer); the rest go through :meth:`add`."""
+    def add_bucket(self, layout: Layout) -> list[NamedTensor]:
+        """Every piece of one bucket (its :class:`Layout` in the buffer holding the bytes): the
+        tensors it completes, in stream order. A whole tensor the consumer gives a destination
+        for (``into``) is written there, a bucket's all at once (:func:`copy_bytes`: the bucket
+        applied in place, no copy left for the consumer); one without is the bucket's typed
+        view; pieces of split ones go through :meth:`add`."""
         out: list[NamedTensor] = []
         targets: list[torch.Tensor] = []
         sources: list[torch.Tensor] = []
-        for piece in pieces:
-            data = buffer[piece.offset : piece.offset + piece.nbytes]
-            whole = piece.first and piece.last and self._partial is None
-            target = self._destination(piece) if whole else None
-            if target is None:
-                tensor = self.add(piece, data)
+        for piece, view in zip(layout.pieces, layout.views, strict=True):
+            if not (piece.first and piece.last) or self._partial is not None:
+                tensor = self.add(piece, view)
                 if tensor is not None:
                     out.append(tensor)
                 continue
-            targets.append(byte_view(target))
-            sources.append(data)
             self.completed += 1
+            target = self._destination(piece, view.dtype, contiguous=False)
+            if target is None:
+                out.append((piece.name, view))
+                continue
+            targets.append(target)
+            sources.append(view)
             out.append((piece.name, target))
         copy_bytes(targets, sources)
         return out
 
-    def _destination(self, piece: Piece) -> torch.Tensor | None:
+    def _destination(
+        self, piece: Piece, dtype: torch.dtype | None = None, *, contiguous: bool = True
+    ) -> torch.Tensor | None:
         """The consumer's tensor for ``piece``'s weight when it can take the bytes as they are
-        (same shape, dtype and device, contiguous), else ``None``."""
+        (same shape, dtype and device; contiguous where its bytes are written in pieces), else
+        ``None``."""
         if self.into is None:
             return None
         target = self.into(piece.name, piece.shape, piece.dtype)
         if (
             isinstance(target, torch.Tensor)
-            and tuple(target.shape) == piece.shape
-            and dtype_name(target.dtype) == piece.dtype
+            and target.shape == piece.shape
+            and target.dtype == (dtype or dtype_from_name(piece.dtype))
             and target.device == self.device
-            and target.is_contiguous()
+            and (target.is_contiguous() or not contiguous)
         ):
-            return target.detach()
+            return target  # itself: the consumer sees it is its own tensor (``is``)
         return None
 
     def _finish(self, piece: Piece, storage: torch.Tensor) -> NamedTensor:

@@ -157,6 +157,7 @@ class ColocatedTransport(BucketTransport):
         self, role: TransportRole, rank: int, topology: Topology, endpoint: Mapping[str, Any]
     ) -> None:
         timeout = self.config.timeout_s
+        self.layouts.clear()
         if role is TransportRole.SENDER:
             if self._listener is None or self.shared is None:
                 raise WeightSyncError("the sender must call prepare() before connect()")
@@ -214,6 +215,7 @@ class ColocatedTransport(BucketTransport):
         self.conns = {}
 
     def finalize(self) -> None:
+        self.layouts.clear()  # views of the buffers: they must go before the buffers close
         self._close_conns()
         if self.conn is not None:
             self.conn.close()

@@ -19,10 +19,9 @@ import torch
 from drivetrain.api.engine import NamedTensor
 from drivetrain.api.weight_sync import Destination, SyncStats, WeightSyncError
 from drivetrain.ckpt.buckets import (
+    Layouts,
     Reassembler,
     StreamDigest,
-    decode_pieces,
-    encode_pieces,
     pack,
     plan_buckets,
 )
@@ -70,8 +69,12 @@ def send_stream(
     version: int,
     device: torch.device,
     verify: bool,
+    layouts: Layouts | None = None,
 ) -> SyncStats:
+    """Stream ``weights`` through the link's two buffers (``layouts``: the buckets' views in
+    them kept from earlier syncs, see :class:`~drivetrain.ckpt.buckets.Layouts`)."""
     start = time.perf_counter()
+    layouts = layouts or Layouts()
     digest = StreamDigest() if verify else None
     bucket_bytes = link.buffers[0].numel()
     in_flight = [False, False]
@@ -82,13 +85,13 @@ def send_stream(
             if in_flight[index]:
                 link.wait(index)
             buffer = link.buffers[index]
-            used = pack(bucket, buffer)
+            layout = pack(bucket, buffer, layouts)
             synchronize(device)
-            pieces = [piece for piece, _ in bucket]
+            pieces = layout.pieces
             if digest is not None:
                 for piece in pieces:
                     digest.update(piece, buffer[piece.offset : piece.offset + piece.nbytes])
-            header = {"version": version, "pieces": encode_pieces(pieces), "nbytes": used}
+            header = {"version": version, "pieces": layout.text, "nbytes": layout.used}
             link.post(index, header)
             in_flight[index] = True
             index ^= 1
@@ -198,11 +201,13 @@ def receive_stream(
     timeout_s: float,
     on_stats: Callable[[SyncStats], None],
     into: Destination | None = None,
+    layouts: Layouts | None = None,
 ) -> Iterator[NamedTensor]:
     """Yield one sync's tensors; ``on_stats`` gets its statistics after the end was verified.
     Raises :class:`WeightSyncError` (before the end) on abort, timeout, or a mismatch. A
-    tensor sent in pieces goes straight into ``into``'s tensor when it names one."""
+    tensor goes straight into ``into``'s tensor when it names one."""
     start = time.perf_counter()
+    layouts = layouts or Layouts()
     messages = _Messages(link, timeout_s)
     rebuild = Reassembler(device, into)
     digest = StreamDigest() if verify else None
@@ -215,12 +220,12 @@ def receive_stream(
                 break
             buffer = link.buffers[index]
             synchronize(device)
-            pieces = decode_pieces(header["pieces"])
+            layout = layouts.receiving(header["pieces"], buffer)
             if digest is not None:
-                for piece in pieces:
+                for piece in layout.pieces:
                     digest.update(piece, buffer[piece.offset : piece.offset + piece.nbytes])
-            total_bytes += sum(piece.nbytes for piece in pieces)
-            yield from rebuild.add_bucket(pieces, buffer)
+            total_bytes += sum(piece.nbytes for piece in layout.pieces)
+            yield from rebuild.add_bucket(layout)
             synchronize(device)  # copies out of the buffer are done before it is reused
             link.release(index)
             num_buckets += 1

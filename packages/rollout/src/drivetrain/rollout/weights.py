@@ -42,11 +42,12 @@ def apply_weights(
     count = 0
     with torch.no_grad():
         for name, tensor in weights:
-            _check(name, tensor, params)
-            update.changed = True
-            target = params[name]
-            if not _same_memory(target, tensor):
-                target.copy_(tensor)
+            target = params.get(name)
+            if tensor is not target:  # else the transport wrote it in place (its destination)
+                _check(name, tensor, params)
+                update.changed = True
+                if not _same_memory(target, tensor):
+                    target.copy_(tensor)
             count += 1
     return count
 
@@ -75,7 +76,7 @@ def destination(
     target = params.get(name)
     if update is None or target is None:
         return None
-    if tuple(target.shape) != tuple(shape) or dtype_name(target.dtype) != dtype:
+    if target.shape != shape or _DTYPE_NAMES.get(target.dtype) != dtype:
         return None
     update.changed = True  # the transport writes into it from now on
     return target
@@ -132,6 +133,11 @@ def stage_weights(
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+_DTYPE_NAMES = {  # dtype_name of each dtype, looked up for every weight of every update
+    dtype: dtype_name(dtype) for dtype in vars(torch).values() if isinstance(dtype, torch.dtype)
+}
 
 
 def tensor_to_bytes(tensor: torch.Tensor) -> tuple[dict[str, Any], memoryview]:

@@ -23,7 +23,7 @@ installs with the standard library alone).
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -45,21 +45,29 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
 
 
-def _digest(tensor: torch.Tensor, kind: str) -> str:
+def _isum_terms(data: torch.Tensor) -> torch.Tensor:
+    """The two ``isum`` sums of ``data``'s bytes, on its device, not yet read."""
     import torch
 
+    pad = -data.numel() % 8
+    if pad:
+        data = torch.cat([data, data.new_zeros(pad)])
+    words = data.view(torch.int64)
+    odd = torch.arange(words.numel(), dtype=torch.int64, device=words.device) * 2 + 1
+    return torch.stack([words.sum(), (words * odd).sum()])
+
+
+def _hex(sums: list[int]) -> str:
+    return "".join(f"{value & _MASK:016x}" for value in sums)
+
+
+def _digest(tensor: torch.Tensor, kind: str) -> str:
     data = _bytes(tensor)
     if kind == "crc32":
         host = data.cpu() if data.device.type != "cpu" else data
         return f"{zlib.crc32(memoryview(host.numpy())):08x}"
     if kind == "isum":
-        pad = -data.numel() % 8
-        if pad:
-            data = torch.cat([data, data.new_zeros(pad)])
-        words = data.view(torch.int64)
-        odd = torch.arange(words.numel(), dtype=torch.int64, device=words.device) * 2 + 1
-        sums = torch.stack([words.sum(), (words * odd).sum()]).tolist()  # one device sync
-        return "".join(f"{value & _MASK:016x}" for value in sums)
+        return _hex(_isum_terms(data).tolist())  # one device sync
     raise ValueError(f"unknown fingerprint kind {kind!r}; known: {', '.join(KINDS)}")
 
 
@@ -69,6 +77,28 @@ def fingerprint(tensor: torch.Tensor, kind: str | None = None) -> str:
     kind = kind or kind_for(tensor)
     dtype = str(tensor.dtype).removeprefix("torch.")
     return f"{dtype}:{kind}:{_digest(tensor, kind)}"
+
+
+def fingerprint_all(tensors: Sequence[torch.Tensor], kind: str | None = None) -> list[str]:
+    """:func:`fingerprint` of each tensor, the ``isum`` ones read from the device together:
+    one device sync for all of them instead of one per tensor, each of which would stall the
+    sender's pipeline."""
+    import torch
+
+    kinds = [kind or kind_for(tensor) for tensor in tensors]
+    summed = [i for i, k in enumerate(kinds) if k == "isum"]
+    sums: list[list[int]] = []
+    if summed:
+        terms = [_isum_terms(_bytes(tensors[i])) for i in summed]
+        if len({term.device for term in terms}) > 1:  # one stack, one device
+            terms = [term.cpu() for term in terms]
+        sums = torch.stack(terms).tolist()
+    out = []
+    by_index = dict(zip(summed, sums, strict=True))
+    for i, tensor in enumerate(tensors):
+        digest = _hex(by_index[i]) if i in by_index else _digest(tensor, kinds[i])
+        out.append(f"{str(tensor.dtype).removeprefix('torch.')}:{kinds[i]}:{digest}")
+    return out
 
 
 def fingerprint_like(

@@ -22,7 +22,7 @@ from typing import Any
 
 from drivetrain.api.engine import NamedTensor
 from drivetrain.api.weight_sync import SyncStats
-from drivetrain.runtime.fingerprint import fingerprint
+from drivetrain.runtime.fingerprint import fingerprint_all
 
 
 class WeightLedger:
@@ -50,7 +50,7 @@ class WeightLedger:
         held = self._held if self.delta else {}
         self._pending, self._pending_version, self._sent = {}, version, {}
         self._skipped = self._skipped_bytes = 0
-        unit: list[tuple[str, Any, str]] = []  # the current layer: name, tensor, fingerprint
+        unit: list[tuple[str, Any]] = []  # the current layer's tensors
         for name, tensor in weights:
             if not hasattr(tensor, "element_size"):  # a test double's plain data: always sent
                 yield name, tensor
@@ -58,21 +58,23 @@ class WeightLedger:
             if unit and delta_unit(name) != delta_unit(unit[0][0]):
                 yield from self._send_unit(unit, held)
                 unit = []
-            mark = fingerprint(tensor)
-            self._pending[name] = mark
-            unit.append((name, tensor, mark))
+            unit.append((name, tensor))
         yield from self._send_unit(unit, held)
 
     def _send_unit(
-        self, unit: list[tuple[str, Any, str]], held: dict[str, str]
+        self, unit: list[tuple[str, Any]], held: dict[str, str]
     ) -> Iterator[NamedTensor]:
         """A layer goes whole when any of its tensors changed (a layer's tensors come together
-        in every engine's export order, as in a Hugging Face state dict)."""
-        if all(held.get(name) == mark for name, _, mark in unit):
+        in every engine's export order, as in a Hugging Face state dict); its fingerprints are
+        taken together (one device sync a layer)."""
+        marks = fingerprint_all([tensor for _, tensor in unit])
+        for (name, _), mark in zip(unit, marks, strict=True):
+            self._pending[name] = mark
+        if all(held.get(name) == mark for (name, _), mark in zip(unit, marks, strict=True)):
             self._skipped += len(unit)
-            self._skipped_bytes += sum(t.numel() * t.element_size() for _, t, _ in unit)
+            self._skipped_bytes += sum(t.numel() * t.element_size() for _, t in unit)
             return
-        for name, tensor, mark in unit:
+        for (name, tensor), mark in zip(unit, marks, strict=True):
             self._sent[name] = mark
             yield name, tensor
 
