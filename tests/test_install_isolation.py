@@ -1,5 +1,6 @@
-"""Installing only ``drivetrain-engine-fsdp`` pulls nothing of Megatron: its dependency closure
-in ``uv.lock`` (offline: the lock file is the resolution every install uses)."""
+"""Installing only ``drivetrain-engine-fsdp`` pulls nothing of Megatron, and the trainer no
+environment plugin: each one's dependency closure in ``uv.lock`` (offline: the lock file is the
+resolution every install uses)."""
 
 import tomllib
 from pathlib import Path
@@ -35,3 +36,22 @@ def test_engine_fsdp_installs_no_megatron():
 
 def test_engine_megatron_fsdp_installs_megatron():  # the check can fail
     assert {"megatron-core", "megatron-fsdp"} <= closure("drivetrain-engine-megatron-fsdp")
+
+
+def test_the_trainer_installs_no_environment_plugin():
+    """reasoning-gym (and what it pins: sympy, pyfiglet, cellpylib...) come with its plugin's
+    distribution only."""
+    plugin = closure("drivetrain-env-reasoning-gym")
+    assert {"reasoning-gym", "pyfiglet", "cellpylib"} <= plugin  # the walk finds them there
+    trainer = closure("drivetrain-trainer")
+    for extra in ("fsdp", "gguf"):  # the trainer's extras pull none either
+        trainer |= closure_with_extra("drivetrain-trainer", extra)
+    assert not trainer & {"drivetrain-env-reasoning-gym", "reasoning-gym", "pyfiglet", "cellpylib"}
+
+
+def closure_with_extra(root: str, extra: str) -> set[str]:
+    packages = {p["name"]: p for p in tomllib.loads(LOCK.read_text())["package"]}
+    names = set()
+    for dep in packages[root].get("optional-dependencies", {}).get(extra, []):
+        names |= closure(dep["name"])
+    return names

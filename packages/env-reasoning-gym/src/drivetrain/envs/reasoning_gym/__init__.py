@@ -1,0 +1,1 @@
+"""reasoning-gym as a drivetrain environment (``env=reasoning_gym``)."""
