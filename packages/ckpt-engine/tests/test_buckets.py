@@ -153,3 +153,15 @@ def test_pieces_out_of_order_are_refused():
     rebuild.add(Piece("w", (10,), "float32", 40, 0, 16, 0), torch.zeros(16, dtype=torch.uint8))
     with pytest.raises(WeightSyncError, match="ended inside"):
         rebuild.check_complete()
+
+
+def test_a_piece_table_that_does_not_add_up_is_refused():
+    """The receiver builds its views from the header: a piece past the buffer, or one whose
+    bytes do not make its shape, is a WeightSyncError, not a torch error."""
+    buffer = torch.zeros(64, dtype=torch.uint8)
+    past = Piece("w", (40,), "uint8", 40, 0, 40, 32)
+    with pytest.raises(WeightSyncError, match="does not fit"):
+        Layout.build([past], buffer)
+    wrong = Piece("w", (3, 3), "float32", 12, 0, 12, 0)
+    with pytest.raises(WeightSyncError, match="piece of 'w' is malformed"):
+        Layout.build([wrong], buffer)

@@ -165,15 +165,18 @@ class Layout:
 
     @classmethod
     def build(cls, pieces: list[Piece], buffer: torch.Tensor, text: str | None = None) -> Layout:
+        used = max((piece.offset + piece.nbytes for piece in pieces), default=0)
+        if used > buffer.numel():
+            raise WeightSyncError(f"a bucket of {used} bytes does not fit its {buffer.numel()}")
         views = []
         for piece in pieces:
             raw = buffer[piece.offset : piece.offset + piece.nbytes]
             if piece.first and piece.last:
-                raw = raw.view(dtype_from_name(piece.dtype)).view(piece.shape)
+                try:
+                    raw = raw.view(dtype_from_name(piece.dtype)).view(piece.shape)
+                except RuntimeError as exc:  # a piece table from the wire that does not add up
+                    raise WeightSyncError(f"piece of {piece.name!r} is malformed: {exc}") from None
             views.append(raw)
-        used = pieces[-1].offset + pieces[-1].nbytes if pieces else 0
-        if used > buffer.numel():
-            raise WeightSyncError(f"a bucket of {used} bytes does not fit its {buffer.numel()}")
         return cls(pieces, views, encode_pieces(pieces) if text is None else text, used)
 
 

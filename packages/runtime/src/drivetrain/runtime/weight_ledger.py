@@ -66,7 +66,8 @@ class WeightLedger:
     ) -> Iterator[NamedTensor]:
         """A layer goes whole when any of its tensors changed (a layer's tensors come together
         in every engine's export order, as in a Hugging Face state dict); its fingerprints are
-        taken together (one device sync a layer)."""
+        taken together (one device sync a layer). The stream holds one layer's tensors until
+        the layer ends: with the exporter's own layer, about two layers at a time."""
         marks = fingerprint_all([tensor for _, tensor in unit])
         for (name, _), mark in zip(unit, marks, strict=True):
             self._pending[name] = mark
