@@ -45,7 +45,7 @@ class DrivetrainUpdateInfo(WeightTransferUpdateInfo):
 
     def __post_init__(self) -> None:
         if (self.tensors is None) == (self.directory is None):
-            raise ValueError("a drivetrain weight update carries tensors or a directory, not both")
+            raise ValueError("a drivetrain weight update carries either tensors or a directory")
 
 
 class DrivetrainWeightTransferEngine(
