@@ -38,15 +38,28 @@ def test_engine_megatron_fsdp_installs_megatron():  # the check can fail
     assert {"megatron-core", "megatron-fsdp"} <= closure("drivetrain-engine-megatron-fsdp")
 
 
+OPENENV_SERVER = {"openenv-core", "openenv", "gradio", "fastmcp"}  # OpenEnv's server framework
+
+
 def test_the_trainer_installs_no_environment_plugin():
     """reasoning-gym (and what it pins: sympy, pyfiglet, cellpylib...) come with its plugin's
-    distribution only."""
+    distribution only, as does the OpenEnv adapter."""
     plugin = closure("drivetrain-env-reasoning-gym")
     assert {"reasoning-gym", "pyfiglet", "cellpylib"} <= plugin  # the walk finds them there
     trainer = closure("drivetrain-trainer")
     for extra in ("fsdp", "gguf"):  # the trainer's extras pull none either
         trainer |= closure_with_extra("drivetrain-trainer", extra)
-    assert not trainer & {"drivetrain-env-reasoning-gym", "reasoning-gym", "pyfiglet", "cellpylib"}
+    plugins = {"drivetrain-env-reasoning-gym", "drivetrain-env-openenv"}
+    assert not trainer & (plugins | {"reasoning-gym", "pyfiglet", "cellpylib"} | OPENENV_SERVER)
+
+
+def test_the_openenv_adapter_installs_a_websocket_client_not_openenvs_server():
+    """The adapter speaks OpenEnv's protocol itself: OpenEnv's package (FastAPI, Gradio, MCP)
+    is the tests' server, never the adapter's dependency."""
+    adapter = closure("drivetrain-env-openenv")
+    assert "websockets" in adapter and "drivetrain-engine-api" in adapter
+    assert not adapter & OPENENV_SERVER, sorted(adapter & OPENENV_SERVER)
+    assert len(adapter) <= 3, sorted(adapter)  # itself, the api, websockets
 
 
 def closure_with_extra(root: str, extra: str) -> set[str]:

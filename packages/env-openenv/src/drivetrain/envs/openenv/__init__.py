@@ -1,0 +1,1 @@
+"""OpenEnv servers as a drivetrain environment (``env=openenv``)."""
