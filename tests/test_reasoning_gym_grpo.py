@@ -3,14 +3,12 @@ trained on one of reasoning-gym's datasets, scored by that dataset's scorer."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from drivetrain.trainer.builtin.tiny_model import build_tiny_chat_model
+from rl_support import metrics_rows, run_rl
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -22,21 +20,18 @@ def test_grpo_trains_on_a_reasoning_gym_dataset(tmp_path):
     model = build_tiny_chat_model(tmp_path / "model")
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DRIVETRAIN_CACHE": str(tmp_path / "cache")}
-    done = subprocess.run(
-        [sys.executable, "-m", "drivetrain.trainer", "grpo", "env=reasoning_gym",
-         "episode.options.dataset=chain_sum", "episode.options.max_terms=3",
-         "episode.options.attempts=2", "episode.options.system_prompt=''",
-         f"actor.model.path={model}", f"run.output_dir={out}",
-         "run.steps=1", "run.prompts_per_step=2", "sampling.n=2", "sampling.max_new_tokens=8",
-         "logging.progress=false", "logging.tensorboard=false", "run.export_hf=false"],
-        capture_output=True, text=True, env=env, timeout=280, check=False,
+    summary, _ = run_rl(
+        "grpo", "env=reasoning_gym", "episode.options.dataset=chain_sum",
+        "episode.options.max_terms=3", "episode.options.attempts=2",
+        "episode.options.system_prompt=''", f"actor.model.path={model}", f"run.output_dir={out}",
+        "run.steps=1", "run.prompts_per_step=2", "sampling.n=2", "sampling.max_new_tokens=8",
+        "logging.progress=false", "logging.tensorboard=false", "run.export_hf=false",
+        env=env, timeout=280,
     )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1])["steps"] == 1
+    assert summary["steps"] == 1
     config = (out / "config.yaml").read_text()
     assert "env: reasoning_gym" in config and "dataset: chain_sum" in config
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    step = next(r for r in rows if "reward/mean" in r)
+    step = next(r for r in metrics_rows(out) if "reward/mean" in r)
     assert "env/reasoning_gym/answered" in step, sorted(step)
     # an untrained model does not solve chain_sum: each episode took its second attempt
     assert step["episode/turns_mean"] == 2.0, {
