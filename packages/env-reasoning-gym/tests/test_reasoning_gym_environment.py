@@ -58,6 +58,25 @@ def test_a_wrong_answer_is_told_so_while_attempts_remain():
     assert second.done and second.reward == 1.0
 
 
+def test_an_instruction_and_plain_answers_for_models_too_small_for_tags():
+    env = ReasoningGymEnvironment(
+        {"dataset": "chain_sum", "system_prompt": "", "instruction": "Reply with the number only.",
+         "answer_format": "last_number", "attempts": 2}
+    )  # fmt: skip
+    task = env.tasks("train", 1, seed=0)[0]
+    episode = env.episode(task)
+    assert episode.reset() == [
+        {"role": "user", "content": f"{task['question']} Reply with the number only."}
+    ]
+    missed = episode.step(answer("I do not know."))
+    assert not missed.done and missed.info["reasoning_gym/answered"] == 0.0
+    assert missed.observations[0]["content"] == "No answer found: give only the final number."
+    right = episode.step(answer(f"12 + 3 is not it; the sum is {task['answer']}.", 1))
+    assert right.done and right.reward == 1.0  # the reply's last number, the dataset's scorer
+    whole = ReasoningGymEnvironment({"dataset": "chain_sum", "answer_format": "reply"})
+    assert whole.episode(task).step(answer(f" {task['answer']}\n")).reward == 1.0
+
+
 @pytest.mark.parametrize(
     "options, message",
     [
@@ -68,6 +87,7 @@ def test_a_wrong_answer_is_told_so_while_attempts_remain():
         ({"dataset": "chain_sum", "min_terms": 0}, "rejects options {'min_terms': 0}"),
         ({"dataset": "chain_sum", "system_prompt": "loud"}, "system_prompt 'loud' is none of"),
         ({"dataset": "chain_sum", "attempts": 0}, "attempts must be >= 1"),
+        ({"dataset": "chain_sum", "answer_format": "xml"}, "answer_format is one of tags, "),
     ],
 )
 def test_bad_options_fail_in_one_line(options, message):

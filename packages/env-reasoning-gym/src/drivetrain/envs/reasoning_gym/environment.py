@@ -8,6 +8,12 @@
 - ``system_prompt``: one of reasoning-gym's ``SYSTEM_PROMPTS`` (``default``, ``simple``,
   ``direct``, ``DeepSeekZero``, ``chain_of_draft``), or ``""`` for none; default ``default``.
   Each asks for the final answer between ``<answer>`` and ``</answer>``, which is what is scored;
+- ``instruction``: text added after each question (``Reply with the number only.``); default
+  none;
+- ``answer_format``: where the answer is read: ``tags`` (default: between ``<answer>`` and
+  ``</answer>``, reasoning-gym's convention), ``last_number`` (the reply's last number: for
+  numeric datasets and models too small to follow the tags, as SmolLM2-135M) or ``reply`` (the
+  whole reply, stripped);
 - ``attempts``: answers an episode takes (default 1). A wrong one with attempts left is told so
   and the policy answers again (multi-turn); the episode's reward is the last answer's score;
 - any field of the dataset's own config (``min_terms``, ``max_digits``...), checked against it;
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -39,13 +46,22 @@ from drivetrain.api.environment import (
     Task,
 )
 
-OWN_OPTIONS = ("dataset", "system_prompt", "attempts")
+OWN_OPTIONS = ("dataset", "system_prompt", "instruction", "answer_format", "attempts")
 RUN_SET = ("seed", "size")  # dataset config fields the run decides
-RETRY = (
-    "That is not correct. Think again, then give only the final answer between <answer> and "
-    "</answer>."
-)
-NO_ANSWER = "No final answer found: give it between <answer> and </answer>."
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def last_number(reply: str) -> str | None:
+    numbers = NUMBER.findall(reply)
+    return numbers[-1] if numbers else None
+
+
+#: ``answer_format``: how the answer is read from a reply, and what a retry asks for.
+ANSWER_FORMATS: dict[str, tuple[Callable[[str], str | None], str]] = {
+    "tags": (extract_answer, "give only the final answer between <answer> and </answer>"),
+    "last_number": (last_number, "give only the final number"),
+    "reply": (lambda reply: reply.strip() or None, "give only the final answer"),
+}
 
 
 def dataset_names() -> list[str]:
@@ -61,28 +77,26 @@ def split_seed(split: str, seed: int) -> int:
 class ReasoningGymEpisode(Episode):
     """One question; its own state only, so episodes may step in parallel."""
 
-    def __init__(
-        self,
-        task: Task,
-        system: str,
-        attempts: int,
-        score: Callable[[str | None, dict[str, Any]], float],
-    ) -> None:
-        self.task, self.system, self.attempts_left, self.score = task, system, attempts, score
+    def __init__(self, env: ReasoningGymEnvironment, task: Task) -> None:
+        self.env, self.task, self.attempts_left = env, task, env.attempts
 
     def reset(self) -> Sequence[Message]:
-        system = [{"role": "system", "content": self.system}] if self.system else []
-        return [*system, {"role": "user", "content": str(self.task["question"])}]
+        system = [{"role": "system", "content": self.env.system}] if self.env.system else []
+        question = " ".join(filter(None, (str(self.task["question"]), self.env.instruction)))
+        return [*system, {"role": "user", "content": question}]
 
     def step(self, turn: AssistantTurn) -> StepResult:
-        answer = extract_answer(turn.content)
-        entry = {key: self.task[key] for key in ("question", "answer", "metadata")}
-        score = float(self.score(answer, entry))
+        answer = self.env.answer_of(turn.content)
+        score = self.env.scored(answer, self.task)
         self.attempts_left -= 1
         info = {"reasoning_gym/answered": float(answer is not None)}
         if score >= 1.0 or self.attempts_left <= 0:
             return StepResult(reward=score, done=True, info=info)
-        feedback = {"role": "user", "content": RETRY if answer is not None else NO_ANSWER}
+        asked = ANSWER_FORMATS[self.env.answer_format][1]
+        again = (
+            "That is not correct. Think again, then " if answer is not None else "No answer found: "
+        )
+        feedback = {"role": "user", "content": f"{again}{asked}."}
         return StepResult((feedback,), info=info)
 
 
@@ -118,6 +132,14 @@ class ReasoningGymEnvironment(Environment):
                 "(or '' for none)"
             )
         self.system = SYSTEM_PROMPTS[prompt] if prompt else ""
+        self.instruction = str(self.options.get("instruction") or "")
+        self.answer_format = str(self.options.get("answer_format", "tags"))
+        if self.answer_format not in ANSWER_FORMATS:
+            raise ValueError(
+                f"reasoning_gym: answer_format is one of {', '.join(ANSWER_FORMATS)}, got "
+                f"{self.answer_format!r}"
+            )
+        self.answer_of = ANSWER_FORMATS[self.answer_format][0]
         self.attempts = int(self.options.get("attempts", 1))
         if self.attempts < 1:
             raise ValueError(f"reasoning_gym: attempts must be >= 1, got {self.attempts}")
@@ -131,8 +153,13 @@ class ReasoningGymEnvironment(Environment):
                 f"reasoning_gym: dataset {self.dataset} rejects options {self.config}: {exc}"
             ) from None
 
+    def scored(self, answer: str | None, task: Task) -> float:
+        """The dataset's score of ``answer`` to ``task`` (0 to 1)."""
+        entry = {key: task[key] for key in ("question", "answer", "metadata")}
+        return float(self.score(answer, entry))
+
     def episode(self, task: Task) -> Episode:
-        return ReasoningGymEpisode(task, self.system, self.attempts, self.score)
+        return ReasoningGymEpisode(self, task)
 
     def tasks(self, split: str, count: int, seed: int) -> list[Task]:
         data = self._make(seed=split_seed(split, seed), size=count)

@@ -227,6 +227,10 @@ class RLRunConfig:
     export_hf: bool = True
     stop_grace_s: float = 25.0  # as SFT's run.stop_grace_s (trainer/stopping.py)
     checkpoint_on_interrupt: bool = False  # SIGINT also checkpoints; SIGTERM always
+    #: a time budget for the training loop (0: none): the run ends after the step during which
+    #: it ran out, and then saves, validates and exports as at run.steps (the LR schedule
+    #: still spans run.steps); a resumed run gets the budget again
+    max_seconds: float = 0.0
     #: warn once when actor/rollout_log_prob_diff exceeds this (rl/log_prob_alarm.py);
     #: 0: from the dtypes (0.002 when the actor and rollout run float32, else 0.05); < 0: off
     log_prob_alarm: float = 0.0
@@ -235,9 +239,7 @@ class RLRunConfig:
         for name in ("steps", "prompts_per_step", "keep_last"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"run.{name}={getattr(self, name)} must be >= 1")
-        if self.stop_grace_s < 0:
-            raise ConfigError(f"run.stop_grace_s={self.stop_grace_s} must be >= 0")
-        for name in ("eval_every", "save_every"):
+        for name in ("stop_grace_s", "max_seconds", "eval_every", "save_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"run.{name}={getattr(self, name)} must be >= 0")
 

@@ -211,13 +211,14 @@ class RLTrainer:
         loop_began = time.perf_counter()
         try:
             self.source.start(start)
-            self._train(start, result, logger)
+            self._train(start, result, logger, loop_began)
             result.loop_seconds = time.perf_counter() - loop_began
             self.source.stop()
-            self.save(c.run.steps)
+            final = self.position.done  # run.steps, or earlier when run.max_seconds ran out
+            self.save(final)
             result.val_after = self.validate()
             if result.val_after:
-                logger.log(c.run.steps, result.val_after)
+                logger.log(final, result.val_after)
                 self.console.print(f"validation after: {fmt(result.val_after)}")
             if c.run.export_hf:
                 result.hf_dir = self.out / "hf"
@@ -231,8 +232,9 @@ class RLTrainer:
         result.seconds = time.perf_counter() - began
         return result
 
-    def _train(self, start: int, result: RLResult, logger: MetricsLogger) -> None:
-        """Steps ``start`` to ``run.steps``, with mid-run validation and checkpoints."""
+    def _train(self, start: int, result: RLResult, logger: MetricsLogger, began: float) -> None:
+        """Steps ``start`` to ``run.steps`` (fewer when ``run.max_seconds`` runs out since
+        ``began``), with mid-run validation and checkpoints."""
         c = self.config
         with TrainingProgress(
             c.run.steps, start, enabled=c.logging.progress, console=self.console,
@@ -255,5 +257,11 @@ class RLTrainer:
                     tokens_per_s=metrics["perf/tokens_per_s"],
                     task=metrics.get("reward/task"),
                 )
+                if c.run.max_seconds and time.perf_counter() - began >= c.run.max_seconds:
+                    if done < c.run.steps:
+                        self.console.print(
+                            f"run.max_seconds={c.run.max_seconds:g} spent: {done} steps"
+                        )
+                    break
                 if c.run.save_every and done % c.run.save_every == 0 and done < c.run.steps:
                     self.save(done)
