@@ -69,8 +69,10 @@ class AssistantTurn:
 @dataclass(frozen=True)
 class StepResult:
     """What follows an assistant turn: observation messages (the next turn's prompt), this
-    turn's reward, whether the episode is over, and numbers the trainer averages into its
-    metrics (``tools/calls``, ``tools/succeeded`` are standard: see
+    turn's reward, whether the episode is over, and ``info``: numbers for the metrics, summed
+    over an episode's turns, then averaged over a step's episodes as ``env/<key>`` (a key
+    counted once a turn reads as "per episode"; ``tools/calls``, ``tools/succeeded`` are
+    standard and become ``tools/calls_per_episode`` and ``tools/success_rate``: see
     :func:`drivetrain.runtime.tool_calls.run_tool_calls`)."""
 
     observations: tuple[Message, ...] = ()
@@ -103,7 +105,9 @@ class Episode(abc.ABC):
 
 class Environment(abc.ABC):
     """A task family with its tools; builds episodes. ``options`` are the job's
-    ``env_options`` (plain values from the config), validated by the environment."""
+    ``episode.options`` (plain values from the config: ``drivetrain grpo env=NAME
+    episode.options.KEY=VALUE``), validated by the environment: raise ``ValueError`` with one
+    line naming the option, and the job fails before any worker starts."""
 
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
         self.options = dict(options or {})

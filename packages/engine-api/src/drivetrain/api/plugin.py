@@ -1,8 +1,8 @@
 """What a plugin declares about itself, readable without importing its heavy code.
 
-A distribution registers an entry point in ``drivetrain.engines``, ``drivetrain.rollouts`` or
-``drivetrain.ckpt_engines`` whose value is a :class:`PluginSpec` in a light module (one that
-imports only ``drivetrain.api``)::
+A distribution registers an entry point in ``drivetrain.engines``, ``drivetrain.rollouts``,
+``drivetrain.ckpt_engines`` (weight-sync transports) or ``drivetrain.environments`` whose value
+is a :class:`PluginSpec` in a light module (one that imports only ``drivetrain.api``)::
 
     # acme_engine/plugin.py
     ACME = PluginSpec(
@@ -17,6 +17,9 @@ imports only ``drivetrain.api``)::
     # pyproject.toml
     [project.entry-points."drivetrain.engines"]
     acme = "acme_engine.plugin:ACME"
+
+Tool-call parsers are plugins too, simpler ones: the group ``drivetrain.tool_parsers`` names a
+parser class or instance directly, no spec (``drivetrain.trainer.agentic.tool_parsers``).
 """
 
 from __future__ import annotations
