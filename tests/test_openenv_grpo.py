@@ -37,7 +37,7 @@ def test_grpo_trains_against_an_openenv_server(tmp_path):
     with load_server().serve("echo", max_sessions=8) as url:
         summary, _ = run_rl(
             "grpo", "env=openenv", f"episode.options.url={url}",
-            "episode.options.system_prompt=Talk.", "episode.max_turns=2", "data.val_size=2",
+            "episode.options.system_prompt=Talk.", "episode.max_turns=2", "data.val_size=1",
             f"actor.model.path={model}", f"run.output_dir={out}", "run.steps=2",
             "run.prompts_per_step=2", "sampling.n=2", "sampling.max_new_tokens=4",
             "logging.progress=false", "logging.tensorboard=false", "run.export_hf=false",

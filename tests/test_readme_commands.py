@@ -1,7 +1,8 @@
 """The commands a README documents run: examples/smollm2/README.md's recipe and its vLLM
-variant pass config validation (every key known to the chosen rollout), read from the README
-itself so an edit there is what gets tested; with the converted model and data on this
-machine, ``--dry-run`` checks plugins, model and data too."""
+variant, and examples/reasoning_gym/README.md's recipe, pass config validation (every key
+known to the chosen rollout), read from the README itself so an edit there is what gets
+tested; with the converted model and data on this machine, ``--dry-run`` checks plugins,
+model and data too."""
 
 from __future__ import annotations
 
@@ -52,3 +53,32 @@ def test_documented_smollm2_runs_dry_run(at_root, rollout):
     assert result.exit_code == 0, result.output
     assert "dry run: config, plugins, model and data are valid" in result.output
     assert f"rollout {rollout}" in result.output
+
+
+REASONING_GYM_README = ROOT / "examples" / "reasoning_gym" / "README.md"
+
+
+def documented_reasoning_gym_run() -> list[str]:
+    text = REASONING_GYM_README.read_text()
+    recipe = re.search(r"uv run drivetrain (grpo -c examples/reasoning_gym/grpo\.yaml)", text)
+    assert recipe, f"{REASONING_GYM_README} no longer documents its recipe"
+    return recipe.group(1).split()
+
+
+def test_the_documented_reasoning_gym_run_passes_config_validation(at_root):
+    result = CliRunner().invoke(
+        app, [*documented_reasoning_gym_run(), "--print-config"], env={"COLUMNS": "250"}
+    )
+    assert result.exit_code == 0, result.output
+    assert "env: reasoning_gym" in result.output and "dataset: chain_sum" in result.output
+    assert "answer_format: last_number" in result.output
+
+
+def test_the_documented_reasoning_gym_run_dry_run(at_root):
+    if not (ROOT / "models/smollm2-135m-instruct/config.json").exists():
+        pytest.skip("the converted SmolLM2 model exists only where prepare.sh ran")
+    result = CliRunner().invoke(
+        app, [*documented_reasoning_gym_run(), "--dry-run"], env={"COLUMNS": "250"}
+    )
+    assert result.exit_code == 0, result.output
+    assert "dry run: config, plugins, model" in result.output
