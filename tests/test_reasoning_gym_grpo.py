@@ -26,7 +26,8 @@ def test_grpo_trains_on_a_reasoning_gym_dataset(tmp_path):
         "grpo", "env=reasoning_gym", "episode.options.dataset=chain_sum",
         "episode.options.max_terms=3", "episode.options.attempts=2",
         "episode.options.system_prompt=''", f"actor.model.path={model}", f"run.output_dir={out}",
-        "run.steps=50", "run.max_seconds=0.001", "run.prompts_per_step=2", "sampling.n=2", "sampling.max_new_tokens=8",
+        "run.steps=50", "run.max_seconds=0.001", "run.prompts_per_step=2", "sampling.n=2",
+        "sampling.max_new_tokens=8",
         "logging.progress=false", "logging.tensorboard=false", "run.export_hf=false",
         env=env, timeout=280,
     )  # fmt: skip
