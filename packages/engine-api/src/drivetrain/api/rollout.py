@@ -30,9 +30,13 @@ class SamplingParams:
     """How to sample. ``temperature == 0`` means greedy. ``n`` completions per prompt.
 
     ``top_k <= 0`` and ``top_p == 1`` disable those filters. Generation stops at
-    ``max_new_tokens``, at any of ``stop_token_ids`` (kept in the output), at the model's EOS
-    unless ``ignore_eos``, or at any of ``stop`` strings (output cut after the string).
-    Greedy decoding reports log-probs of the unscaled distribution (temperature 1), as vLLM does.
+    ``max_new_tokens``, at any of ``stop_token_ids``, at the model's EOS unless
+    ``ignore_eos``, or at any of ``stop`` strings. The token that ended a request stays in
+    ``token_ids`` (with its log-prob: the policy sampled it and is trained on it): an EOS or a
+    stop token as vLLM keeps them, and for a stop string the token that completed it, so the
+    cut falls at a token boundary and the decoded text may run a few characters past the
+    string (never before it). Greedy decoding reports log-probs of the unscaled distribution
+    (temperature 1), as vLLM does.
     """
 
     n: int = 1
@@ -95,6 +99,9 @@ class Completion:
     recomputes at the same temperature. ``prompt_ids`` is the rendered prompt.
     ``weight_version`` is the version of the first token's weights; ``token_versions`` (when
     not empty) holds each token's, for a completion sampled across a weight update.
+    ``text`` is optional: the request path (``drivetrain.runtime.collector``, which
+    ``generate_with_requests`` and the trainer use) leaves it ``None``, and the trainer decodes
+    ``token_ids`` itself; a backend's own batch ``generate`` may fill it for its callers.
     """
 
     prompt_index: int
