@@ -24,7 +24,7 @@ and ``time_to_trl_reward_ratio`` (drivetrain's seconds to TRL's final reward / T
 seconds), each a median with its spread; the accuracies, steps and final rewards of each side.
 
 Usage: uv run python benchmarks/real_task.py [--budget S] [--pairs N] [--quick] [--model DIR]
-(``--quick``: one round, a tiny local model, a 5 s budget: proves it runs).
+(``--quick``: one round, a tiny local model, a 1 s budget: proves it runs).
 """
 
 from __future__ import annotations
@@ -214,7 +214,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model, budget = Path(args.model), args.budget
         if args.quick:
-            model, budget = quick_model(Path(tmp)), 5.0
+            model, budget = quick_model(Path(tmp)), 1.0
         elif not (model / "config.json").exists():
             raise SystemExit(f"no model at {model}: run bash examples/smollm2/prepare.sh first")
         runs: dict[str, list[dict]] = {"drivetrain": [], "trl": []}
