@@ -119,7 +119,9 @@ class OpenEnvEpisode(Episode):
 
     def step(self, turn: AssistantTurn) -> StepResult:
         if self.session is None:
-            raise OpenEnvError("openenv: step before reset")
+            raise OpenEnvError(
+                "openenv: step without an open session (before reset, or after the end)"
+            )
         try:
             action = self.env.action(turn.content)
             reply = self.session.step(action)

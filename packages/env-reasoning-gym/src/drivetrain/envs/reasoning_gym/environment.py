@@ -92,11 +92,10 @@ class ReasoningGymEpisode(Episode):
         info = {"reasoning_gym/answered": float(answer is not None)}
         if score >= 1.0 or self.attempts_left <= 0:
             return StepResult(reward=score, done=True, info=info)
-        asked = ANSWER_FORMATS[self.env.answer_format][1]
         again = (
             "That is not correct. Think again, then " if answer is not None else "No answer found: "
         )
-        feedback = {"role": "user", "content": f"{again}{asked}."}
+        feedback = {"role": "user", "content": f"{again}{self.env.ask}."}
         return StepResult((feedback,), info=info)
 
 
@@ -139,7 +138,7 @@ class ReasoningGymEnvironment(Environment):
                 f"reasoning_gym: answer_format is one of {', '.join(ANSWER_FORMATS)}, got "
                 f"{self.answer_format!r}"
             )
-        self.answer_of = ANSWER_FORMATS[self.answer_format][0]
+        self.answer_of, self.ask = ANSWER_FORMATS[self.answer_format]
         self.attempts = int(self.options.get("attempts", 1))
         if self.attempts < 1:
             raise ValueError(f"reasoning_gym: attempts must be >= 1, got {self.attempts}")
