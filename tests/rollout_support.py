@@ -155,10 +155,11 @@ class TransformersRolloutHarness(RolloutHarness):
 
     def __init__(self, model_dir: Path, make: Callable[[], Rollout], *, tolerance: float = 1e-4):
         from safetensors import safe_open
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.make = make
         self.log_prob_tolerance = tolerance
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.models = {False: AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)}
         with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
             names = set(f.keys())
@@ -177,6 +178,18 @@ class TransformersRolloutHarness(RolloutHarness):
 
     def make_rollout(self) -> Rollout:
         return self.make()
+
+    def decode(self, token_ids):
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def eos_token_id(self):
+        return self.tokenizer.eos_token_id
+
+    def chat_prompt_ids(self, messages):
+        ids = self.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        return tuple(ids)
 
     def prompts(self) -> list[tuple[int, ...]]:
         return list(self._prompts)
@@ -226,6 +239,15 @@ class KeptRollout(Rollout):
 
     def update_weights(self, weights, *, version):
         self.inner.update_weights(weights, version=version)
+
+    def weight_destination(self, name, shape, dtype):
+        return self.inner.weight_destination(name, shape, dtype)
+
+    def sleep(self, level=1):
+        return self.inner.sleep(level)
+
+    def wake_up(self, tags=None):
+        self.inner.wake_up(tags)
 
     @property
     def weight_version(self):

@@ -202,6 +202,24 @@ class TestHFRolloutSmallBatch(TestHFRollout):
         )
 
 
+def test_the_kit_catches_destinations_handed_out_unmarked(model_dir):
+    """A rollout that hands transports its parameters without marking the update changed
+    serves a mix of two versions after a broken stream: the kit names it."""
+    from drivetrain.api.testing.rollout_kit import ROLLOUT_CHECKS
+
+    class Unmarked(type(hf(model_dir))):
+        def weight_destination(self, name, shape, dtype):
+            target = self._weights.get(name)
+            live = self.weight_update is not None and target is not None
+            return target if live and tuple(target.shape) == shape else None
+
+    def make():
+        return Unmarked(HFRolloutConfig(model_path=str(model_dir), max_model_len=256))
+
+    with pytest.raises(AssertionError, match="mix of two versions without refusing: mark"):
+        ROLLOUT_CHECKS["destination_update"](TransformersRolloutHarness(model_dir, make))
+
+
 @pytest.mark.slow  # the whole kit over RPC: about a minute
 def test_the_kit_passes_through_a_rollout_server_process(model_dir):
     harness = TransformersRolloutHarness(model_dir, lambda: hf(model_dir, python=this_python()))

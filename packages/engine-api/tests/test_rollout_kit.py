@@ -1,9 +1,14 @@
 """The rollout conformance kit against the fake rollout, and against rollouts that break the
 contract in one way each (the kit must notice)."""
 
+import re
+import time
+from dataclasses import replace
+
 import pytest
 
 from drivetrain.api import Prompt
+from drivetrain.api.rollout import FinishReason
 from drivetrain.api.testing import FakeRollout, FakeRolloutConfig, fake_model
 from drivetrain.api.testing.rollout_kit import (
     ROLLOUT_CHECKS,
@@ -31,6 +36,12 @@ class FakeRolloutHarness(RolloutHarness):
 
     def changed_weights(self):
         return list(fake_model.init_weights(VOCAB, seed=99, scale=2.0).items())
+
+    def decode(self, token_ids):
+        return fake_model.decode(token_ids)
+
+    def eos_token_id(self):
+        return fake_model.EOS_TOKEN_ID
 
     def reference_log_probs(self, prompt_ids, token_ids, temperature, changed):
         weights = (
@@ -103,6 +114,91 @@ class TornSilently(FakeRollout):
             for name, value in weights:
                 self.weights[name] = value
             self._version = version
+
+
+class _Rewritten(FakeRollout):
+    """Submits each request with its params rewritten by :meth:`rewrite`."""
+
+    def rewrite(self, request):
+        raise NotImplementedError
+
+    def submit(self, requests):
+        super().submit([replace(r, params=self.rewrite(r)) for r in requests])
+
+
+class StopStringsIgnored(_Rewritten):
+    def rewrite(self, request):
+        return replace(request.params, stop=())
+
+
+class MaxNewTokensIgnored(_Rewritten):
+    """Generates up to the context instead."""
+
+    def rewrite(self, request):
+        room = self.config.max_model_len - len(request.prompt_ids)
+        return replace(request.params, max_new_tokens=room)
+
+
+class TopPIgnored(_Rewritten):
+    def rewrite(self, request):
+        return replace(request.params, top_p=1.0)
+
+
+class LogProbsOff(FakeRollout):
+    """Reports every log-prob 0.01 too low."""
+
+    def poll(self, timeout_s: float = 0.0):
+        return [
+            replace(c, log_probs=tuple(x - 0.01 for x in c.log_probs))
+            for c in super().poll(timeout_s)
+        ]
+
+
+class Buffered(FakeRollout):
+    """Holds a request's tokens until it ends, and drops them when it is aborted."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.held = {}
+
+    def poll(self, timeout_s: float = 0.0):
+        out = []
+        for c in super().poll(timeout_s):
+            self.held.setdefault(c.request_id, []).append(c)
+            if c.finished:
+                chunks = self.held.pop(c.request_id)
+                if c.finish_reason is FinishReason.ABORT:
+                    out.append(replace(c, token_ids=(), log_probs=()))
+                else:
+                    tokens = sum((x.token_ids for x in chunks), ())
+                    log_probs = sum((x.log_probs for x in chunks), ())
+                    out.append(replace(c, token_ids=tokens, log_probs=log_probs))
+        return out
+
+
+#: the planted bugs of issue 35 and what the kit must say of each: the rollout, the check
+#: that catches it, and its message
+PLANTED = [
+    (NoVersion, "weight_versions", "weight_version is 0 after update 7"),
+    (NoVersion, "updates_between_steps", "weight_version is 0 after update 1"),
+    (Buffered, "abort", "streamed no tokens before it ended"),
+    (LogProbsOff, "greedy_determinism", "differ from the reference forward by 0.01"),
+    (StopStringsIgnored, "stop_conditions", "stop string .* ran past it, .*: it is ignored"),
+    (MaxNewTokensIgnored, "stop_conditions", "max_new_tokens=1 gave .*: max_new_tokens is ignored"),
+    (TopPIgnored, "sampling_filters", "top_p=0.001 at temperature 1 sampled .*: top_p is ignored"),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("broken", "check", "message"), PLANTED)
+def test_the_whole_kit_names_a_planted_bug_within_a_minute(broken, check, message):
+    """At the default deadline (300 s) no check waits for what already went wrong."""
+    harness = FakeRolloutHarness(broken)
+    harness.deadline_s = RolloutHarness.deadline_s
+    began = time.monotonic()
+    errors = {r.name: r.error for r in run_rollout_conformance(harness)}
+    assert time.monotonic() - began < 60
+    assert errors[check] is not None and re.search(message, errors[check]), errors
 
 
 @pytest.mark.parametrize(

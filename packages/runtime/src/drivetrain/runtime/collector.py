@@ -100,6 +100,10 @@ class Collector:
     def done(self) -> bool:
         return all(p.finish_reason is not None for p in self._progress.values())
 
+    def finished(self, request_id: str) -> bool:
+        """Whether the request (or the one it resumed) has had its last chunk."""
+        return self._progress[self._alias[request_id]].finish_reason is not None
+
     def completion(self, request_id: str) -> Completion:
         progress = self._progress[self._alias[request_id]]
         if progress.finish_reason is None:

@@ -15,6 +15,8 @@ from typing import Any
 WEIGHT = "bigram.weight"
 BIAS = "bigram.bias"
 EOS_TOKEN_ID = 0
+#: the text of token ``i`` is ``TEXT[i]`` (EOS: none), repeating past the alphabet
+TEXT = "abcdefghijklmnopqrstuvwxyz"
 
 
 def init_weights(vocab_size: int, seed: int, scale: float = 0.5) -> dict[str, Any]:
@@ -34,3 +36,8 @@ def log_softmax(logits: Sequence[float]) -> list[float]:
     peak = max(logits)
     total = math.log(sum(math.exp(x - peak) for x in logits)) + peak
     return [x - total for x in logits]
+
+
+def decode(token_ids: Sequence[int]) -> str:
+    """The text of tokens: a letter each, EOS skipped (as a tokenizer skips special tokens)."""
+    return "".join(TEXT[(t - 1) % len(TEXT)] for t in token_ids if t != EOS_TOKEN_ID)

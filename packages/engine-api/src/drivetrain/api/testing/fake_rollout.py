@@ -1,7 +1,8 @@
 """A pure-Python rollout over the bigram model of :mod:`fake_model`.
 
 Samples with temperature, top-k and top-p, reports the sampled tokens' log-probs under the
-processed distribution, takes new weights from a stream (atomically: a bad name changes
+processed distribution, ends requests at stop strings (over :func:`fake_model.decode`'s
+text: a letter a token), takes new weights from a stream (atomically: a bad name changes
 nothing) and counts weight versions, so weight-sync and RL orchestration can be tested
 without torch. Token 0 is EOS.
 """
@@ -62,6 +63,7 @@ class _Sequence:
     rng: random.Random
     previous: int
     generated: int = 0
+    text: str = ""  # of the generated tokens, for stop strings
 
     def sample_next(self, weights: dict[str, Any]) -> TokenEvent:
         params = self.request.params
@@ -72,9 +74,12 @@ class _Sequence:
             token = self.rng.choices(range(len(logp)), weights=[math.exp(x) for x in logp])[0]
         self.previous = token
         self.generated += 1
+        self.text += fake_model.decode([token])
         reason = None
-        if token in params.stop_token_ids or (
-            token == fake_model.EOS_TOKEN_ID and not params.ignore_eos
+        if (
+            token in params.stop_token_ids
+            or (token == fake_model.EOS_TOKEN_ID and not params.ignore_eos)
+            or any(stop in self.text for stop in params.stop)
         ):
             reason = FinishReason.STOP
         elif self.generated >= params.max_new_tokens:

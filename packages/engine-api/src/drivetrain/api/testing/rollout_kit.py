@@ -7,123 +7,37 @@ or inherits :class:`RolloutConformance` under pytest. Standard library only.
 
 from __future__ import annotations
 
-import abc
 import math
 import random
 import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from drivetrain.api.engine import NamedTensor
 from drivetrain.api.requests import Chunk, Request
 from drivetrain.api.rollout import Completion, FinishReason, Prompt, Rollout, SamplingParams
+from drivetrain.api.testing import rollout_kit_limits as limits
+from drivetrain.api.testing import rollout_kit_updates as updates
+from drivetrain.api.testing.rollout_harness import (
+    RolloutHarness,
+    abort_after,
+    assert_log_probs,
+    deadline,
+    drain,
+    greedy,
+    requests_for,
+    run,
+    with_rollout,
+)
 from drivetrain.runtime.collector import Collector
 
-
-class RolloutHarness(abc.ABC):
-    """What the kit needs to know about a rollout backend."""
-
-    #: max |log-prob - reference| accepted (fp32 models: ~1e-4)
-    log_prob_tolerance: float = 1e-4
-    #: how long one check may wait for its requests
-    deadline_s: float = 300.0
-
-    @abc.abstractmethod
-    def make_rollout(self) -> Rollout:
-        """A fresh rollout with the initial weights (version 0); the kit shuts it down."""
-
-    @abc.abstractmethod
-    def prompts(self) -> list[tuple[int, ...]]:
-        """At least 8 distinct token-id prompts leaving room for 24 new tokens."""
-
-    @abc.abstractmethod
-    def changed_weights(self) -> list[NamedTensor]:
-        """Weights that change greedy outputs (the same names and shapes as the model's)."""
-
-    @abc.abstractmethod
-    def reference_log_probs(
-        self, prompt_ids: Sequence[int], token_ids: Sequence[int], temperature: float, changed: bool
-    ) -> list[float]:
-        """log p(token_ids[i] | prompt, token_ids[:i]) under softmax(logits / temperature)
-        (temperature 0 means 1) of the initial or the changed weights, by a plain forward."""
-
-
-def _greedy(tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_new_tokens=tokens, ignore_eos=True)
-
-
-def _requests(h: RolloutHarness, params: SamplingParams, prefix: str) -> list[Request]:
-    return [Request(f"{prefix}{i}", p, params, i) for i, p in enumerate(h.prompts())]
-
-
-def _deadline(h: RolloutHarness) -> Callable[[str], None]:
-    """A check that raises once the harness's deadline passed, naming what was awaited."""
-    end = time.monotonic() + h.deadline_s
-
-    def check(what: str) -> None:
-        if time.monotonic() > end:
-            raise AssertionError(f"{what} did not happen within {h.deadline_s:.0f} s")
-
-    return check
-
-
-def _drain(rollout: Rollout, collector: Collector, h: RolloutHarness,
-           on_chunks: Callable[[list[Chunk]], None] | None = None) -> None:  # fmt: skip
-    overdue = _deadline(h)
-    while not collector.done:
-        overdue("the requests' end")
-        chunks = rollout.poll(0.05)
-        collector.add(chunks)
-        if on_chunks is not None:
-            on_chunks(chunks)
-
-
-def abort_after(rollout: Rollout, abort_at: dict[str, int]) -> Callable[[list[Chunk]], None]:
-    """A chunk consumer that aborts request ``id`` once it has streamed ``abort_at[id]``
-    tokens (the abort lands while it runs: its last chunk comes with a later poll)."""
-    counts = dict.fromkeys(abort_at, 0)
-
-    def consume(chunks: list[Chunk]) -> None:
-        for chunk in chunks:
-            if chunk.request_id in counts and not chunk.finished:
-                counts[chunk.request_id] += len(chunk.token_ids)
-                if counts[chunk.request_id] >= abort_at[chunk.request_id]:
-                    rollout.abort([chunk.request_id])
-                    del counts[chunk.request_id]
-
-    return consume
-
-
-def _run(h: RolloutHarness, rollout: Rollout, requests: list[Request]) -> list[Completion]:
-    collector = Collector()
-    for r in requests:
-        collector.track(r)
-    rollout.submit(requests)
-    _drain(rollout, collector, h)
-    return collector.completions()
-
-
-def _assert_log_probs(
-    h: RolloutHarness, c: Completion, temperature: float, changed: bool, what: str
-) -> None:
-    if not c.token_ids:
-        return
-    reference = h.reference_log_probs(c.prompt_ids, c.token_ids, temperature, changed)
-    worst = max(abs(a - b) for a, b in zip(c.log_probs, reference, strict=True))
-    if not worst <= h.log_prob_tolerance:
-        raise AssertionError(
-            f"{what}: sampled log-probs differ from the reference forward by {worst:.3g} "
-            f"(tolerance {h.log_prob_tolerance:.3g})"
-        )
-
-
-def _with_rollout(h: RolloutHarness, check: Callable[[Rollout], None]) -> None:
-    rollout = h.make_rollout()
-    try:
-        check(rollout)
-    finally:
-        rollout.shutdown()
+__all__ = [
+    "ROLLOUT_CHECKS",
+    "RolloutCheckResult",
+    "RolloutConformance",
+    "RolloutHarness",
+    "abort_after",
+    "run_rollout_conformance",
+]
 
 
 # ---- the checks ----------------------------------------------------------------------------
@@ -133,9 +47,9 @@ def check_greedy_determinism(h: RolloutHarness) -> None:
     reference forward; versions are 0 and each request ends once."""
 
     def check(rollout: Rollout) -> None:
-        together = _run(h, rollout, _requests(h, _greedy(16), "all-"))
-        alone = [_run(h, rollout, [r])[0] for r in _requests(h, _greedy(16), "one-")]
-        staggered = _staggered(h, rollout, _requests(h, _greedy(16), "join-"))
+        together = run(h, rollout, requests_for(h, greedy(16), "all-"))
+        alone = [run(h, rollout, [r])[0] for r in requests_for(h, greedy(16), "one-")]
+        staggered = _staggered(h, rollout, requests_for(h, greedy(16), "join-"))
         for i, (a, b, c) in enumerate(zip(together, alone, staggered, strict=True)):
             if not a.token_ids == b.token_ids == c.token_ids:
                 raise AssertionError(
@@ -144,9 +58,9 @@ def check_greedy_determinism(h: RolloutHarness) -> None:
                 )
             if a.weight_version != 0 or set(a.token_versions) - {0}:
                 raise AssertionError(f"prompt {i}: version {a.weight_version} before any update")
-            _assert_log_probs(h, a, 0, False, f"greedy prompt {i}")
+            assert_log_probs(h, a, 0, False, f"greedy prompt {i}")
 
-    _with_rollout(h, check)
+    with_rollout(h, check)
 
 
 def _staggered(h: RolloutHarness, rollout: Rollout, requests: list[Request]) -> list[Completion]:
@@ -156,7 +70,7 @@ def _staggered(h: RolloutHarness, rollout: Rollout, requests: list[Request]) -> 
     for r in requests:  # one joins after every poll, while the earlier ones run
         rollout.submit([r])
         collector.add(rollout.poll(0.0))
-    _drain(rollout, collector, h)
+    drain(rollout, collector, h)
     return collector.completions()
 
 
@@ -169,16 +83,16 @@ def check_sampled_log_probs(h: RolloutHarness) -> None:
         seeded = [
             Request(r.request_id, r.prompt_ids, SamplingParams(
                 temperature=0.8, max_new_tokens=16, ignore_eos=True, seed=100 + i), i)
-            for i, r in enumerate(_requests(h, params, "s-"))
+            for i, r in enumerate(requests_for(h, params, "s-"))
         ]  # fmt: skip
-        first = _run(h, rollout, seeded)
+        first = run(h, rollout, seeded)
         for c in first:
-            _assert_log_probs(h, c, 0.8, False, f"sampled prompt {c.prompt_index}")
-        again = _run(h, rollout, [Request("again", seeded[3].prompt_ids, seeded[3].params, 3)])
+            assert_log_probs(h, c, 0.8, False, f"sampled prompt {c.prompt_index}")
+        again = run(h, rollout, [Request("again", seeded[3].prompt_ids, seeded[3].params, 3)])
         if again[0].token_ids != first[3].token_ids:
             raise AssertionError("a seeded request sampled other tokens when run alone")
 
-    _with_rollout(h, check)
+    with_rollout(h, check)
 
 
 def check_abort(h: RolloutHarness) -> None:
@@ -188,8 +102,8 @@ def check_abort(h: RolloutHarness) -> None:
     or an unknown id, is allowed."""
 
     def check(rollout: Rollout) -> None:
-        undisturbed = _run(h, rollout, _requests(h, _greedy(24), "u-"))
-        requests = _requests(h, _greedy(24), "a-")
+        undisturbed = run(h, rollout, requests_for(h, greedy(24), "u-"))
+        requests = requests_for(h, greedy(24), "a-")
         rng = random.Random(0)
         abort_at = {r.request_id: rng.randint(1, 20) for r in requests[1::2]}
         collector = Collector()
@@ -198,36 +112,67 @@ def check_abort(h: RolloutHarness) -> None:
         rollout.submit(requests)
         if rollout.abort(["no-such-request"]) != 0:
             raise AssertionError("aborting an unknown request id reported an abort")
-        _drain(rollout, collector, h, abort_after(rollout, abort_at))
+        streamed = dict.fromkeys(abort_at, 0)  # tokens that came before a request's end
+        aborter = abort_after(rollout, abort_at)
+
+        def consume(chunks: list[Chunk]) -> None:
+            for chunk in chunks:
+                if chunk.request_id in streamed and not chunk.finished:
+                    streamed[chunk.request_id] += len(chunk.token_ids)
+            aborter(chunks)
+
+        drain(rollout, collector, h, consume)
         for r, ours, theirs in zip(requests, collector.completions(), undisturbed, strict=True):
-            n = len(ours.token_ids)
             if r.request_id in abort_at:
-                if ours.finish_reason is not FinishReason.ABORT:
-                    raise AssertionError(f"{r.request_id} was aborted but ended with "
-                                         f"{ours.finish_reason}")  # fmt: skip
-                if ours.token_ids != theirs.token_ids[:n] or n < abort_at[r.request_id]:
-                    raise AssertionError(f"{r.request_id}: aborted output {ours.token_ids} is not "
-                                         f"the {abort_at[r.request_id]}+ token prefix of "
-                                         f"{theirs.token_ids}")  # fmt: skip
-                _assert_log_probs(h, ours, 0, False, f"aborted {r.request_id}")
+                _check_aborted(h, r.request_id, ours, theirs, abort_at[r.request_id],
+                               streamed[r.request_id])  # fmt: skip
             elif ours.token_ids != theirs.token_ids:
                 raise AssertionError(f"{r.request_id} was not aborted but its tokens changed")
-        waiting = Request("never-started", h.prompts()[0], _greedy(4))
-        rollout.pause_generation()
-        rollout.submit([waiting])
-        held = [c for _ in range(3) for c in rollout.poll(0.05)]
-        if held:
-            raise AssertionError(f"a paused rollout generated {held[0]}")
-        if rollout.abort([waiting.request_id]) != 1:
-            raise AssertionError("aborting a waiting request did not report it")
-        rollout.resume_generation()
-        end = Collector()
-        end.track(waiting)
-        _drain(rollout, end, h)
-        if end.completion(waiting.request_id).finish_reason is not FinishReason.ABORT:
-            raise AssertionError("an aborted waiting request did not end with 'abort'")
+        _check_waiting_abort(h, rollout)
 
-    _with_rollout(h, check)
+    with_rollout(h, check)
+
+
+def _check_waiting_abort(h: RolloutHarness, rollout: Rollout) -> None:
+    """A request submitted while paused does not run; aborting it ends it with ``abort``."""
+    waiting = Request("never-started", h.prompts()[0], greedy(4))
+    rollout.pause_generation()
+    rollout.submit([waiting])
+    held = [c for _ in range(3) for c in rollout.poll(0.05)]
+    if held:
+        raise AssertionError(f"a paused rollout generated {held[0]}")
+    if rollout.abort([waiting.request_id]) != 1:
+        raise AssertionError("aborting a waiting request did not report it")
+    rollout.resume_generation()
+    end = Collector()
+    end.track(waiting)
+    drain(rollout, end, h)
+    if end.completion(waiting.request_id).finish_reason is not FinishReason.ABORT:
+        raise AssertionError("an aborted waiting request did not end with 'abort'")
+
+
+def _check_aborted(h: RolloutHarness, request_id: str, ours: Completion, theirs: Completion,
+                   abort_at: int, streamed: int) -> None:  # fmt: skip
+    """One request the abort check aborted after ``abort_at`` streamed tokens."""
+    n = len(ours.token_ids)
+    if not streamed and ours.finish_reason is not FinishReason.ABORT:
+        raise AssertionError(
+            f"{request_id} streamed no tokens before it ended (all {n} came in its last chunk), "
+            "so it could not be aborted part-way: poll must return the tokens sampled since the "
+            "last poll, and an abort keeps them"
+        )
+    if ours.finish_reason is not FinishReason.ABORT:
+        raise AssertionError(f"{request_id} was aborted but ended with {ours.finish_reason}")
+    if n < abort_at:
+        raise AssertionError(
+            f"{request_id} was aborted after streaming {abort_at} tokens but its completion "
+            f"holds {n}: an aborted request keeps every token it generated (its last chunk "
+            "carries those not yet polled)"
+        )
+    if ours.token_ids != theirs.token_ids[:n]:
+        raise AssertionError(f"{request_id}: aborted output {ours.token_ids} is not the "
+                             f"{abort_at}+ token prefix of {theirs.token_ids}")  # fmt: skip
+    assert_log_probs(h, ours, 0, False, f"aborted {request_id}")
 
 
 def check_weight_versions(h: RolloutHarness) -> None:
@@ -237,31 +182,31 @@ def check_weight_versions(h: RolloutHarness) -> None:
 
     def check(rollout: Rollout) -> None:
         prompt = h.prompts()[0]
-        before = _run(h, rollout, [Request("before", prompt, _greedy(16))])[0]
+        before = run(h, rollout, [Request("before", prompt, greedy(16))])[0]
         span = Collector()
-        first = Request("span", prompt, _greedy(20))
+        first = Request("span", prompt, greedy(20))
         span.track(first)
         rollout.submit([first])
-        got, overdue = 0, _deadline(h)
+        got, overdue = 0, deadline(h)
         while got < 6:
             overdue("6 tokens of request 'span'")
             chunks = rollout.poll(0.05)
             span.add(chunks)
             got += sum(len(c.token_ids) for c in chunks)
         rollout.abort(["span"])
-        _drain(rollout, span, h)
+        drain(rollout, span, h)
         rollout.update_weights(h.changed_weights(), version=7)
         if rollout.weight_version != 7:
             raise AssertionError(f"weight_version is {rollout.weight_version} after update 7")
-        after = _run(h, rollout, [Request("after", prompt, _greedy(16))])[0]
+        after = run(h, rollout, [Request("after", prompt, greedy(16))])[0]
         if after.token_ids == before.token_ids:
             raise AssertionError("new weights did not change the next greedy request")
         if after.weight_version != 7 or set(after.token_versions) != {7}:
             raise AssertionError(f"a request after update 7 reports {after.token_versions}")
-        _assert_log_probs(h, after, 0, True, "greedy after the update")
+        assert_log_probs(h, after, 0, True, "greedy after the update")
         resumed = span.resume("span", "span-resumed")
         rollout.submit([resumed])
-        _drain(rollout, span, h)
+        drain(rollout, span, h)
         c = span.completion("span")
         old = c.token_versions.count(0)
         if old < 6 or c.token_versions != (0,) * old + (7,) * (len(c.token_ids) - old):
@@ -272,52 +217,10 @@ def check_weight_versions(h: RolloutHarness) -> None:
                           c.finish_reason, 0)  # fmt: skip
         tail = Completion(c.prompt_index, c.prompt_ids + c.token_ids[:old], c.token_ids[old:],
                           c.log_probs[old:], c.finish_reason, 7)  # fmt: skip
-        _assert_log_probs(h, head, 0, False, "the segment before the update")
-        _assert_log_probs(h, tail, 0, True, "the segment after the update")
+        assert_log_probs(h, head, 0, False, "the segment before the update")
+        assert_log_probs(h, tail, 0, True, "the segment after the update")
 
-    _with_rollout(h, check)
-
-
-def check_failed_update(h: RolloutHarness) -> None:
-    """A weight stream that breaks part-way (rollouts apply weights as they arrive) never
-    leaves the rollout silently generating from a mix of two versions: it kept the old weights
-    (same greedy tokens, version unchanged) or it refuses requests (``RuntimeError``) until a
-    whole update lands, after which it serves that update's weights and version."""
-
-    def check(rollout: Rollout) -> None:
-        prompt = h.prompts()[0]
-        before = _run(h, rollout, [Request("before", prompt, _greedy(16))])[0]
-        changed = h.changed_weights()
-
-        def breaking() -> Iterator[NamedTensor]:
-            yield from changed[: max(1, len(changed) // 2)]
-            raise ConnectionError("the weight stream broke")
-
-        try:
-            rollout.update_weights(breaking(), version=5)
-        except Exception:  # backends may wrap the stream's error
-            pass
-        else:
-            raise AssertionError("update_weights returned although its stream raised")
-        if rollout.weight_version != 0:
-            raise AssertionError(f"version {rollout.weight_version} after a failed update")
-        try:
-            again = _run(h, rollout, [Request("after-failure", prompt, _greedy(16))])[0]
-        except RuntimeError:
-            pass  # refused until whole weights arrive
-        else:
-            if again.token_ids != before.token_ids or set(again.token_versions) != {0}:
-                raise AssertionError(
-                    "after a failed update the rollout generated from other weights than "
-                    f"version 0 without refusing (versions {set(again.token_versions)})"
-                )
-        rollout.update_weights(changed, version=6)
-        after = _run(h, rollout, [Request("after", prompt, _greedy(16))])[0]
-        if after.token_ids == before.token_ids or set(after.token_versions) != {6}:
-            raise AssertionError("a whole update after a failed one did not take effect")
-        _assert_log_probs(h, after, 0, True, "greedy after the repeated update")
-
-    _with_rollout(h, check)
+    with_rollout(h, check)
 
 
 def check_updates_between_steps(h: RolloutHarness) -> None:
@@ -340,7 +243,7 @@ def check_updates_between_steps(h: RolloutHarness) -> None:
                 while not stop_submitting.is_set() or not collector.done:
                     if not stop_submitting.is_set():
                         request = Request(f"live-{number}", prompts[number % len(prompts)],
-                                          _greedy(12), number)  # fmt: skip
+                                          greedy(12), number)  # fmt: skip
                         collector.track(request)
                         rollout.submit([request])
                         number += 1
@@ -352,12 +255,14 @@ def check_updates_between_steps(h: RolloutHarness) -> None:
 
         thread = threading.Thread(target=poller, daemon=True)
         thread.start()
-        overdue = _deadline(h)
+        overdue = deadline(h)
         try:
             while len(chunks_seen) < 8 and thread.is_alive():
                 overdue("8 chunks")
                 thread.join(0.01)
             rollout.update_weights(h.changed_weights(), version=1)
+            if rollout.weight_version != 1:  # else the wait below would last the deadline
+                raise AssertionError(f"weight_version is {rollout.weight_version} after update 1")
             while thread.is_alive() and not any(c.weight_version == 1 for c in chunks_seen):
                 overdue("a chunk tagged with version 1")
                 thread.join(0.01)
@@ -370,7 +275,7 @@ def check_updates_between_steps(h: RolloutHarness) -> None:
             raise AssertionError("polling did not finish while weights were updated")
         _assert_split_at_the_update(h, collector.completions())
 
-    _with_rollout(h, check)
+    with_rollout(h, check)
 
 
 def _assert_split_at_the_update(h: RolloutHarness, completions: list[Completion]) -> None:
@@ -385,10 +290,10 @@ def _assert_split_at_the_update(h: RolloutHarness, completions: list[Completion]
         what = f"request {c.prompt_index}"
         if old:
             segment = replace(c, token_ids=c.token_ids[:old], log_probs=c.log_probs[:old])
-            _assert_log_probs(h, segment, 0, False, f"{what}: tokens under version 0")
+            assert_log_probs(h, segment, 0, False, f"{what}: tokens under version 0")
         elif versions:
             fresh += 1
-            _assert_log_probs(h, c, 0, True, f"{what}: a request run under version 1")
+            assert_log_probs(h, c, 0, True, f"{what}: a request run under version 1")
     if not fresh:
         raise AssertionError("no request ran under the new weights")
 
@@ -414,7 +319,7 @@ def check_generate_helper(h: RolloutHarness) -> None:
         if any(math.isnan(x) for c in out for x in c.log_probs):
             raise AssertionError("NaN log-probs")
 
-    _with_rollout(h, check)
+    with_rollout(h, check)
 
 
 ROLLOUT_CHECKS: dict[str, Callable[[RolloutHarness], None]] = {
@@ -422,9 +327,15 @@ ROLLOUT_CHECKS: dict[str, Callable[[RolloutHarness], None]] = {
     "sampled_log_probs": check_sampled_log_probs,
     "abort": check_abort,
     "weight_versions": check_weight_versions,
-    "failed_update": check_failed_update,
+    "failed_update": updates.check_failed_update,
+    "destination_update": updates.check_destination_update,
     "updates_between_steps": check_updates_between_steps,
     "generate_helper": check_generate_helper,
+    "stop_conditions": limits.check_stop_conditions,
+    "sampling_filters": limits.check_sampling_filters,
+    "refusals": limits.check_refusals,
+    "pause_abort": limits.check_pause_abort,
+    "sleep": limits.check_sleep,
 }
 
 
@@ -466,10 +377,28 @@ class RolloutConformance:
         check_weight_versions(self.harness())
 
     def test_failed_update(self) -> None:
-        check_failed_update(self.harness())
+        updates.check_failed_update(self.harness())
+
+    def test_destination_update(self) -> None:
+        updates.check_destination_update(self.harness())
 
     def test_updates_between_steps(self) -> None:
         check_updates_between_steps(self.harness())
 
     def test_generate_helper(self) -> None:
         check_generate_helper(self.harness())
+
+    def test_stop_conditions(self) -> None:
+        limits.check_stop_conditions(self.harness())
+
+    def test_sampling_filters(self) -> None:
+        limits.check_sampling_filters(self.harness())
+
+    def test_refusals(self) -> None:
+        limits.check_refusals(self.harness())
+
+    def test_pause_abort(self) -> None:
+        limits.check_pause_abort(self.harness())
+
+    def test_sleep(self) -> None:
+        limits.check_sleep(self.harness())
