@@ -100,6 +100,36 @@ print("TOOLS", [t["function"]["name"] for t in env.tools()], env_class.__module_
 """
 
 
+#: the environment kit over it, its solution as in PLAY
+KIT = """
+import json
+from drivetrain.api.environment import AssistantTurn, ToolCall
+from drivetrain.api.testing.environment_kit import EnvironmentHarness, run_environment_conformance
+from acme_env.environment import LookupEnvironment
+
+class Harness(EnvironmentHarness):
+    def make_environment(self, options=None):
+        return LookupEnvironment(options)
+
+    def solution(self, task):
+        first, second = task["prompt"].split("How many ")[1].split(" are")[0].split(" and ")
+        calls = (ToolCall("lookup", {"item": first[:-1]}, "c0"),
+                 ToolCall("lookup", {"item": second[:-1]}, "c1"))
+        answer = task["answer"]
+        return [AssistantTurn(0, "", "", calls), AssistantTurn(1, answer, answer)]
+
+    def bad_options(self):
+        return [{"max_lookups": 0}]
+
+print(json.dumps({r.name: r.error for r in run_environment_conformance(Harness())}))
+"""
+
+
+def test_it_passes_the_environment_kit(env):
+    results = json.loads(env.run("-c", KIT).stdout.splitlines()[-1])
+    assert len(results) == 6 and not any(results.values()), results
+
+
 def test_registry_loads_it_and_an_episode_uses_the_lookup_tool(env):
     out = env.run("-c", PLAY).stdout.splitlines()
     assert out[0].startswith("PROMPT How many ") and out[0].endswith(" in stock together?")

@@ -112,5 +112,23 @@ def import_gguf_command(
     console.print(f"wrote {out_dir}")
 
 
+@app.command("new-plugin")
+def new_plugin_command(
+    kind: Annotated[str, typer.Argument(help="What to make: environment.")],
+    name: Annotated[str, typer.Argument(help="The distribution's name, e.g. acme-words.")],
+    into: Annotated[Path, typer.Option(help="The folder to make it in.")] = Path("."),
+) -> None:
+    """Make a plugin package whose kit passes on its working stub: edit it into yours."""
+    from drivetrain.api.errors import DrivetrainError
+    from drivetrain.trainer.new_plugin import new_plugin
+
+    try:
+        target = new_plugin(kind, name, into)
+    except DrivetrainError as exc:
+        print_error(plain_console(stderr=True), exc)
+        raise typer.Exit(2) from None
+    console.print(f"wrote {target}: pip install -e '{target}[test]' && pytest {target}")
+
+
 def main() -> None:
     app()
