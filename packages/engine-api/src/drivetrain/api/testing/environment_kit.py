@@ -16,7 +16,6 @@ import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from drivetrain.api.environment import (
@@ -28,6 +27,7 @@ from drivetrain.api.environment import (
     Task,
     ToolCall,
 )
+from drivetrain.api.testing.kit_runner import KitCheckResult, KitConformance, run_checks
 
 ROLES = {"system", "user", "assistant", "tool"}
 
@@ -286,45 +286,15 @@ ENVIRONMENT_CHECKS: dict[str, Callable[[EnvironmentHarness], None]] = {
 }
 
 
-@dataclass(frozen=True)
-class EnvironmentCheckResult:
-    name: str
-    error: str | None  # None when the check passed
+EnvironmentCheckResult = KitCheckResult
 
 
-def run_environment_conformance(h: EnvironmentHarness) -> list[EnvironmentCheckResult]:
+def run_environment_conformance(h: EnvironmentHarness) -> list[KitCheckResult]:
     """Every check; failures are collected, not raised."""
-    results = []
-    for name, check in ENVIRONMENT_CHECKS.items():
-        try:
-            check(h)
-        except Exception as exc:  # a contract violation may surface as any error
-            results.append(EnvironmentCheckResult(name, f"{type(exc).__name__}: {exc}"))
-        else:
-            results.append(EnvironmentCheckResult(name, None))
-    return results
+    return run_checks(ENVIRONMENT_CHECKS, h)
 
 
-class EnvironmentConformance:
+class EnvironmentConformance(KitConformance):
     """Inherit under pytest and implement :meth:`harness`; each check becomes a test."""
 
-    def harness(self) -> EnvironmentHarness:
-        raise NotImplementedError("return an EnvironmentHarness for the environment under test")
-
-    def test_options(self) -> None:
-        check_options(self.harness())
-
-    def test_tools_and_tasks(self) -> None:
-        check_tools_and_tasks(self.harness())
-
-    def test_solution(self) -> None:
-        check_solution(self.harness())
-
-    def test_untrusted_turns(self) -> None:
-        check_untrusted_turns(self.harness())
-
-    def test_episodes_independent(self) -> None:
-        check_episodes_independent(self.harness())
-
-    def test_truncation(self) -> None:
-        check_truncation(self.harness())
+    CHECKS = ENVIRONMENT_CHECKS

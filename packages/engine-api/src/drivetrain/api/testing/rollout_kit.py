@@ -11,12 +11,13 @@ import math
 import random
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from drivetrain.api.requests import Chunk, Request
 from drivetrain.api.rollout import Completion, FinishReason, Prompt, Rollout, SamplingParams
 from drivetrain.api.testing import rollout_kit_limits as limits
 from drivetrain.api.testing import rollout_kit_updates as updates
+from drivetrain.api.testing.kit_runner import KitCheckResult, KitConformance, run_checks
 from drivetrain.api.testing.rollout_harness import (
     RolloutHarness,
     abort_after,
@@ -339,66 +340,15 @@ ROLLOUT_CHECKS: dict[str, Callable[[RolloutHarness], None]] = {
 }
 
 
-@dataclass(frozen=True)
-class RolloutCheckResult:
-    name: str
-    error: str | None  # None when the check passed
+RolloutCheckResult = KitCheckResult
 
 
-def run_rollout_conformance(h: RolloutHarness) -> list[RolloutCheckResult]:
+def run_rollout_conformance(h: RolloutHarness) -> list[KitCheckResult]:
     """Every check, each on a fresh rollout; failures are collected, not raised."""
-    results = []
-    for name, check in ROLLOUT_CHECKS.items():
-        try:
-            check(h)
-        except Exception as exc:  # a contract violation may surface as any error
-            results.append(RolloutCheckResult(name, f"{type(exc).__name__}: {exc}"))
-        else:
-            results.append(RolloutCheckResult(name, None))
-    return results
+    return run_checks(ROLLOUT_CHECKS, h)
 
 
-class RolloutConformance:
+class RolloutConformance(KitConformance):
     """Inherit under pytest and implement :meth:`harness`; each check becomes a test."""
 
-    def harness(self) -> RolloutHarness:
-        raise NotImplementedError("return a RolloutHarness for the rollout under test")
-
-    def test_greedy_determinism(self) -> None:
-        check_greedy_determinism(self.harness())
-
-    def test_sampled_log_probs(self) -> None:
-        check_sampled_log_probs(self.harness())
-
-    def test_abort(self) -> None:
-        check_abort(self.harness())
-
-    def test_weight_versions(self) -> None:
-        check_weight_versions(self.harness())
-
-    def test_failed_update(self) -> None:
-        updates.check_failed_update(self.harness())
-
-    def test_destination_update(self) -> None:
-        updates.check_destination_update(self.harness())
-
-    def test_updates_between_steps(self) -> None:
-        check_updates_between_steps(self.harness())
-
-    def test_generate_helper(self) -> None:
-        check_generate_helper(self.harness())
-
-    def test_stop_conditions(self) -> None:
-        limits.check_stop_conditions(self.harness())
-
-    def test_sampling_filters(self) -> None:
-        limits.check_sampling_filters(self.harness())
-
-    def test_refusals(self) -> None:
-        limits.check_refusals(self.harness())
-
-    def test_pause_abort(self) -> None:
-        limits.check_pause_abort(self.harness())
-
-    def test_sleep(self) -> None:
-        limits.check_sleep(self.harness())
+    CHECKS = ROLLOUT_CHECKS

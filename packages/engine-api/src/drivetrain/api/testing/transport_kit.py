@@ -19,11 +19,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from drivetrain.api.engine import NamedTensor
+from drivetrain.api.testing.kit_runner import KitCheckResult, KitConformance, run_checks
 from drivetrain.api.testing.transport_receiver import DIED
 from drivetrain.api.weight_sync import (
     SyncStats,
@@ -298,39 +298,15 @@ TRANSPORT_CHECKS: dict[str, Callable[[TransportHarness], None]] = {
 }
 
 
-@dataclass(frozen=True)
-class TransportCheckResult:
-    name: str
-    error: str | None  # None when the check passed
+TransportCheckResult = KitCheckResult
 
 
-def run_transport_conformance(h: TransportHarness) -> list[TransportCheckResult]:
+def run_transport_conformance(h: TransportHarness) -> list[KitCheckResult]:
     """Every check; failures are collected, not raised."""
-    results = []
-    for name, check in TRANSPORT_CHECKS.items():
-        try:
-            check(h)
-        except Exception as exc:  # a contract violation may surface as any error
-            results.append(TransportCheckResult(name, f"{type(exc).__name__}: {exc}"))
-        else:
-            results.append(TransportCheckResult(name, None))
-    return results
+    return run_checks(TRANSPORT_CHECKS, h)
 
 
-class TransportConformance:
+class TransportConformance(KitConformance):
     """Inherit under pytest and implement :meth:`harness`; each check becomes a test."""
 
-    def harness(self) -> TransportHarness:
-        raise NotImplementedError("return a TransportHarness for the transport under test")
-
-    def test_two_syncs(self) -> None:
-        check_two_syncs(self.harness())
-
-    def test_destination(self) -> None:
-        check_destination(self.harness())
-
-    def test_failing_source(self) -> None:
-        check_failing_source(self.harness())
-
-    def test_dead_receiver(self) -> None:
-        check_dead_receiver(self.harness())
+    CHECKS = TRANSPORT_CHECKS
