@@ -80,8 +80,3 @@ PLANTED = [
 def test_the_kit_names_a_broken_transport(broken, check, message):
     with pytest.raises(AssertionError, match=message):
         TRANSPORT_CHECKS[check](broken())
-
-
-def test_every_check_runs_under_pytest_too():
-    tests = {n.removeprefix("test_") for n in dir(TransportConformance) if n.startswith("test_")}
-    assert tests == set(TRANSPORT_CHECKS)

@@ -8,7 +8,6 @@ import pytest
 
 from drivetrain.api.environment import AssistantTurn, StepResult
 from drivetrain.api.testing.environment_kit import (
-    ENVIRONMENT_CHECKS,
     EnvironmentConformance,
     EnvironmentHarness,
     run_environment_conformance,
@@ -113,8 +112,3 @@ PLANTED = [
 def test_the_kit_names_a_broken_environment(broken, check, message):
     errors = {r.name: r.error for r in run_environment_conformance(EchoHarness(broken))}
     assert errors[check] is not None and re.search(message, errors[check]), errors
-
-
-def test_every_check_runs_under_pytest_too():
-    tests = {n.removeprefix("test_") for n in dir(EnvironmentConformance) if n.startswith("test_")}
-    assert tests == set(ENVIRONMENT_CHECKS)

@@ -281,8 +281,3 @@ def test_pop_returns_a_resumed_sequence_whole_and_forgets_every_segment():
     assert collector.completions() == []
     collector.track(Request("a", (5,), SamplingParams()))  # its ids are free again
     collector.track(Request("a+1", (5,), SamplingParams()))
-
-
-def test_every_check_runs_under_pytest_too():
-    tests = {n.removeprefix("test_") for n in dir(RolloutConformance) if n.startswith("test_")}
-    assert tests == set(ROLLOUT_CHECKS)
