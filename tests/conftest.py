@@ -39,7 +39,9 @@ class Venv:
         subprocess.run([*args, *map(str, requirements)], check=True, timeout=600)
 
     def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+        # nothing of this session's interpreter or pytest options reaches the venv's commands
+        skip = ("VIRTUAL_ENV", "PYTHONPATH", "PYTEST_ADDOPTS")
+        env = {k: v for k, v in os.environ.items() if k not in skip}
         env["COLUMNS"] = "250"  # rich tables: keep rows on one line
         return subprocess.run(
             [self.python, *args], capture_output=True, text=True, check=check, timeout=300, env=env
