@@ -164,12 +164,6 @@ def _check_aborted(h: RolloutHarness, request_id: str, ours: Completion, theirs:
         )
     if ours.finish_reason is not FinishReason.ABORT:
         raise AssertionError(f"{request_id} was aborted but ended with {ours.finish_reason}")
-    if n < abort_at:
-        raise AssertionError(
-            f"{request_id} was aborted after streaming {abort_at} tokens but its completion "
-            f"holds {n}: an aborted request keeps every token it generated (its last chunk "
-            "carries those not yet polled)"
-        )
     if ours.token_ids != theirs.token_ids[:n]:
         raise AssertionError(f"{request_id}: aborted output {ours.token_ids} is not the "
                              f"{abort_at}+ token prefix of {theirs.token_ids}")  # fmt: skip
