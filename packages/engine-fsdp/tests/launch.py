@@ -8,6 +8,8 @@ from typing import Any
 from drivetrain.engine_core.testing import launch_ranks, write_result
 
 HERE = Path(__file__).parent
+#: what every worker imports: its ranks fork from a process that has (engine_core.testing)
+PRELOAD = ("drivetrain.engine.fsdp.engine",)
 __all__ = ["launch", "write_result"]
 
 
@@ -15,5 +17,11 @@ def launch(
     script: str, out_dir: Path, *args: str, nproc: int = 2, timeout: float = 600
 ) -> list[Any]:
     return launch_ranks(
-        HERE / script, out_dir, *args, nproc=nproc, timeout=timeout, pythonpath=[HERE]
+        HERE / script,
+        out_dir,
+        *args,
+        nproc=nproc,
+        timeout=timeout,
+        pythonpath=[HERE],
+        preload=PRELOAD,
     )

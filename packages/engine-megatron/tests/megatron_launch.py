@@ -13,6 +13,8 @@ import torch
 from drivetrain.engine_core.testing import launch_ranks
 
 HERE = Path(__file__).parent
+#: what every worker imports: its ranks fork from a process that has (engine_core.testing)
+PRELOAD = ("drivetrain.engine.megatron.engine",)
 
 
 def _read(out_dir: Path, rank: int) -> Any:
@@ -24,7 +26,14 @@ def launch(
 ) -> list[Any]:
     """``script`` (here, or an absolute path) on ``nproc`` ranks; each rank's report."""
     return launch_ranks(
-        HERE / script, out_dir, *args, nproc=nproc, timeout=timeout, pythonpath=[HERE], read=_read
+        HERE / script,
+        out_dir,
+        *args,
+        nproc=nproc,
+        timeout=timeout,
+        pythonpath=[HERE],
+        read=_read,
+        preload=PRELOAD,
     )
 
 
