@@ -10,12 +10,12 @@ them all (a session fixture is per worker)."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from cli_run import run_cli
 from sft_support import sft_env
 
 BUILTIN_ADDITION = pytest.mark.xdist_group("builtin-addition")
@@ -47,9 +47,9 @@ class BuiltinRun:
 
 
 def run_builtin_grpo(root: Path) -> BuiltinRun:
-    cmd = [sys.executable, "-m", "drivetrain.trainer", "grpo", f"run.output_dir={root / GRPO_OUT}"]
-    done = subprocess.run(  # in root: the chained SFT run writes runs/sft-addition there
-        cmd, env=sft_env(root), cwd=root, capture_output=True, text=True, timeout=1400
+    # in root: the chained SFT run writes runs/sft-addition there
+    done = run_cli(
+        "grpo", f"run.output_dir={root / GRPO_OUT}", env=sft_env(root), cwd=root, timeout=1400
     )
     assert done.returncode == 0, done.stderr[-4000:]
     return BuiltinRun(cwd=root, done=done)

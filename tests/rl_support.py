@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from cli_run import run_cli
 from drivetrain.trainer.builtin.addition import make_rows
 from drivetrain.trainer.builtin.tiny_model import build_tiny_chat_model
 
@@ -57,9 +58,7 @@ def rl_command(algorithm: str, *args: str) -> list[str]:
 def run_rl(
     algorithm: str, *args: str, env: dict[str, str], timeout: float = 600
 ) -> tuple[dict[str, Any], subprocess.CompletedProcess]:
-    done = subprocess.run(
-        rl_command(algorithm, *args), env=env, capture_output=True, text=True, timeout=timeout
-    )
+    done = run_cli(algorithm, *args, env=env, timeout=timeout)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1]), done
 

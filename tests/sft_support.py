@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+from cli_run import run_command
 from drivetrain.trainer.builtin.addition import make_rows
 from drivetrain.trainer.builtin.tiny_model import build_tiny_chat_model
 
@@ -47,7 +47,7 @@ def sft_command(*args: str, nproc: int = 0) -> list[str]:
 def run_sft(root: Path, out: Path, *args: str, nproc: int = 0, timeout: float = 300) -> dict:
     """Run to completion; returns the JSON summary the command prints last."""
     cmd = sft_command(f"run.output_dir={out}", *args, nproc=nproc)
-    done = subprocess.run(cmd, env=sft_env(root), capture_output=True, text=True, timeout=timeout)
+    done = run_command(cmd, env=sft_env(root), timeout=timeout)
     assert done.returncode == 0, f"{cmd}\n{done.stdout}\n{done.stderr}"
     return json.loads(done.stdout.strip().splitlines()[-1])
 

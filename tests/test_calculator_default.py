@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_run import run_cli
 from golden import check_golden
 from sft_support import sft_env
 
@@ -29,10 +30,7 @@ def shared(tmp_path_factory):
 
 
 def grpo(tmp_path: Path, cache: Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "drivetrain.trainer", "grpo", "env=calculator", *args]
-    return subprocess.run(
-        cmd, env=sft_env(cache), cwd=tmp_path, capture_output=True, text=True, timeout=1400
-    )
+    return run_cli("grpo", "env=calculator", *args, env=sft_env(cache), cwd=tmp_path, timeout=1400)
 
 
 def steps_of(out: Path) -> list[dict]:

@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from cli_run import run_command
 from drivetrain.runtime.manifest import verify_manifest, write_manifest
 from sft_support import make_job, run_sft, sft_command, sft_env, train_losses
 
@@ -51,7 +52,7 @@ def copy_run(trained, tmp_path) -> Path:
 def sft(trained, out: Path, *args: str) -> subprocess.CompletedProcess:
     root, base = trained
     cmd = sft_command(f"run.output_dir={out}", *base, *STEPS, *args)
-    return subprocess.run(cmd, env=sft_env(root), capture_output=True, text=True, timeout=240)
+    return run_command(cmd, env=sft_env(root), timeout=240)
 
 
 def step_dir(out: Path, step: int) -> Path:

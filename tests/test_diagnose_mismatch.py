@@ -4,12 +4,10 @@ arrived, weights rounded through another dtype; a healthy pair agrees (the CLI e
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
+from cli_run import run_cli
 from drivetrain.api import Prompt, SamplingParams
 from drivetrain.api.registry import rollouts
 from drivetrain.rollout.config import HFRolloutConfig
@@ -95,12 +93,11 @@ def test_weights_rounded_through_another_dtype_are_named(trained):
 
 def test_the_command_reports_each_stage_and_exits_by_the_verdict(trained):
     model_dir, _ = trained
-    cmd = [sys.executable, "-m", "drivetrain.trainer", "diagnose", "mismatch", str(model_dir)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    cmd = ["diagnose", "mismatch", str(model_dir)]
+    done = run_cli(*cmd, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
     out = done.stdout + done.stderr
     assert "weights        agrees" in out and "agree at every stage checked" in out
     other = build_model(model_dir.parent / "other", seed=1)  # another checkpoint, as served
-    done = subprocess.run([*cmd, "--rollout-model", str(other)], capture_output=True, text=True,
-                          timeout=240)  # fmt: skip
+    done = run_cli(*cmd, "--rollout-model", str(other), timeout=240)
     assert done.returncode == 1 and "first divergence: weights: tensor" in done.stdout + done.stderr

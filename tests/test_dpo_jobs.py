@@ -4,11 +4,10 @@ with its LoRA adapter off, precomputed log-probs, and none (SimPO)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
+from cli_run import run_cli
 from drivetrain.trainer.builtin.addition import preference_rows
 from drivetrain.trainer.builtin.tiny_model import build_tiny_chat_model
 from sft_support import sft_env
@@ -34,15 +33,13 @@ def test_dpo_job_with_each_reference(tmp_path, extra, reference):
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "run"
     command = [
-        sys.executable, "-m", "drivetrain.trainer", "dpo", f"engine.model.path={model}",
+        "dpo", f"engine.model.path={model}",
         f"data.train_path={data}", f"data.val_path={data}", f"run.output_dir={out}",
         "run.max_steps=3", "run.batch_size=4", "engine.optim.lr=0.001",
         "engine.micro_batch.max_tokens=100", "logging.progress=false",
         "logging.tensorboard=false", *extra,
     ]  # fmt: skip
-    done = subprocess.run(
-        command, env=sft_env(tmp_path), capture_output=True, text=True, timeout=540
-    )
+    done = run_cli(*command, env=sft_env(tmp_path), timeout=540)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"reference {reference}" in done.stderr
     summary = json.loads(done.stdout.strip().splitlines()[-1])

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from cli_run import run_cli
 from drivetrain.trainer.builtin.addition import preference_rows
 from drivetrain.trainer.builtin.tiny_model import build_tiny_chat_model
 from drivetrain.trainer.dpo.config import PreferenceDataConfig
@@ -22,8 +23,6 @@ STEPS, BATCH, LR = 10, 4, 1e-2
 
 @pytest.mark.parametrize(("loss", "beta"), [("sigmoid", 0.1), ("ipo", 0.5)])
 def test_loss_curve_matches_trl_dpo_trainer(tmp_path, loss, beta):
-    import subprocess
-    import sys
 
     from transformers import AutoTokenizer
 
@@ -32,16 +31,14 @@ def test_loss_curve_matches_trl_dpo_trainer(tmp_path, loss, beta):
     data.write_text("".join(json.dumps(r) + "\n" for r in preference_rows(STEPS * BATCH, 0)))
     out = tmp_path / "ours"
     command = [
-        sys.executable, "-m", "drivetrain.trainer", "dpo", f"engine.model.path={model}",
+        "dpo", f"engine.model.path={model}",
         f"data.train_path={data}", f"run.output_dir={out}", f"run.max_steps={STEPS}",
         f"run.batch_size={BATCH}", f"engine.optim.lr={LR}", "engine.optim.weight_decay=0.0",
         "engine.optim.clip_grad=1.0", "data.shuffle=false", f"algorithm.loss={loss}",
         f"algorithm.beta={beta}", "run.export_hf=false", "logging.progress=false",
         "logging.tensorboard=false",
     ]  # fmt: skip
-    done = subprocess.run(
-        command, env=sft_env(tmp_path), capture_output=True, text=True, timeout=540
-    )
+    done = run_cli(*command, env=sft_env(tmp_path), timeout=540)
     assert done.returncode == 0, done.stderr[-3000:]
     ours = train_losses(out)
 

@@ -7,12 +7,11 @@ cached SFT model. The GRPO run is the session's one (``builtin_addition`` in con
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from builtin_run import BUILTIN_ADDITION
+from cli_run import run_cli
 from golden import check_golden
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500), BUILTIN_ADDITION]
@@ -45,9 +44,8 @@ def test_default_grpo_job(builtin_addition):
 def test_default_dpo_job(tmp_path, builtin_addition):
     """`drivetrain dpo`: the true sum chosen over the annotator's slip raises held-out accuracy
     (measured: greedy 97.5% -> 100%, sampled 63.5% -> 79%, preference 99.5% -> 100%)."""
-    cmd = [sys.executable, "-m", "drivetrain.trainer", "dpo", "logging.progress=false"]
-    done = subprocess.run(
-        cmd, env=builtin_addition.env(), cwd=tmp_path, capture_output=True, text=True, timeout=1400
+    done = run_cli(
+        "dpo", "logging.progress=false", env=builtin_addition.env(), cwd=tmp_path, timeout=1400
     )
     assert done.returncode == 0, done.stderr[-4000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
@@ -66,9 +64,8 @@ def test_default_distill_job(tmp_path, builtin_addition):
     """`drivetrain distill`: the cached SFT model teaches a smaller student (its own short SFT
     first); the student's held-out accuracy rises toward the teacher's (measured: 15.5% ->
     22.0%, the teacher 97.5%)."""
-    cmd = [sys.executable, "-m", "drivetrain.trainer", "distill", "logging.progress=false"]
-    done = subprocess.run(
-        cmd, env=builtin_addition.env(), cwd=tmp_path, capture_output=True, text=True, timeout=1400
+    done = run_cli(
+        "distill", "logging.progress=false", env=builtin_addition.env(), cwd=tmp_path, timeout=1400
     )
     assert done.returncode == 0, done.stderr[-4000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])

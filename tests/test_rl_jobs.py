@@ -4,12 +4,12 @@ colocated and separate Ray placement giving the same first update, failure and r
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import psutil
 import pytest
 
+from cli_run import run_command
 from drivetrain.trainer.builtin.tiny_model import build_tiny_chat_model
 from golden import check_golden
 from rl_support import kill_mid_run, make_rl_job, metrics_rows, rl_command, run_rl
@@ -182,10 +182,9 @@ def test_ppo_with_critic_reference_and_reward_model(tmp_path):
 )  # fmt: skip
 def test_bad_config_fails_before_any_worker(tmp_path, overrides, message):
     base = make_rl_job(tmp_path)
-    done = subprocess.run(
-        rl_command("grpo", *base, *overrides, "--dry-run"),
-        env=sft_env(tmp_path), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    done = run_command(
+        rl_command("grpo", *base, *overrides, "--dry-run"), env=sft_env(tmp_path), timeout=300
+    )
     assert done.returncode == 2
     assert message in done.stderr
 

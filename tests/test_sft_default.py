@@ -9,12 +9,11 @@ short run of the same built-in job in ``test_builtin_sft_command_reports_accurac
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from builtin_run import BUILTIN_ADDITION
+from cli_run import run_cli
 from drivetrain.trainer.builtin.addition import SFT_REPORT, cached_sft_model
 from golden import check_golden
 
@@ -41,12 +40,8 @@ def test_builtin_sft_command_reports_accuracy(tmp_path, builtin_addition):
     """`drivetrain sft` on the built-in task prints the held-out accuracy before and after and
     ends with it in its JSON summary (a short run: only the default run is cached)."""
     out = tmp_path / "run"
-    cmd = [
-        sys.executable, "-m", "drivetrain.trainer", "sft", f"run.output_dir={out}",
-        "run.max_steps=20", "logging.progress=false",
-    ]  # fmt: skip
-    env = builtin_addition.env()  # its assets are built already
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    args = ["sft", f"run.output_dir={out}", "run.max_steps=20", "logging.progress=false"]
+    done = run_cli(*args, env=builtin_addition.env(), timeout=600)  # assets built already
     assert done.returncode == 0, done.stderr[-4000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 20 and summary["test_examples"] == 200

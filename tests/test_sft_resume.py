@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_run import run_command
 from drivetrain.runtime.manifest import verify_manifest
 from sft_support import make_job, run_sft, sft_command, sft_env, train_losses
 
@@ -87,7 +88,7 @@ def test_resume_from_an_explicit_checkpoint_and_bad_paths(tmp_path):
         4: pytest.approx(reference[4], abs=1e-6),
     }
     cmd = sft_command(f"run.output_dir={tmp_path / 'x'}", *base, "--resume", str(tmp_path / "nope"))
-    done = subprocess.run(cmd, env=sft_env(tmp_path), capture_output=True, text=True, timeout=300)
+    done = run_command(cmd, env=sft_env(tmp_path), timeout=300)
     assert done.returncode == 2 and "not a complete drivetrain checkpoint" in done.stderr
 
 
@@ -135,7 +136,9 @@ def test_sigterm_mid_save_and_mid_step_stops_at_a_checkpoint_and_resumes_exactly
     )
     assert stepping.returncode == 143, stepping.stderr
     stopped_at = logged_steps(out)  # the step that was running finished first
-    assert stopped_at in (5, 6)  # 6 only if step 5 ended before the signal landed
+    # 4 when the signal landed while step 4 was still ending after its checkpoint appeared
+    # (seen once beside another busy test); 6 only if step 5 ended before it landed
+    assert stopped_at in (4, 5, 6)
     grace = ckpts / f"step_{stopped_at:08d}"
     assert last_line(stepping) == (
         f"stopped by SIGTERM: {stopped_at} steps done; --resume auto continues from step "

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from drivetrain.engine_core.testing import ZYGOTE_VAR, launch_ranks
+from drivetrain.engine_core.testing import launch_ranks
+from drivetrain.engine_core.zygote_client import ZYGOTE_VAR
 
 WORKER = """
 import json, os, sys, threading, atexit

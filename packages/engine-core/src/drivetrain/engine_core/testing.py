@@ -9,27 +9,24 @@ deadline, and a rank that dies stops the others at once. Workers report with
 order.
 
 With ``preload``, the ranks are forked from a process that has imported those modules already
-(:mod:`drivetrain.engine_core.rank_zygote`, one per test process and preload set): a megatron
-rank then starts in a fraction of a second instead of spending 11 s of CPU importing.
+(:mod:`drivetrain.engine_core.zygote`): a megatron rank then starts in a fraction of a second
+instead of spending 11 s of CPU importing.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-#: set to 0 to start every rank as a fresh ``python`` (no zygote)
-ZYGOTE_VAR = "DRIVETRAIN_RANK_ZYGOTE"
+from drivetrain.engine_core import zygote_client
 
 
 def free_port() -> int:
@@ -40,102 +37,6 @@ def free_port() -> int:
 
 def _tail(path: Path, chars: int = 6000) -> str:
     return path.read_text(errors="replace")[-chars:] if path.exists() else "(no log)"
-
-
-class _ForkedRank:
-    """A rank forked by a :class:`_Zygote`: ``poll``, ``returncode`` and ``pid`` as a
-    ``Popen``'s (its exit code arrives through the zygote, its parent)."""
-
-    def __init__(self, zygote: _Zygote, pid: int) -> None:
-        self.zygote, self.pid = zygote, pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self.poll()
-
-    def poll(self) -> int | None:
-        return self.zygote.exit_code(self.pid)
-
-    def wait(self) -> int:
-        while (code := self.poll()) is None:
-            time.sleep(0.05)
-        return code
-
-
-class _Zygote:
-    """The launcher's end of a ``rank_zygote`` process: one reader thread records what it
-    says (started pids in order, exit codes)."""
-
-    def __init__(self, preload: Sequence[str]) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        command = [sys.executable, "-m", "drivetrain.engine_core.rank_zygote", *preload]
-        self.proc = subprocess.Popen(
-            command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE
-        )
-        self.changed = threading.Condition()
-        self.started: list[int] = []
-        self.exits: dict[int, int] = {}
-        threading.Thread(target=self._read, daemon=True, name="rank-zygote").start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            message = json.loads(line)
-            with self.changed:
-                if "started" in message:
-                    self.started.append(message["started"])
-                if "exited" in message:
-                    self.exits[message["exited"]] = message["code"]
-                self.changed.notify_all()
-        with self.changed:  # the zygote is gone: wake whoever waits for it
-            self.changed.notify_all()
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def exit_code(self, pid: int) -> int | None:
-        with self.changed:
-            if pid in self.exits:
-                return self.exits[pid]
-        if not self.alive():  # nobody is left to report it: end its session, call it killed
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
-            return -signal.SIGKILL
-        return None
-
-    def spawn(
-        self, argv: list[str], env: dict[str, str], log: Path, deadline: float
-    ) -> _ForkedRank:
-        """Fork one rank; waits (until ``deadline``) for the zygote to import and answer."""
-        assert self.proc.stdin is not None
-        with self.changed:
-            count = len(self.started)
-            request = {"argv": argv, "env": env, "log": str(log)}
-            self.proc.stdin.write((json.dumps(request) + "\n").encode())
-            self.proc.stdin.flush()
-            while len(self.started) == count:
-                left = deadline - time.monotonic()
-                if left <= 0 or not self.alive():
-                    raise AssertionError(f"the rank zygote did not start {argv[0]} in time")
-                self.changed.wait(min(left, 1.0))
-            return _ForkedRank(self, self.started[count])
-
-    def close(self) -> None:
-        if self.alive():
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-            self.proc.wait(timeout=30)
-
-
-_zygotes: dict[tuple[str, ...], _Zygote] = {}
-
-
-def _zygote(preload: Sequence[str]) -> _Zygote:
-    key = tuple(preload)
-    zygote = _zygotes.get(key)
-    if zygote is None or not zygote.alive():
-        zygote = _zygotes[key] = _Zygote(key)
-    return zygote
 
 
 def launch_ranks(
@@ -151,12 +52,12 @@ def launch_ranks(
     """Run ``script`` on ``nproc`` ranks; raise ``AssertionError`` with every rank's log tail
     when one fails or the deadline passes. ``read(out_dir, rank)`` loads a rank's report
     (default: what :func:`write_result` wrote). ``preload``: modules the ranks import, to fork
-    them from a process that has them (``DRIVETRAIN_RANK_ZYGOTE=0`` starts fresh ones)."""
+    them from a process that has them (``DRIVETRAIN_ZYGOTE=0`` starts fresh ones)."""
     port = str(free_port())
     path = os.pathsep.join([*map(str, pythonpath), os.environ.get("PYTHONPATH", "")])
     deadline = time.monotonic() + timeout
-    zygote = _zygote(preload) if preload and os.environ.get(ZYGOTE_VAR, "1") != "0" else None
-    procs: list[tuple[subprocess.Popen[bytes] | _ForkedRank, Any]] = []
+    fork = bool(preload) and zygote_client.enabled()
+    procs: list[tuple[subprocess.Popen[bytes] | zygote_client.ForkedProcess, Any]] = []
     for rank in range(nproc):
         env = dict(
             os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
@@ -164,9 +65,13 @@ def launch_ranks(
             OMP_NUM_THREADS="1", PYTHONPATH=path, PYTHONFAULTHANDLER="1",
         )  # fmt: skip
         log_path = out_dir / f"rank{rank}.log"
-        if zygote is not None:
+        if fork:
+            log_path.write_text("")
             argv = [str(script), str(out_dir), *args]
-            procs.append((zygote.spawn(argv, env, log_path, deadline), None))
+            rank_proc = zygote_client.forked(
+                argv, preload=preload, env=env, stdout=log_path, stderr=log_path, deadline=deadline
+            )
+            procs.append((rank_proc, None))
             continue
         log = open(log_path, "w")  # noqa: SIM115 (closed below)
         command = [sys.executable, str(script), str(out_dir), *args]

@@ -1,19 +1,20 @@
-"""A Python that imports the heavy modules once and forks every rank a test launches.
+"""A Python that imports the heavy modules once and forks every process a test starts.
 
-Each rank of a multi-process engine test used to be a fresh ``python script`` that spent most
-of its first seconds importing torch, transformers and megatron-core (11 s of CPU for a
-megatron rank on a 2-core CI machine, against a few seconds of test). ``launch_ranks`` starts
-this process once per test process and preload set; it imports ``argv[1:]`` (the ones
-installed), then for each request on stdin forks a child that becomes what ``python script
-ARGS`` would have been: its own session, the request's environment, ``sys.path`` and
-``sys.argv``, stdout and stderr into the log, the script run as ``__main__`` and the interpreter's
-exit steps (threads joined, atexit) at the end. Forking after ``import torch`` and before any
-torch work is what PyTorch's DataLoader workers do.
+A test's ``python script`` or ``python -m drivetrain.trainer ...`` used to spend most of its
+first seconds importing torch, transformers and megatron-core: 11 s of CPU for a megatron rank,
+10 of a tiny job's 13 s for ``drivetrain sft``, on the 2-core CI machine.
+:mod:`drivetrain.engine_core.zygote_client` starts this process once per test process, preload
+set and import-time environment; it imports ``argv[1:]`` (the ones installed), then for each
+request on stdin forks a child that becomes what ``python ARGV`` would have been: its own
+session, the request's environment, working directory, ``sys.path`` and ``sys.argv``, stdout and
+stderr into files, the script (or ``-m`` module) run as ``__main__`` and the interpreter's exit
+steps (threads joined, atexit) at the end. Forking after ``import torch`` and before any torch
+work is what PyTorch's DataLoader workers do.
 
-Protocol, one JSON object a line: in ``{"argv": [script, *args], "env": {...}, "log": path}``;
-out ``{"ready": true}`` once, then ``{"started": pid}`` for each request, in order, and
-``{"exited": pid, "code": n}`` when a child ends (``-signal`` when killed by one). Nothing is
-unpickled. The process ends when its stdin closes.
+Protocol, one JSON object a line: in ``{"argv": [script | "-m", module, *args], "env": {...},
+"cwd": dir, "stdout": path, "stderr": path}``; out ``{"started": pid}`` for each request, in
+order, and ``{"exited": pid, "code": n}`` when a child ends (``-signal`` when killed by one).
+Nothing is unpickled. The process ends when its stdin closes.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import json
 import os
 import select
 import sys
+import tempfile
 from typing import Any
 
 
@@ -33,8 +35,13 @@ def _preload(modules: list[str]) -> None:
             importlib.import_module(name)
 
 
+#: the protocol's output: stdout as the launcher gave it (fd 1 itself goes to stderr, so that
+#: what an imported module prints never reaches the launcher as a message)
+_protocol = 1
+
+
 def _say(message: dict[str, Any]) -> None:
-    os.write(1, (json.dumps(message) + "\n").encode())
+    os.write(_protocol, (json.dumps(message) + "\n").encode())
 
 
 def _become_rank(request: dict[str, Any]) -> None:
@@ -42,24 +49,29 @@ def _become_rank(request: dict[str, Any]) -> None:
     code = 1
     try:
         os.setsid()  # its own session: the launcher kills a hung rank as a group
+        os.close(_protocol)
         os.environ.clear()
         os.environ.update(request["env"])
-        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(log)
+        tempfile.tempdir = None  # from this environment's TMPDIR, not the zygote's
+        os.chdir(request.get("cwd") or os.getcwd())
+        for fd, key in ((1, "stdout"), (2, "stderr")):
+            out = os.open(request[key], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(out, fd)
+            os.close(out)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-        script = request["argv"][0]
-        sys.argv = list(request["argv"])
+        argv = list(request["argv"])
+        module = argv[1] if argv[0] == "-m" else None
+        sys.argv = argv[1:] if module else argv  # runpy sets argv[0] to the module's file
+        first = os.getcwd() if module else os.path.dirname(os.path.abspath(argv[0]))
         extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-        sys.path[:1] = [os.path.dirname(os.path.abspath(script)), *extra]
+        sys.path[:1] = [first, *extra]
         if os.environ.get("PYTHONFAULTHANDLER"):
             import faulthandler
 
             faulthandler.enable()
         if "torch" in sys.modules and os.environ.get("OMP_NUM_THREADS"):
             sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-        code = _run_main(script)
+        code = _run_main(module, argv[0])
     except BaseException:  # anything before the script ran: report and leave
         import traceback
 
@@ -68,8 +80,9 @@ def _become_rank(request: dict[str, Any]) -> None:
         os._exit(code)
 
 
-def _run_main(script: str) -> int:
-    """Run ``script`` as ``__main__``; its exit code, after the interpreter's own exit steps."""
+def _run_main(module: str | None, script: str) -> int:
+    """Run ``module`` (``-m``) or else ``script`` as ``__main__``; its exit code, after the
+    interpreter's own exit steps."""
     import atexit
     import runpy
     import threading
@@ -77,7 +90,10 @@ def _run_main(script: str) -> int:
 
     code = 0
     try:
-        runpy.run_path(script, run_name="__main__")
+        if module:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
             code = exc.code or 0
@@ -95,8 +111,10 @@ def _run_main(script: str) -> int:
 
 
 def serve(modules: list[str]) -> None:
+    global _protocol
+    _protocol = os.dup(1)
+    os.dup2(2, 1)
     _preload(modules)
-    _say({"ready": True})
     pending = b""
     children: set[int] = set()
     while True:
@@ -108,6 +126,8 @@ def serve(modules: list[str]) -> None:
             pending += chunk
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
+                sys.stdout.flush()  # a child starts with nothing of the zygote's buffered
+                sys.stderr.flush()
                 pid = os.fork()
                 if pid == 0:
                     _become_rank(json.loads(line))
