@@ -78,6 +78,10 @@ def test_the_scripted_schedule_is_bit_identical_across_runs(tmp_path):
         assert min(lags) >= 0 and max(lags) == metrics["async/staleness_max"] <= 1
         spanning = sum(low < high for low, high in row["versions"]) / len(row["versions"])
         assert spanning == pytest.approx(metrics["async/partial_samples_frac"])
+        by_lag = {k for k in metrics if k.startswith("async/length_by_staleness/")}
+        assert by_lag == {f"async/length_by_staleness/{lag}" for lag in lags}
+        assert metrics["async/dropped_samples"] == 0  # nothing dropped: no dropped length
+        assert "async/dropped_length_mean" not in metrics
 
 
 def _timing(row: dict) -> dict:

@@ -12,6 +12,7 @@ import pytest
 from drivetrain.api import FinishReason, Prompt, SamplingParams
 from drivetrain.api.testing import fake_model
 from drivetrain.api.testing.fake_rollout import FakeRollout, FakeRolloutConfig
+from drivetrain.trainer.rl.batch_ops import stream_stats
 from drivetrain.trainer.rl.group_stream import GenerationError, GroupStream
 
 pytestmark = pytest.mark.timeout(60)
@@ -111,6 +112,13 @@ def test_stale_groups_are_dropped_and_replaced() -> None:
     assert taken.dropped == 2 * PER_STEP
     assert all(g.oldest_version == 2 for g in taken.groups)
     assert [g.position for g in taken.groups] == [6, 7, 8]  # the next positions, in order
+    # the dropped samples' lengths are reported (what dropping cost), once
+    assert len(taken.dropped_lengths) == 2 * PER_STEP * N
+    assert all(0 < length <= 6 for length in taken.dropped_lengths)
+    stats = stream_stats(taken)
+    assert stats["async/dropped_samples"] == 2 * PER_STEP * N
+    assert stats["async/dropped_length_mean"] == sum(taken.dropped_lengths) / (2 * PER_STEP * N)
+    assert s.take(2).dropped_lengths == ()
     s.close()
 
 

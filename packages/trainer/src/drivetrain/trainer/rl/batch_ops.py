@@ -87,11 +87,15 @@ def taken_batch(taken: Taken, prompts: Sequence[Any]) -> tuple[list[Any], list[C
 
 
 def stream_stats(taken: Taken) -> dict[str, float]:
-    return {
+    out = {
         "async/dropped_groups": float(taken.dropped),
         "async/ready_groups": float(taken.ready_left),
         "async/in_flight_groups": float(taken.in_flight),
+        "async/dropped_samples": float(len(taken.dropped_lengths)),
     }
+    if taken.dropped_lengths:  # against response/length_mean: are the long ones dropped?
+        out["async/dropped_length_mean"] = sum(taken.dropped_lengths) / len(taken.dropped_lengths)
+    return out
 
 
 def staleness_stats(batch: Batch, trainer_version: int) -> dict[str, float]:
@@ -111,7 +115,13 @@ def staleness_stats(batch: Batch, trainer_version: int) -> dict[str, float]:
         out[f"async/staleness_frac/{value}"] = count / lag.numel()
     big = torch.where(mask, versions, torch.iinfo(versions.dtype).min).amax(-1)
     small = torch.where(mask, versions, torch.iinfo(versions.dtype).max).amin(-1)
-    out["async/partial_samples_frac"] = float(((big > small) & mask.any(-1)).float().mean())
+    has = mask.any(-1)
+    out["async/partial_samples_frac"] = float(((big > small) & has).float().mean())
+    # mean response length by how far each sample's oldest token lags: long answers are the
+    # ones that span versions and go stale, so a length bias shows here first
+    lengths, sample_lag = mask.sum(-1)[has].float(), (trainer_version - small)[has]
+    for value in sample_lag.unique().tolist():
+        out[f"async/length_by_staleness/{value}"] = float(lengths[sample_lag == value].mean())
     return out
 
 

@@ -91,6 +91,9 @@ class Taken:
     dropped: int  # groups dropped as too stale since the previous take
     ready_left: int  # complete groups left for later steps
     in_flight: int  # groups still generating
+    #: response lengths (tokens) of the samples those dropped groups held: what dropping
+    #: costs, and whether it falls on the long answers (the ones that go stale)
+    dropped_lengths: tuple[int, ...] = ()
 
 
 @dataclass
@@ -130,6 +133,7 @@ class GroupStream:
         self._consumed = start_step * per_step  # positions consumed or dropped
         self._dropped = 0  # since the run (re)started: shifts admission
         self._dropped_since_take = 0
+        self._dropped_lengths: list[int] = []
         self._pending: dict[int, _Pending] = {}
         self._ready: dict[int, Group] = {}
         self._failure: BaseException | None = None
@@ -240,7 +244,8 @@ class GroupStream:
                 del self._ready[group.position]
             self._consumed += len(chosen)
             dropped, self._dropped_since_take = self._dropped_since_take, 0
-            return Taken(tuple(chosen), dropped, len(self._ready), len(self._pending))
+            lengths, self._dropped_lengths = tuple(self._dropped_lengths), []
+            return Taken(tuple(chosen), dropped, len(self._ready), len(self._pending), lengths)
 
     def _choose(self, trainer_version: int) -> list[Group] | None:
         if self.ordered:
@@ -254,6 +259,7 @@ class GroupStream:
                     del self._ready[q]
                     self._dropped += 1
                     self._dropped_since_take += 1
+                    self._dropped_lengths += [len(c.token_ids) for c in group.completions]
                     self._consumed += 1
                     self._admit()  # a dropped group's place goes to a new one
         if len(self._ready) < self.per_step:
