@@ -13,6 +13,7 @@ ALLOWED = {
     "api/testing/rollout_harness.py",
     "api/testing/rollout_kit.py",
     "api/testing/rollout_kit_limits.py",
+    "api/testing/rollout_kit_background.py",
 }
 
 

@@ -12,7 +12,14 @@ import pytest
 from cli_run import run_command
 from drivetrain.trainer.builtin.tiny_model import build_tiny_chat_model
 from golden import check_golden
-from rl_support import kill_mid_run, make_rl_job, metrics_rows, rl_command, run_rl
+from rl_support import (
+    check_async_steps,
+    kill_mid_run,
+    make_rl_job,
+    metrics_rows,
+    rl_command,
+    run_rl,
+)
 from sft_support import sft_env
 
 pytestmark = pytest.mark.timeout(900)
@@ -206,6 +213,29 @@ def test_colocated_and_separate_give_the_same_first_update(tmp_path):
         row = metrics_rows(out)[0]
         assert row["actor/rollout_log_prob_diff"] < 1e-4
     assert digests["colocated"] == digests["separate"]
+
+
+@pytest.mark.slow
+@pytest.mark.serial  # Ray: two workers and a rollout replica
+def test_async_on_separate_ray_placement_stays_within_its_staleness_bound(tmp_path):
+    """2 actor ranks on Ray and a rollout replica on its own bundle, generating ahead of
+    training (weights over the broadcast transport between steps): every trained sample at
+    most one version behind, tagged with its versions, the replica updated each step."""
+    base = make_rl_job(tmp_path)
+    out = tmp_path / "run"
+    summary, _ = run_rl(
+        "grpo", *base, f"run.output_dir={out}", "run.steps=3", "workers.num=2",
+        "placement.mode=separate", "algorithm.mode=async", "algorithm.ahead.max_staleness=1",
+        env=sft_env(tmp_path),
+    )  # fmt: skip
+    assert summary["steps"] == 3
+    rows = [r for r in metrics_rows(out) if "reward/mean" in r]
+    check_async_steps(out, rows, max_staleness=1)
+    # the replica took each step's weights (over the broadcast transport: it is elsewhere)
+    assert [r["weight_sync/version"] for r in rows] == [1, 2, 3]
+    assert all(
+        r["actor/rollout_log_prob_diff"] < 1e-4 for r in rows if r["async/staleness_max"] == 0
+    )
 
 
 def _rank_actor_pids() -> list[int]:

@@ -41,14 +41,23 @@ class SlowRollout(FakeRollout):
         return super().poll(timeout_s)
 
 
+class SlowStepRollout(FakeRollout):
+    """A token step takes 5 ms wherever it runs (a poll, or the rollout's own thread)."""
+
+    def _step(self, joining, aborted):
+        time.sleep(0.005)
+        return super()._step(joining, aborted)
+
+
 def left_running(r: FakeRollout) -> bool:
     return bool(r.requests._running or r.requests._waiting)
 
 
-@pytest.mark.parametrize("threads", [True, False])
-def test_futures_complete_with_what_generate_gives(threads: bool) -> None:
+@pytest.mark.parametrize(("threads", "background"), [(True, False), (False, False), (True, True)])
+def test_futures_complete_with_what_generate_gives(threads: bool, background: bool) -> None:
     ours, theirs = rollout(), rollout()
-    with RolloutService([ours], threads=threads) as service:
+    with RolloutService([ours], threads=threads, background=background) as service:
+        assert service.background == [background]
         futures = service.submit_many(0, requests("a"))
         while not threads and not all(f.done() for f in futures):
             service.pump()
@@ -62,13 +71,14 @@ def test_futures_complete_with_what_generate_gives(threads: bool) -> None:
     assert not left_running(ours)
 
 
-@pytest.mark.parametrize("threads", [True, False])
-def test_a_pause_aborts_and_resumes_partial_rollouts(threads: bool) -> None:
+@pytest.mark.parametrize(("threads", "background"), [(True, False), (False, False), (True, True)])
+def test_a_pause_aborts_and_resumes_partial_rollouts(threads: bool, background: bool) -> None:
     """Inside ``paused`` nothing of the service runs on the rollout (another caller generates);
     resumable requests continue afterwards with their first tokens' versions kept, the others
     end with what they had."""
-    r = SlowRollout(FakeRolloutConfig(max_model_len=64, seed=3))
-    service = RolloutService([r], threads=threads)
+    slow = SlowStepRollout if background else SlowRollout
+    r = slow(FakeRolloutConfig(max_model_len=64, seed=3))
+    service = RolloutService([r], threads=threads, background=background)
     try:
         resumed = service.submit_many(0, requests("a", max_new_tokens=40), resume_aborted=True)
         ended = service.submit(0, requests("b", max_new_tokens=40)[0])
@@ -170,6 +180,55 @@ def test_threads_poll_only_replicas_with_work_and_never_wait_in_a_poll() -> None
         time.sleep(0.2)  # an idle replica's thread waits for commands, without polling
         assert len(busy.polls) == polled and not idle.polls
     assert set(busy.polls) == {0.0}
+
+
+def test_a_rollout_generating_on_its_own_is_polled_at_an_interval() -> None:
+    """Background generation: the rollout steps on its own thread, the service collects every
+    ``BACKGROUND_POLL_S`` (several token steps a poll, never waiting in one), the outputs are
+    those of a polled rollout, and closing stops the rollout's thread."""
+
+    class Counting(SlowStepRollout):
+        polls = 0
+
+        def poll(self, timeout_s: float = 0.0):
+            self.polls += 1
+            return super().poll(timeout_s)
+
+    ours, theirs = Counting(FakeRolloutConfig(max_model_len=64, seed=3)), rollout()
+    with RolloutService([ours], background=True) as service:
+        assert ours.requests.in_background
+        got = [f.result(timeout=30) for f in service.submit_many(0, requests("a", 40))]
+    assert not ours.requests.in_background
+    assert ours.steps >= 40 and ours.polls < ours.steps / 2  # 5 ms steps, 20 ms polls
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    want = [
+        theirs.generate([Prompt(token_ids=ids)], replace(params, seed=100 + i))[0]
+        for i, ids in enumerate(PROMPTS)
+    ]
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+
+
+def test_a_failing_step_in_the_background_fails_the_next_poll() -> None:
+    """The rollout's own thread ends at a step that raises; its requests end aborted and the
+    next poll raises the error (as a polled step would have), polls step again afterwards."""
+    r = rollout()
+    real = r._step
+
+    def broken(joining, aborted):
+        r._step = real  # once
+        raise RuntimeError("the backend crashed mid-step")
+
+    r._step = broken
+    r.requests._step = broken
+    r.background_generation(True)
+    r.submit(requests("a"))
+    with pytest.raises(RuntimeError, match="crashed mid-step"):
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            r.poll(0.1)
+    assert not r.requests.in_background
+    chunks = r.poll(0.0)
+    assert {c.finish_reason for c in chunks} == {FinishReason.ABORT}
 
 
 class BrokenAbort(FakeRollout):

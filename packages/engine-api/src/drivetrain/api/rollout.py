@@ -212,6 +212,16 @@ class Rollout(abc.ABC):
             raise ValueError(f"unknown memory tags {sorted(set(tags) - MEMORY_TAGS)}")
         return None
 
+    def background_generation(self, enabled: bool) -> bool:
+        """Advance generation on a thread of the rollout's own whenever requests run
+        (``enabled``), so that :meth:`poll` only collects what was generated meanwhile (and,
+        given a timeout, waits for the next of it); ``False`` goes back to stepping when
+        polled. Returns whether the rollout now generates in the background: ``False`` where it
+        cannot (the default), and the caller keeps polling it as before. Everything else holds
+        as when polled: weights change between token steps, chunks are merged per request and
+        version, pause and abort take effect at the next step."""
+        return False
+
     # ---- around a weight update -----------------------------------------------------------
     def pause_generation(self, *, abort: bool = False) -> int:
         """Hold new requests (submitted ones wait) and let none be in flight (before a weight

@@ -29,7 +29,7 @@ ROLLOUT_CALLS = frozenset(
     {
         "generate", "submit", "poll", "abort", "pause_generation", "resume_generation",
         "weight_version", "weights_fingerprint", "sleep", "wake_up", "shutdown",
-        "weights_connect", "weights_receive", "weights_disconnect",
+        "weights_connect", "weights_receive", "weights_disconnect", "background_generation",
     }
 )  # fmt: skip
 
@@ -82,6 +82,7 @@ class RolloutHost:
                 return self.weights.disconnect()
             case "shutdown":
                 try:
+                    self.rollout.background_generation(False)  # nothing steps on what it frees
                     self.weights.disconnect()
                 finally:  # a transport that fails to leave does not keep the rollout alive
                     self.rollout.shutdown()
@@ -141,6 +142,9 @@ class RemoteRollout(Rollout):
 
     def resume_generation(self) -> None:
         self.channel.call("resume_generation")
+
+    def background_generation(self, enabled: bool) -> bool:
+        return bool(self.channel.call("background_generation", bool(enabled)))
 
     def update_weights(self, weights: Iterable[NamedTensor], *, version: int) -> None:
         self.channel.send_weights(weights, version)

@@ -9,6 +9,13 @@ id checks, the waiting line and its capacity, pause (wait or abort) and resume, 
 and running requests, chunks merged per request between polls and tagged with the weight
 version of their step, and a lock that weight updates take so weights change only between
 steps.
+
+By default a step runs when the caller polls. :meth:`RequestQueue.run_in_background` starts a
+thread of the rollout's own that steps whenever something runs, so polls only collect the
+merged chunks: a rollout in a server process then generates while its caller (the trainer) is
+busy, and the caller makes one call per poll instead of one per token step. The step lock is
+granted in arrival order (:class:`~drivetrain.runtime.fair_lock.FairRLock`): a weight update,
+pause or abort waits for the step in progress, not for a loop that takes the lock again at once.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from dataclasses import dataclass, field
 
 from drivetrain.api.requests import Chunk, Request
 from drivetrain.api.rollout import FinishReason, Rollout
+from drivetrain.runtime.fair_lock import FairRLock
 
 
 @dataclass
@@ -77,13 +85,19 @@ class RequestQueue:
         self._version = version
         self.capacity = capacity
         #: held by every token step; take it to change weights between steps
-        self.lock = threading.RLock()
+        self.lock = FairRLock()
         self._waiting: deque[Request] = deque()
         self._running: set[str] = set()
         self._to_abort: set[str] = set()
         self._pending: dict[str, _Pending] = {}
         self._paused = False
+        #: submits, resumes and aborts wake a waiting poller or the background loop
         self._arrived = threading.Condition(self.lock)
+        #: new chunks (or the background loop's failure) wake a poller
+        self._output = threading.Condition(self.lock)
+        self._background: threading.Thread | None = None
+        self._stop_background = False
+        self._failure: BaseException | None = None
 
     # ---- the request contract --------------------------------------------------------------
     def submit(self, requests: Sequence[Request], validate: Callable[[Request], None]) -> None:
@@ -103,12 +117,66 @@ class RequestQueue:
         deadline = time.monotonic() + timeout_s
         while True:
             with self.lock:
+                self._raise_failure()
+                if self._background is not None:  # the loop steps: collect, or wait for it
+                    if self._pending or time.monotonic() >= deadline:
+                        return self._take()
+                    self._output.wait(max(0.0, deadline - time.monotonic()))
+                    continue
                 if not self._pending and self._has_work():
                     self._advance()
                 if self._pending or time.monotonic() >= deadline:
                     return self._take()
                 if not self._has_work():  # nothing runs until something is submitted
                     self._arrived.wait(max(0.0, deadline - time.monotonic()))
+
+    # ---- generation on a thread of its own ------------------------------------------------
+    def run_in_background(self, enabled: bool) -> None:
+        """Step on a thread of this queue's own whenever something runs (``enabled``), or
+        stop that thread and step when polled again. A step that raises ends that thread, its
+        requests end aborted and the next poll raises the error."""
+        if not enabled:
+            with self.lock:
+                thread, self._background = self._background, None
+                self._stop_background = True
+                self._arrived.notify_all()
+            if thread is not None and thread is not threading.current_thread():
+                thread.join()
+            return
+        with self.lock:
+            if self._background is not None:
+                return
+            self._stop_background = False
+            self._background = threading.Thread(
+                target=self._run_background, daemon=True, name="rollout-generation"
+            )
+            self._background.start()
+
+    @property
+    def in_background(self) -> bool:
+        return self._background is not None
+
+    def _run_background(self) -> None:
+        while True:
+            with self.lock:
+                while not self._stop_background and not self._has_work():
+                    self._arrived.wait()
+                if self._stop_background:
+                    return
+                try:
+                    self._advance()
+                except BaseException as exc:  # the poller raises it; nothing runs on
+                    self._failure = exc
+                    self._background = None
+                    self._output.notify_all()
+                    return
+                if self._pending:
+                    self._output.notify_all()
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            exc, self._failure = self._failure, None
+            raise exc
 
     def abort(self, request_ids: Sequence[str] | None = None) -> int:
         with self.lock:
@@ -120,6 +188,8 @@ class RequestQueue:
             running = (wanted & self._running) - self._to_abort
             self._to_abort |= running
             self._arrived.notify_all()  # a poller waiting for work has chunks to collect
+            if waiting:
+                self._output.notify_all()
             return len(waiting) + len(running)
 
     def pause(self, *, abort: bool) -> int:
@@ -275,6 +345,10 @@ class QueuedRollout(Rollout):
 
     def pause_generation(self, *, abort: bool = False) -> int:
         return self.requests.pause(abort=abort)
+
+    def background_generation(self, enabled: bool) -> bool:
+        self.requests.run_in_background(enabled)
+        return enabled
 
     def resume_generation(self) -> None:
         self.requests.resume()

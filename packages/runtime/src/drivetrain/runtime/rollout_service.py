@@ -6,7 +6,12 @@ whoever needs generation hands requests here instead of polling it (sync generat
 ahead of training; the trainer's episodes and its OpenAI endpoint).
 
 Who polls: one thread per replica, or (``threads=False``) the owner, which calls :meth:`pump`
-at points of its choosing: a fixed interleaving, so two runs are bit-identical. A thread never
+at points of its choosing: a fixed interleaving, so two runs are bit-identical. With
+``background=True`` the threads ask each rollout to generate on its own
+(:meth:`~drivetrain.api.rollout.Rollout.background_generation`); one that does is polled every
+``BACKGROUND_POLL_S`` while something runs, collecting several token steps a call, instead of
+once per token step: a rollout in another process then never waits for the trainer's process,
+which makes a few calls a step instead of one per token. A thread never
 waits inside a poll (a remote rollout's poll that waits holds its channel, which a weight
 update needs meanwhile): it polls without waiting, and after a poll that found nothing waits
 a backoff that a new command cuts short; a replica with nothing running is not polled.
@@ -39,6 +44,9 @@ log = logging.getLogger(__name__)
 POLL_S = 0.02
 #: a polling thread's backoff after a poll that found nothing: from the first to the last
 IDLE_POLL_S, BACKOFF_S = 0.001, 0.05
+#: a polling thread's interval for a rollout that generates in the background (seconds): what
+#: a finished request may wait to be noticed, against one call per token step
+BACKGROUND_POLL_S = 0.02
 #: how long aborted requests may take to end, and a polling thread to stop (seconds): both
 #: happen at the rollout's next token step
 SETTLE_S = 30.0
@@ -62,10 +70,20 @@ class RolloutService:
     (``threads=False``: the owner calls :meth:`pump`)."""
 
     def __init__(
-        self, rollouts: Sequence[Rollout], *, name: str = "rollouts", threads: bool = True
+        self,
+        rollouts: Sequence[Rollout],
+        *,
+        name: str = "rollouts",
+        threads: bool = True,
+        background: bool = False,
     ) -> None:
         self.rollouts = list(rollouts)
         self.name = name
+        #: per replica: it generates on its own (``background``, threads only, where it can)
+        self.background = [
+            threads and background and rollout.background_generation(True)
+            for rollout in self.rollouts
+        ]
         replicas = range(len(self.rollouts))
         #: guards the commands, the hold and the stop; a replica's sequences and collector
         #: are touched only by its poller (or, while every poller is held, the holder)
@@ -178,9 +196,20 @@ class RolloutService:
         finally:
             for replica, commands in enumerate(queued):
                 self._settle_queued(replica, commands, closed)
+            self._stop_background()
             for sequences in self._sequences:
                 _fail([s.future for s in list(sequences.values())], closed)
                 sequences.clear()
+
+    def _stop_background(self) -> None:
+        """The rollouts step when polled again (another caller may poll them next)."""
+        for replica, rollout in enumerate(self.rollouts):
+            if self.background[replica]:
+                try:
+                    rollout.background_generation(False)
+                except Exception:  # a rollout that is gone generates nothing
+                    log.warning("%s: rollout %d did not stop generating", self.name, replica)
+                self.background[replica] = False
 
     def __enter__(self) -> RolloutService:
         return self
@@ -206,7 +235,10 @@ class RolloutService:
                 with self._cond:
                     self._active -= 1
                     self._cond.notify_all()
-            backoff = 0.0 if got else min(max(2 * backoff, IDLE_POLL_S), BACKOFF_S)
+            if self.background[replica]:  # it steps on its own: collect at an interval
+                backoff = BACKGROUND_POLL_S
+            else:
+                backoff = 0.0 if got else min(max(2 * backoff, IDLE_POLL_S), BACKOFF_S)
 
     def _crashed(self, replica: int, commands: list[tuple[Any, ...]], exc: BaseException) -> None:
         """This replica's poller failed (a bug): its requests are aborted and every waiter

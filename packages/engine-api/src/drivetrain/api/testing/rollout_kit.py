@@ -29,6 +29,7 @@ from drivetrain.api.testing.rollout_harness import (
     run,
     with_rollout,
 )
+from drivetrain.api.testing.rollout_kit_background import check_background_generation
 from drivetrain.runtime.collector import Collector
 
 __all__ = [
@@ -330,6 +331,7 @@ ROLLOUT_CHECKS: dict[str, Callable[[RolloutHarness], None]] = {
     "sampling_filters": limits.check_sampling_filters,
     "refusals": limits.check_refusals,
     "pause_abort": limits.check_pause_abort,
+    "background_generation": check_background_generation,
     "sleep": limits.check_sleep,
 }
 

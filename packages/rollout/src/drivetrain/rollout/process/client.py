@@ -11,14 +11,12 @@ Every call waits on the reply *and* on the process: a server that dies raises
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import os
 import secrets
 import signal
 import subprocess
 import tempfile
-import threading
 import time
 import weakref
 from collections.abc import Iterable
@@ -35,6 +33,7 @@ from drivetrain.rollout.process import wire
 from drivetrain.rollout.process.listener import AuthenticatedListener
 from drivetrain.rollout.process.protocol import ADDRESS_ENV, AUTHKEY_ENV, remote_error
 from drivetrain.rollout.weights import tensor_to_bytes
+from drivetrain.runtime.fair_lock import FairRLock
 from drivetrain.runtime.remote_rollout import RemoteRollout
 
 # Variables that would make the other interpreter load this environment's packages.
@@ -61,46 +60,6 @@ def start_server_rollout(
             raise TypeError(f"{type(config).__name__} has no launch settings; pass launch=")
         launch, config = config, replace(config, python="")
     return RemoteRollout(config, ServerProcess(backend, config, launch))
-
-
-class FairRLock:
-    """A re-entrant lock granted in arrival order. A thread polling in a loop releases the
-    connection and takes it again at once; with a plain lock it wins almost every time, so a
-    weight update waiting for the connection waited ~0.1-0.2 s per call (``weight_sync/pause_s``
-    and ``resume_s`` in an async run's metrics; ``benchmarks/async_grpo.py``: async 9.6 s ->
-    7.1 s for 20 steps)."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
-        self._owner: int | None = None
-        self._depth = 0
-        self._queue: collections.deque[object] = collections.deque()
-
-    def __enter__(self) -> FairRLock:
-        me = threading.get_ident()
-        with self._cond:
-            if self._owner == me:
-                self._depth += 1
-                return self
-            ticket = object()
-            self._queue.append(ticket)
-            try:
-                while self._owner is not None or self._queue[0] is not ticket:
-                    self._cond.wait()
-            except BaseException:  # interrupted: a ticket left behind would block every waiter
-                self._queue.remove(ticket)
-                self._cond.notify_all()
-                raise
-            self._queue.popleft()
-            self._owner, self._depth = me, 1
-            return self
-
-    def __exit__(self, *exc: object) -> None:
-        with self._cond:
-            self._depth -= 1
-            if self._depth == 0:
-                self._owner = None
-                self._cond.notify_all()
 
 
 class ServerProcess:

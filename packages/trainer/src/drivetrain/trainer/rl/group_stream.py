@@ -148,9 +148,10 @@ class GroupStream:
 
     # ---- driving ---------------------------------------------------------------------------
     def start(self) -> None:
-        """Start generating: one polling thread per replica (none when scripted)."""
+        """Start generating: one polling thread per replica (none when scripted), each
+        rollout generating on its own where it can (polls collect several token steps)."""
         if self.service is None:
-            self.service = RolloutService(self.rollouts, name="generate-ahead")
+            self.service = RolloutService(self.rollouts, name="generate-ahead", background=True)
         with self._cond:
             self._admit()
 
