@@ -3,7 +3,9 @@ rollout each in its own process (``rollout.python``: the hf rollout in a server 
 torch thread each, the same prompts, samples and steps in every mode.
 
 Modes: ``sync`` (generate, train, sync weights), ``one_step_off`` and ``async``
-(``max_staleness=1``, partial rollouts resumed, TIS). Runs are interleaved (``timing.py``: the
+(``max_staleness=1``, partial rollouts resumed, TIS), and ``async_polled``: async with the
+rollout stepping only when polled (``algorithm.ahead.background_generation=false``), the way
+async ran before background generation. Runs are interleaved (``timing.py``: the
 mode order rotates every round, at least 5 rounds; every run is a fresh process, so there is
 no warm-up round); each round gives one ratio per mode (sync seconds / mode seconds, the
 training loop's wall-clock: the summary's ``loop_seconds``; validation before and after and
@@ -21,7 +23,8 @@ process collects every 20 ms instead of calling once per token step.
 
 The last line is JSON: ``seconds`` (median loop seconds per mode), ``run_seconds`` (median
 whole-run seconds), ``async_speedup_vs_sync`` (goal >= 1.6), ``async_speedup_spread``,
-``one_step_off_speedup_vs_sync``, ``overlap_bound``, ``async_fraction_of_bound.builtin``,
+``one_step_off_speedup_vs_sync``, ``async_polled_speedup_vs_sync``,
+``async_speedup_vs_async_polled``, ``overlap_bound``, ``async_fraction_of_bound.builtin``,
 ``reward_delta_vs_sync`` (async; goal
 >= -0.02), ``one_step_off_reward_delta_vs_sync`` (each with its ``_spread``), ``rounds``,
 ``steps``.
@@ -50,10 +53,13 @@ from timing import (
     speedup,
 )
 
+ASYNC = ["algorithm.mode=async", "algorithm.ahead.max_staleness=1"]
 MODES = {
     "sync": [],
     "one_step_off": ["algorithm.mode=one_step_off"],
-    "async": ["algorithm.mode=async", "algorithm.ahead.max_staleness=1"],
+    "async": ASYNC,
+    # what async was before background generation: one poll call per token step
+    "async_polled": [*ASYNC, "algorithm.ahead.background_generation=false"],
 }
 
 
@@ -102,13 +108,14 @@ def main() -> None:
     bounds = [r["seconds"] / max(r["seconds"] - r["generate_seconds"], 1e-9) for r in sync]
     ratios = {"overlap_bound": Ratio(tuple(bounds))}
     deltas = {}
-    for mode, prefix in (("async", "async"), ("one_step_off", "one_step_off")):
-        ratios[f"{prefix}_speedup_vs_sync"] = speedup(times, mode, "sync")
-        key = "reward_delta_vs_sync" if mode == "async" else f"{prefix}_reward_delta_vs_sync"
+    for mode in ("async", "one_step_off", "async_polled"):
+        ratios[f"{mode}_speedup_vs_sync"] = speedup(times, mode, "sync")
+        key = "reward_delta_vs_sync" if mode == "async" else f"{mode}_reward_delta_vs_sync"
         pairs = zip(sync, results[mode], strict=True)
         deltas[key] = Ratio(tuple(r["reward_last10"] - s["reward_last10"] for s, r in pairs))
     async_speedup = ratios["async_speedup_vs_sync"].values
     ratios["async_fraction_of_bound.builtin"] = Ratio.of(async_speedup, bounds)
+    ratios["async_speedup_vs_async_polled"] = speedup(times, "async", "async_polled")
     for name, ratio in {**ratios, **deltas}.items():
         print(f"{name:<36}{ratio}")
     print_result(

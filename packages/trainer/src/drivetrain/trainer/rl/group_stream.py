@@ -52,6 +52,9 @@ class AheadConfig:
     #: 0: each rollout replica has a polling thread; N > 0: the trainer drives generation, N
     #: token steps between training steps (a fixed interleaving: runs are bit-identical)
     scripted_rounds: int = 0
+    #: with polling threads, each rollout that can generates on its own thread and is polled
+    #: every 20 ms (Rollout.background_generation); false: one poll per token step
+    background_generation: bool = True
 
     def __post_init__(self) -> None:
         choices = {"stale_samples": ("drop", "keep"), "partial_rollouts": ("resume", "finish")}
@@ -122,12 +125,14 @@ class GroupStream:
         start_step: int = 0,
         version: int = 0,
         scripted_rounds: int = 0,
+        background: bool = True,
     ) -> None:
         self.rollouts = list(rollouts)
         self.prompts, self.prompt_ids, self.params = prompts, prompt_ids, params
         self.per_step, self.steps = per_step, steps
         self.max_staleness, self.ordered, self.drop_stale = max_staleness, ordered, drop_stale
         self.scripted_rounds = scripted_rounds
+        self.background = background
         self.version = version
         self._next = start_step * per_step  # the next position to admit
         self._consumed = start_step * per_step  # positions consumed or dropped
@@ -151,7 +156,9 @@ class GroupStream:
         """Start generating: one polling thread per replica (none when scripted), each
         rollout generating on its own where it can (polls collect several token steps)."""
         if self.service is None:
-            self.service = RolloutService(self.rollouts, name="generate-ahead", background=True)
+            self.service = RolloutService(
+                self.rollouts, name="generate-ahead", background=self.background
+            )
         with self._cond:
             self._admit()
 

@@ -65,6 +65,7 @@ class GenerationAhead(Source):
             start_step=step,
             version=step,
             scripted_rounds=alg.ahead.scripted_rounds,
+            background=alg.ahead.background_generation,
         )
         self.stream.start()
 
