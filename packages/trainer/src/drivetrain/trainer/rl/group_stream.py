@@ -53,8 +53,11 @@ class AheadConfig:
     #: token steps between training steps (a fixed interleaving: runs are bit-identical)
     scripted_rounds: int = 0
     #: with polling threads, each rollout that can generates on its own thread and is polled
-    #: every 20 ms (Rollout.background_generation); false: one poll per token step
-    background_generation: bool = True
+    #: every 20 ms (Rollout.background_generation); false (the default): one poll per token
+    #: step. Off by default: measured slower with the rollout in a server process on 2 cores
+    #: (benchmarks/async_grpo.py's async_background mode: the rollout's generation thread and
+    #: the thread answering the trainer's calls contend for that process's GIL)
+    background_generation: bool = False
 
     def __post_init__(self) -> None:
         choices = {"stale_samples": ("drop", "keep"), "partial_rollouts": ("resume", "finish")}
@@ -125,7 +128,7 @@ class GroupStream:
         start_step: int = 0,
         version: int = 0,
         scripted_rounds: int = 0,
-        background: bool = True,
+        background: bool = False,
     ) -> None:
         self.rollouts = list(rollouts)
         self.prompts, self.prompt_ids, self.params = prompts, prompt_ids, params
