@@ -31,6 +31,7 @@ BENCHMARKS = {
         (
             "async_speedup_vs_sync",
             "one_step_off_speedup_vs_sync",
+            "async_background_speedup_vs_async",
             "async_fraction_of_bound.builtin",
         ),
         900,
