@@ -249,11 +249,15 @@ class KeptRollout(Rollout):
     def wake_up(self, tags=None):
         self.inner.wake_up(tags)
 
+    def background_generation(self, enabled):
+        return self.inner.background_generation(enabled)
+
     @property
     def weight_version(self):
         return self.inner.weight_version
 
     def shutdown(self):
+        self.inner.background_generation(False)
         self.inner.resume_generation()
         self.inner.abort()
         self.inner.poll(0.0)  # the aborted requests' last chunks

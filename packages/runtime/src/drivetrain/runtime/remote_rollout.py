@@ -22,6 +22,7 @@ from drivetrain.api.engine import NamedTensor
 from drivetrain.api.requests import Chunk, Request
 from drivetrain.api.rollout import Completion, Prompt, Rollout, SamplingParams
 from drivetrain.api.weight_sync import SyncStats, Topology
+from drivetrain.runtime.request_queue import QueuedRollout
 from drivetrain.runtime.weight_receiver import Receiving, WeightReceiver
 
 #: what a proxy may ask of the far side
@@ -50,10 +51,14 @@ class Channel(Protocol):
 
 
 class RolloutHost:
-    """The far side: one rollout and its weight receiver, answering calls by name."""
+    """The far side: one rollout and its weight receiver, answering calls by name. A host
+    whose owner serves calls in a loop (``steps_between_calls``: the rollout server process)
+    runs a queued rollout's background generation itself, one token step between calls
+    (:meth:`step`), so no second thread contends for the process's GIL."""
 
-    def __init__(self, rollout: Rollout) -> None:
+    def __init__(self, rollout: Rollout, *, steps_between_calls: bool = False) -> None:
         self.rollout = rollout
+        self.steps_between_calls = steps_between_calls and isinstance(rollout, QueuedRollout)
         # a host of a proxy (a Ray actor whose rollout runs in a server process) forwards the
         # receiving end to the proxy's host, next to the weights, instead of receiving here
         # and copying every tensor over the pipe
@@ -80,6 +85,10 @@ class RolloutHost:
                 return self.weights.receive(*args)
             case "weights_disconnect":
                 return self.weights.disconnect()
+            case "background_generation" if self.steps_between_calls:
+                assert isinstance(self.rollout, QueuedRollout)
+                self.rollout.requests.step_between_calls(bool(args[0]))
+                return bool(args[0])
             case "shutdown":
                 try:
                     self.rollout.background_generation(False)  # nothing steps on what it frees
@@ -88,6 +97,10 @@ class RolloutHost:
                     self.rollout.shutdown()
                 return None
         return getattr(self.rollout, method)(*args)
+
+    def step(self) -> bool:
+        """One token step of background generation run by this host; whether it ran."""
+        return self.steps_between_calls and self.rollout.requests.step_if_work()  # type: ignore[attr-defined]
 
 
 class RemoteReceiver:

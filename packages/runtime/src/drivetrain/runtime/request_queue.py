@@ -97,6 +97,8 @@ class RequestQueue:
         self._output = threading.Condition(self.lock)
         self._background: threading.Thread | None = None
         self._stop_background = False
+        #: stepped by its owner between calls (step_if_work): polls only collect
+        self._external = False
         self._failure: BaseException | None = None
 
     # ---- the request contract --------------------------------------------------------------
@@ -118,6 +120,8 @@ class RequestQueue:
         while True:
             with self.lock:
                 self._raise_failure()
+                if self._external:  # its owner steps between calls, on this very thread
+                    return self._take()
                 if self._background is not None:  # the loop steps: collect, or wait for it
                     if self._pending or time.monotonic() >= deadline:
                         return self._take()
@@ -154,7 +158,29 @@ class RequestQueue:
 
     @property
     def in_background(self) -> bool:
-        return self._background is not None
+        return self._background is not None or self._external
+
+    def step_between_calls(self, enabled: bool) -> None:
+        """The owner steps (:meth:`step_if_work`) between the calls it serves, on the thread
+        that serves them, instead of a poll stepping: a server process generates with no
+        second thread contending for its GIL, and its polls only collect."""
+        self.run_in_background(False)
+        with self.lock:
+            self._external = enabled
+
+    def step_if_work(self) -> bool:
+        """One token step if something runs or may start; whether it ran. A step that raises
+        ends the stepping between calls: its requests end aborted, the next poll raises."""
+        with self.lock:
+            if not self._external or not self._has_work():
+                return False
+            try:
+                self._advance()
+            except BaseException as exc:  # the next poll raises it; polls step again after
+                self._failure = exc
+                self._external = False
+                return False
+            return True
 
     def _run_background(self) -> None:
         while True:

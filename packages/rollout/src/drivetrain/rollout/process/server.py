@@ -64,6 +64,10 @@ def _receive_weights(conn: Connection, rollout: Rollout, version: int) -> None:
 def serve(conn: Connection) -> None:
     host: RolloutHost | None = None
     while True:
+        # background generation: one token step, then one waiting call (if any); block for a
+        # call only when nothing runs
+        if host is not None and host.step() and not conn.poll(0):
+            continue
         try:
             data = conn.recv_bytes()
         except EOFError:  # the client went away: nothing left to serve
@@ -77,7 +81,7 @@ def serve(conn: Connection) -> None:
                     raise ProtocolError(f"a request is (method, args), not {request!r:.200}")
             if method == "start":
                 backend, config = args
-                host = RolloutHost(load_backend_class(backend)(config))
+                host = RolloutHost(load_backend_class(backend)(config), steps_between_calls=True)
                 result = {"pid": os.getpid(), "python": sys.executable, **_versions(backend)}
             elif host is None:
                 raise RuntimeError(f"{method!r} before the rollout started")
