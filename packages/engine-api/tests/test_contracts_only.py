@@ -1,12 +1,13 @@
 """engine-api is the contracts and their kits (issue 40): the machinery that serves them lives
 in drivetrain-runtime or where it is used, so the api every plugin pins stays small enough to
-read. Its modules outside ``testing/`` stay within 2,500 lines."""
+read. Its modules outside ``testing/`` stay within 2,510 lines (2,500 until
+``Rollout.background_generation`` joined the contract)."""
 
 from pathlib import Path
 
 import drivetrain.api
 
-BUDGET = 2_500
+BUDGET = 2_510
 
 
 def test_the_api_outside_its_kits_stays_within_its_budget():

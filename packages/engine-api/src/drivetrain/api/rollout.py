@@ -210,16 +210,10 @@ class Rollout(abc.ABC):
         and SGLang do for colocated training), ``None`` everything."""
         if tags is not None and not set(tags) <= MEMORY_TAGS:
             raise ValueError(f"unknown memory tags {sorted(set(tags) - MEMORY_TAGS)}")
-        return None
 
     def background_generation(self, enabled: bool) -> bool:
-        """Advance generation on a thread of the rollout's own whenever requests run
-        (``enabled``), so that :meth:`poll` only collects what was generated meanwhile (and,
-        given a timeout, waits for the next of it); ``False`` goes back to stepping when
-        polled. Returns whether the rollout now generates in the background: ``False`` where it
-        cannot (the default), and the caller keeps polling it as before. Everything else holds
-        as when polled: weights change between token steps, chunks are merged per request and
-        version, pause and abort take effect at the next step."""
+        """Step on its own (a thread, or its server's loop) while requests run, polls only
+        collecting (``enabled``); whether it now does (default ``False``: keep polling it)."""
         return False
 
     # ---- around a weight update -----------------------------------------------------------
