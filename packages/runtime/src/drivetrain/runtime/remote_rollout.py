@@ -58,7 +58,10 @@ class RolloutHost:
 
     def __init__(self, rollout: Rollout, *, steps_between_calls: bool = False) -> None:
         self.rollout = rollout
-        self.steps_between_calls = steps_between_calls and isinstance(rollout, QueuedRollout)
+        #: the queue this host steps between calls (a queued rollout's, when asked to)
+        self._queue = (
+            rollout.requests if steps_between_calls and isinstance(rollout, QueuedRollout) else None
+        )
         # a host of a proxy (a Ray actor whose rollout runs in a server process) forwards the
         # receiving end to the proxy's host, next to the weights, instead of receiving here
         # and copying every tensor over the pipe
@@ -85,9 +88,8 @@ class RolloutHost:
                 return self.weights.receive(*args)
             case "weights_disconnect":
                 return self.weights.disconnect()
-            case "background_generation" if self.steps_between_calls:
-                assert isinstance(self.rollout, QueuedRollout)
-                self.rollout.requests.step_between_calls(bool(args[0]))
+            case "background_generation" if self._queue is not None:
+                self._queue.step_between_calls(bool(args[0]))
                 return bool(args[0])
             case "shutdown":
                 try:
@@ -100,7 +102,7 @@ class RolloutHost:
 
     def step(self) -> bool:
         """One token step of background generation run by this host; whether it ran."""
-        return self.steps_between_calls and self.rollout.requests.step_if_work()  # type: ignore[attr-defined]
+        return self._queue is not None and self._queue.step_if_work()
 
 
 class RemoteReceiver:
