@@ -129,6 +129,45 @@ def test_a_refused_request_fails_its_own_futures_only() -> None:
         assert all(f.result(timeout=30).finish_reason is FinishReason.LENGTH for f in fine)
 
 
+class CountingSubmits(FakeRollout):
+    def submit(self, requests):
+        super().submit(requests)
+        self.submitted = [*getattr(self, "submitted", []), len(requests)]
+
+
+def test_a_turns_submits_and_continuations_reach_the_rollout_in_one_call() -> None:
+    """A rollout stepping between the calls it serves steps once per call: six requests of
+    two submits, and their six continuations after a pause, are one call each time."""
+    r = CountingSubmits(FakeRolloutConfig(max_model_len=64, seed=3))
+    with RolloutService([r], threads=False) as service:
+        futures = service.submit_many(0, requests("a", max_new_tokens=20), resume_aborted=True)
+        futures += service.submit_many(0, requests("b", max_new_tokens=20), resume_aborted=True)
+        service.pump(2)
+        with service.paused():
+            r.update_weights([], version=1)
+        while not all(f.done() for f in futures):
+            service.pump()
+        assert r.submitted == [6, 6]
+    for future in futures:
+        c = future.result()
+        assert len(c.token_ids) == 20 and c.token_versions[0] == 0 and c.token_versions[-1] == 1
+
+
+def test_a_refused_request_in_a_turn_with_others_fails_alone() -> None:
+    r = CountingSubmits(FakeRolloutConfig(max_model_len=64, seed=3))
+    too_long = Request("x", (1,) * 60, SamplingParams(max_new_tokens=10), prompt_index=0)
+    with RolloutService([r], threads=False) as service:
+        fine = service.submit_many(0, requests("a")[:1])
+        refused = service.submit(0, too_long)
+        fine += service.submit_many(0, requests("a")[1:])
+        while not all(f.done() for f in fine):
+            service.pump()
+        with pytest.raises(ValueError, match="max_model_len"):
+            refused.result(timeout=30)
+    assert all(f.result().finish_reason is FinishReason.LENGTH for f in fine)
+    assert r.submitted == [1, 2]  # the call of all three was refused whole: one call each
+
+
 class FailingRollout(FakeRollout):
     def poll(self, timeout_s: float = 0.0):
         if self.steps >= 2 and not getattr(self, "healed", False):

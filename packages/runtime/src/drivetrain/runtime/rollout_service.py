@@ -120,7 +120,8 @@ class RolloutService:
         with self._cond:
             refused = self._failure
             if refused is None:
-                self._commands[replica].append(("submit", list(requests), futures, resume_aborted))
+                command = ("submit", list(requests), list(futures), resume_aborted)
+                self._commands[replica].append(command)  # copies: the caller keeps its lists
                 self._cond.notify_all()
         if refused is not None:  # outside the lock: a future's callbacks may submit again
             closed = ServiceClosed(f"the rollout service {self.name} stopped: {refused}")
@@ -276,19 +277,60 @@ class RolloutService:
         return commands
 
     def _turn(self, replica: int, commands: list[tuple[Any, ...]], poll_s: float) -> int:
-        """Carry out ``commands`` on ``replica``, then poll it if something of ours runs."""
+        """Carry out ``commands`` on ``replica``, then poll it if something of ours runs. Each
+        run of submits and continuations goes to the rollout as one ``submit`` call: a rollout
+        that steps between the calls it serves (a server process) steps once per call, and an
+        update's hundreds of continuations must not cost a token step each."""
+        starts: list[tuple[Any, ...]] = []
         for command in commands:
-            if command[0] == "submit":
-                self._submit(replica, *command[1:])
-            elif command[0] == "continue":
-                self._continue(replica, *command[1:])
-            elif command[0] == "abort":
+            if command[0] in ("submit", "continue"):
+                starts.append(command)
+                continue
+            self._start(replica, starts)
+            starts = []
+            if command[0] == "abort":
                 sequence = self._sequences[replica].get(command[1])
                 if sequence is not None:
                     sequence.resume = False
                     if sequence.request_id is not None:
                         self._abort(replica, [sequence.request_id])
+        self._start(replica, starts)
         return self._poll(replica, poll_s) if self._running(replica) else 0
+
+    def _start(self, replica: int, starts: list[tuple[Any, ...]]) -> None:
+        if len(starts) > 1 and self._start_together(replica, starts):
+            return
+        for command in starts:
+            if command[0] == "submit":
+                self._submit(replica, *command[1:])
+            else:
+                self._continue(replica, *command[1:])
+
+    def _start_together(self, replica: int, starts: list[tuple[Any, ...]]) -> bool:
+        """Submits and continuations in one ``submit`` call. False, with nothing started or
+        tracked, where any is refused (a rollout refuses a submit whole): one call each then,
+        so that only the refused ones fail."""
+        collector, sequences = self._collectors[replica], self._sequences[replica]
+        starts = [c for c in starts if c[0] == "submit" or c[1] in sequences]  # in their order
+        submits = [c for c in starts if c[0] == "submit"]
+        continuations = [c for c in starts if c[0] == "continue"]
+        requests = [r for c in starts for r in (c[1] if c[0] == "submit" else [c[2]])]
+        tracked: list[Request] = []
+        try:
+            for request in (r for c in submits for r in c[1]):
+                collector.track(request)
+                tracked.append(request)
+            self.rollouts[replica].submit(requests)
+        except Exception:
+            for request in tracked:
+                collector.forget(request.request_id)
+            return False
+        for _, batch, futures, resume in submits:
+            for request, future in zip(batch, futures, strict=True):
+                sequences[request.request_id] = _Sequence(future, request.request_id, resume)
+        for _, key, continuation in continuations:
+            self._continued(replica, key, continuation)
+        return True
 
     def _running(self, replica: int) -> bool:
         """Something of this service runs on ``replica`` (read by its poller, or the holder)."""
@@ -329,6 +371,10 @@ class RolloutService:
             self._collectors[replica].forget(key)
             _fail([sequence.future], exc)
             return
+        self._continued(replica, key, continuation)
+
+    def _continued(self, replica: int, key: str, continuation: Request) -> None:
+        sequence = self._sequences[replica][key]
         sequence.request_id = continuation.request_id
         if not sequence.resume:  # abort() came while it waited: it ends at once
             self._abort(replica, [continuation.request_id])

@@ -64,9 +64,9 @@ def _receive_weights(conn: Connection, rollout: Rollout, version: int) -> None:
 def serve(conn: Connection) -> None:
     host: RolloutHost | None = None
     while True:
-        # background generation: one token step, then one waiting call (if any); block for a
-        # call only when nothing runs
-        if host is not None and host.step() and not conn.poll(0):
+        # background generation: a waiting call first, else one token step; block for a call
+        # only when nothing runs
+        if host is not None and not conn.poll(0) and host.step():
             continue
         try:
             data = conn.recv_bytes()
