@@ -122,6 +122,39 @@ def test_stale_groups_are_dropped_and_replaced() -> None:
     s.close()
 
 
+def _resumed_across_two_updates(**overrides) -> tuple[GroupStream, object]:
+    """Steps 0 and 1 start under version 0 and are aborted and resumed under 1, then 2; the
+    trainer takes at 3, when their first tokens are 3 versions old."""
+    r = rollout()
+    s = stream([r], max_staleness=1, scripted_rounds=1, **overrides)
+    s.advance(2)
+    for version in (1, 2):
+        r.pause_generation(abort=True)
+        new_weights(r, version)
+        r.resume_generation()
+        s.weights_at(version)
+        s.advance(1)
+    return s, s.take(3)
+
+
+def test_staleness_from_the_last_token_keeps_answers_resumed_under_newer_weights() -> None:
+    """The long answers are the ones resumed across updates: counted from their first token
+    they are dropped, counted from the version they finished under they are trained."""
+    s, by_first = _resumed_across_two_updates()
+    s.close()
+    assert by_first.dropped > 0
+    assert all(g.oldest_version >= 2 for g in by_first.groups)
+    s, by_last = _resumed_across_two_updates(stale_from_last_token=True)
+    s.close()
+    assert by_last.dropped < by_first.dropped
+    kept = [g for g in by_last.groups if g.oldest_version == 0]
+    assert kept and all(g.newest_version >= 2 for g in kept)
+    # what is kept spans versions: its old tokens carry their version for the correction
+    assert all(
+        {0, 2} <= set(c.token_versions) for g in kept for c in g.completions if len(c.token_ids) > 3
+    )
+
+
 def test_kept_stale_groups_are_served_in_order() -> None:
     r = rollout()
     s = stream([r], max_staleness=1, drop_stale=False, scripted_rounds=1)

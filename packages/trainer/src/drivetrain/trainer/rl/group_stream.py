@@ -13,7 +13,8 @@ a later one after drops), and never past the run's last step. The trainer :meth:
 step's groups: ``ordered`` the next ``P`` positions (one-step-off), else the first ``P``
 complete ones (async: a long generation does not hold the batch back), in stream order either
 way. A group is complete when all ``n`` samples have finished; its staleness is the trainer's
-version minus its oldest token's version, whole groups are kept or dropped (never split, so
+version minus its oldest token's version (``staleness_from=last_token``, the default: minus
+the version it completed under), whole groups are kept or dropped (never split, so
 GRPO's baseline always has ``n`` samples, even across versions).
 
 Generation goes through a :class:`~drivetrain.runtime.rollout_service.RolloutService` (the
@@ -45,6 +46,11 @@ class AheadConfig:
 
     max_staleness: int = 1  # async: samples at most this many versions behind the trainer
     stale_samples: str = "drop"  # async: older samples are dropped, or kept (and corrected)
+    #: async: a group's staleness counts from its first token (the oldest), or its last (the
+    #: version it completed under): a group with a long answer, resumed under newer weights,
+    #: then stays fresh (its older tokens corrected by importance sampling) instead of being
+    #: the one dropped
+    staleness_from: str = "last_token"
     sync_every: int = 1  # async: push weights every N steps (N - 1 <= max_staleness)
     #: async: requests running at a weight update are aborted and resumed under the new
     #: weights with their tokens kept (resume), or run to their end under the old (finish)
@@ -52,15 +58,18 @@ class AheadConfig:
     #: 0: each rollout replica has a polling thread; N > 0: the trainer drives generation, N
     #: token steps between training steps (a fixed interleaving: runs are bit-identical)
     scripted_rounds: int = 0
-    #: with polling threads, each rollout that can generates on its own thread and is polled
-    #: every 20 ms (Rollout.background_generation); false (the default): one poll per token
-    #: step. Off by default: measured slower with the rollout in a server process on 2 cores
-    #: (benchmarks/async_grpo.py's async_background mode: the rollout's generation thread and
-    #: the thread answering the trainer's calls contend for that process's GIL)
-    background_generation: bool = False
+    #: with polling threads, each rollout that can generates on its own (its server process
+    #: steps between the calls it serves) and is polled every 20 ms for what it made
+    #: meanwhile (Rollout.background_generation); false: one poll per token step, from the
+    #: trainer's process (benchmarks/async_grpo.py's async_polled mode)
+    background_generation: bool = True
 
     def __post_init__(self) -> None:
-        choices = {"stale_samples": ("drop", "keep"), "partial_rollouts": ("resume", "finish")}
+        choices = {
+            "stale_samples": ("drop", "keep"),
+            "staleness_from": ("first_token", "last_token"),
+            "partial_rollouts": ("resume", "finish"),
+        }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(
@@ -87,6 +96,11 @@ class Group:
     @property
     def oldest_version(self) -> int:
         return min(min(c.token_versions, default=c.weight_version) for c in self.completions)
+
+    @property
+    def newest_version(self) -> int:
+        """The version of its last token: the one the group completed under."""
+        return max(max(c.token_versions, default=c.weight_version) for c in self.completions)
 
 
 @dataclass(frozen=True)
@@ -125,6 +139,7 @@ class GroupStream:
         max_staleness: int,
         ordered: bool,
         drop_stale: bool,
+        stale_from_last_token: bool = False,
         start_step: int = 0,
         version: int = 0,
         scripted_rounds: int = 0,
@@ -134,6 +149,7 @@ class GroupStream:
         self.prompts, self.prompt_ids, self.params = prompts, prompt_ids, params
         self.per_step, self.steps = per_step, steps
         self.max_staleness, self.ordered, self.drop_stale = max_staleness, ordered, drop_stale
+        self.stale_from_last_token = stale_from_last_token
         self.scripted_rounds = scripted_rounds
         self.background = background
         self.version = version
@@ -266,7 +282,8 @@ class GroupStream:
             return None
         if self.drop_stale:
             for q, group in sorted(self._ready.items()):
-                if trainer_version - group.oldest_version > self.max_staleness:
+                since = group.newest_version if self.stale_from_last_token else group.oldest_version
+                if trainer_version - since > self.max_staleness:
                     del self._ready[q]
                     self._dropped += 1
                     self._dropped_since_take += 1

@@ -62,6 +62,7 @@ class GenerationAhead(Source):
             max_staleness=self.max_staleness,
             ordered=self.ordered,
             drop_stale=alg.ahead.stale_samples == "drop",
+            stale_from_last_token=alg.ahead.staleness_from == "last_token",
             start_step=step,
             version=step,
             scripted_rounds=alg.ahead.scripted_rounds,
