@@ -8,13 +8,11 @@ ahead of training; the trainer's episodes and its OpenAI endpoint).
 Who polls: one thread per replica, or (``threads=False``) the owner, which calls :meth:`pump`
 at points of its choosing: a fixed interleaving, so two runs are bit-identical. With
 ``background=True`` the threads ask each rollout to generate on its own
-(:meth:`~drivetrain.api.rollout.Rollout.background_generation`); one that does is polled every
-``BACKGROUND_POLL_S`` while something runs, collecting several token steps a call, instead of
-once per token step: a rollout in another process then never waits for the trainer's process,
-which makes a few calls a step instead of one per token. A thread never
-waits inside a poll (a remote rollout's poll that waits holds its channel, which a weight
-update needs meanwhile): it polls without waiting, and after a poll that found nothing waits
-a backoff that a new command cuts short; a replica with nothing running is not polled.
+(:meth:`~drivetrain.api.rollout.Rollout.background_generation`) and poll one that does every
+``BACKGROUND_POLL_S``, collecting several token steps a call. A thread never waits inside a
+poll (a remote rollout's waiting poll holds the channel a weight update needs): it polls
+without waiting, then waits a backoff that a new command cuts short; a replica with nothing
+running is not polled. A turn's submits and continuations go as one ``submit`` call.
 
 Partial rollouts: a request submitted with ``resume_aborted`` that the rollout aborts (a
 weight update's abort, or :meth:`paused`) continues as a new request with its tokens so far
@@ -277,10 +275,9 @@ class RolloutService:
         return commands
 
     def _turn(self, replica: int, commands: list[tuple[Any, ...]], poll_s: float) -> int:
-        """Carry out ``commands`` on ``replica``, then poll it if something of ours runs. Each
-        run of submits and continuations goes to the rollout as one ``submit`` call: a rollout
-        that steps between the calls it serves (a server process) steps once per call, and an
-        update's hundreds of continuations must not cost a token step each."""
+        """Carry out ``commands`` on ``replica``, then poll it if something of ours runs. Runs
+        of submits and continuations go as one call: a server process stepping between the
+        calls it serves steps once per call (an update's continuations: hundreds)."""
         starts: list[tuple[Any, ...]] = []
         for command in commands:
             if command[0] in ("submit", "continue"):
@@ -288,12 +285,11 @@ class RolloutService:
                 continue
             self._start(replica, starts)
             starts = []
-            if command[0] == "abort":
-                sequence = self._sequences[replica].get(command[1])
-                if sequence is not None:
-                    sequence.resume = False
-                    if sequence.request_id is not None:
-                        self._abort(replica, [sequence.request_id])
+            sequence = self._sequences[replica].get(command[1])  # an abort
+            if sequence is not None:
+                sequence.resume = False
+                if sequence.request_id is not None:
+                    self._abort(replica, [sequence.request_id])
         self._start(replica, starts)
         return self._poll(replica, poll_s) if self._running(replica) else 0
 
@@ -312,12 +308,10 @@ class RolloutService:
         so that only the refused ones fail."""
         collector, sequences = self._collectors[replica], self._sequences[replica]
         starts = [c for c in starts if c[0] == "submit" or c[1] in sequences]  # in their order
-        submits = [c for c in starts if c[0] == "submit"]
-        continuations = [c for c in starts if c[0] == "continue"]
         requests = [r for c in starts for r in (c[1] if c[0] == "submit" else [c[2]])]
         tracked: list[Request] = []
         try:
-            for request in (r for c in submits for r in c[1]):
+            for request in (r for c in starts if c[0] == "submit" for r in c[1]):
                 collector.track(request)
                 tracked.append(request)
             self.rollouts[replica].submit(requests)
@@ -325,11 +319,12 @@ class RolloutService:
             for request in tracked:
                 collector.forget(request.request_id)
             return False
-        for _, batch, futures, resume in submits:
-            for request, future in zip(batch, futures, strict=True):
-                sequences[request.request_id] = _Sequence(future, request.request_id, resume)
-        for _, key, continuation in continuations:
-            self._continued(replica, key, continuation)
+        for command in starts:
+            if command[0] == "continue":
+                self._continued(replica, *command[1:])
+                continue
+            for request, future in zip(command[1], command[2], strict=True):
+                sequences[request.request_id] = _Sequence(future, request.request_id, command[3])
         return True
 
     def _running(self, replica: int) -> bool:

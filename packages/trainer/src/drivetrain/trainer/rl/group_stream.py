@@ -44,7 +44,7 @@ from drivetrain.runtime.rollout_service import RolloutService, ServiceClosed
 class AheadConfig:
     """``algorithm.ahead``: how generation runs ahead of training (modes one_step_off, async)."""
 
-    max_staleness: int = 1  # async: samples at most this many versions behind the trainer
+    max_staleness: int = 1  # async: groups at most this many versions behind (staleness_from)
     stale_samples: str = "drop"  # async: older samples are dropped, or kept (and corrected)
     #: async: a group's staleness counts from its first token (the oldest), or its last (the
     #: version it completed under): a group with a long answer, resumed under newer weights,
