@@ -14,14 +14,13 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 from pathlib import Path
 
 from rich.console import Console
 
-from drivetrain.runtime.atomic_dir import publish, staging_path
 from drivetrain.trainer.builtin import addition
 from drivetrain.trainer.builtin.addition_sft import ensure_sft_model
+from drivetrain.trainer.builtin.fine_tune import fine_tune_cached
 from drivetrain.trainer.console import plain_console
 
 #: fine-tuning steps of the cached model (tests ask for fewer: each count is its own model)
@@ -92,34 +91,19 @@ def ensure_model(
     cached = cached_model(assets, steps)
     if cached is not None:
         return cached
-    from drivetrain.trainer.sft.job import load_sft_job, prepare, run_sft
-
     console = console or plain_console()
     start = ensure_sft_model(assets, console, engine=engine)
     console.print(f"no cached counting-up model: a {steps}-step fine-tune of the SFT model first")
-    target = assets.root / f"counting-up-model-{steps}"
-    work = staging_path(target)
-    job = load_sft_job(
-        engine,
+    return fine_tune_cached(
+        assets.root / f"counting-up-model-{steps}",
+        engine=engine,
+        start=start,
         overrides=[
-            f"engine.model.path={start}",
             f"data.train_path={train_path(assets)}",
-            f"run.output_dir={work / 'run'}",
-            f"run.max_steps={steps}",
             "data.max_length=128",
             "engine.optim.lr=0.003",
-            "engine.optim.warmup_steps=10",
-            "run.eval_every=0",
-            "run.save_every=0",
-            "logging.progress=false",
         ],
-        files=[Path(addition.__file__).parent / "addition_sft.yaml"],
+        marker="drivetrain_counting_up.json",
+        steps=steps,
+        console=console,
     )
-    result = run_sft(prepare(job), resume="none", console=console)
-    assert result is not None and result.hf_dir is not None
-    staging = staging_path(target)
-    shutil.copytree(result.hf_dir, staging)
-    (staging / "drivetrain_counting_up.json").write_text(json.dumps({"sft_steps": steps}))
-    publish(staging, target)
-    shutil.rmtree(work, ignore_errors=True)
-    return target

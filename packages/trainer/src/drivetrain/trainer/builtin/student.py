@@ -5,14 +5,14 @@ assets like the SFT model."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 from rich.console import Console
 
-from drivetrain.runtime.atomic_dir import publish, staging_path
+from drivetrain.runtime.atomic_dir import staging_path
 from drivetrain.trainer.builtin import addition
+from drivetrain.trainer.builtin.fine_tune import fine_tune_cached
 from drivetrain.trainer.builtin.tiny_model import build_llama_model
 from drivetrain.trainer.console import plain_console
 
@@ -47,31 +47,19 @@ def ensure_student_model(
     target = assets.root / STUDENT
     if cached_student_model(assets) is not None or not train:
         return target
-    from drivetrain.trainer.sft.job import load_sft_job, prepare, run_sft
-
     console = console or plain_console()
     console.print(f"no cached student: a {STUDENT_SFT_STEPS}-step SFT of a smaller model first")
     work = staging_path(target)
-    base = build_llama_model(work / "base", tokenizer_dir=assets.model_dir, **STUDENT_SHAPE)
-    job = load_sft_job(
-        engine,
-        overrides=[
-            f"engine.model.path={base}",
-            f"data.train_path={assets.train_path}",
-            f"run.output_dir={work / 'run'}",
-            f"run.max_steps={STUDENT_SFT_STEPS}",
-            "engine.optim.warmup_steps=10",
-            "run.eval_every=0",
-            "run.save_every=0",
-            "logging.progress=false",
-        ],
-        files=[Path(addition.__file__).parent / "addition_sft.yaml"],
-    )
-    result = run_sft(prepare(job), resume="none", console=console)
-    assert result is not None and result.hf_dir is not None
-    staging = staging_path(target)
-    shutil.copytree(result.hf_dir, staging)
-    (staging / "drivetrain_student.json").write_text(json.dumps({"sft_steps": STUDENT_SFT_STEPS}))
-    publish(staging, target)
-    shutil.rmtree(work, ignore_errors=True)
-    return target
+    try:
+        base = build_llama_model(work / "base", tokenizer_dir=assets.model_dir, **STUDENT_SHAPE)
+        return fine_tune_cached(
+            target,
+            engine=engine,
+            start=base,
+            overrides=[f"data.train_path={assets.train_path}"],
+            marker="drivetrain_student.json",
+            steps=STUDENT_SFT_STEPS,
+            console=console,
+        )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
