@@ -48,6 +48,8 @@ CASES = [
 @pytest.mark.timeout(900)
 def test_conformance_world_two(model_dir, tmp_path):
     ranks = launch("worker_conformance.py", tmp_path, model_dir, json.dumps(CASES), timeout=850)
+    slowest = sorted(ranks[0], key=lambda r: -r["seconds"])[:8]
+    print("slowest checks:", *(f"{r['seconds']:.1f}s {r['check']} {r['case']}" for r in slowest))
     failures = [r for rank in ranks for r in rank if not r["passed"]]
     assert not failures, json.dumps(failures, indent=1)[:4000]
     assert len(ranks[0]) == len(CASES) * len(ENGINE_CHECKS)

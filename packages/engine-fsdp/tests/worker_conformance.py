@@ -20,6 +20,14 @@ if __name__ == "__main__":
         overrides = dict(case.get("overrides", {}))
         harness = FSDPHarness(model_dir, engine=case["engine"], overrides=overrides)
         for r in run_conformance(harness):
-            results.append({"case": case, "check": r.name, "passed": r.passed, "error": r.error})
+            results.append(
+                {
+                    "case": case,
+                    "check": r.name,
+                    "passed": r.passed,
+                    "error": r.error,
+                    "seconds": r.seconds,
+                }
+            )
     write_result(out_dir, results)
     torch.distributed.destroy_process_group()

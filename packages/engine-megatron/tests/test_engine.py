@@ -35,6 +35,9 @@ def results(model_dir, tmp_path_factory):
         {"overrides": LAYOUTS["dp2"], "run": [f"load:{ckpt}"]},
     ]
     ranks = launch("worker_engine.py", out, model_dir, json.dumps(cases), timeout=1100)
+    checks = [(c, r["case"]) for r in ranks[0] if r["action"] == "conformance" for c in r["result"]]
+    slowest = sorted(checks, key=lambda x: -x[0]["seconds"])[:8]
+    print("slowest checks:", *(f"{c['seconds']:.1f}s {c['check']} {case}" for c, case in slowest))
     return ranks[0]
 
 

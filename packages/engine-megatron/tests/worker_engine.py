@@ -36,7 +36,7 @@ def train(engine, batch, steps):
 def run_case(harness, action):
     if action == "conformance":
         return [
-            {"check": r.name, "passed": r.passed, "error": r.error}
+            {"check": r.name, "passed": r.passed, "error": r.error, "seconds": r.seconds}
             for r in run_conformance(harness)
         ]
     batch = harness.make_batch(*training_batch())

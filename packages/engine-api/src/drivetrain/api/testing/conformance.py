@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import math
 import random
+import time
 import traceback
 import unittest
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from drivetrain.api.batch import Batch
@@ -389,20 +390,24 @@ class CheckResult:
     name: str
     passed: bool
     error: str = ""
+    #: wall-clock seconds the check took (where a kit run's time goes)
+    seconds: float = 0.0
 
 
 def iter_conformance(
     harness: EngineHarness, checks: Sequence[Callable[[EngineHarness], None]] = ENGINE_CHECKS
 ) -> Iterator[CheckResult]:
     for check in checks:
+        start = time.perf_counter()
         try:
             check(harness)
         except unittest.SkipTest as exc:
-            yield CheckResult(check.__name__, True, f"skipped: {exc}")
+            outcome = CheckResult(check.__name__, True, f"skipped: {exc}")
         except AssertionError as exc:
-            yield CheckResult(check.__name__, False, str(exc) or traceback.format_exc())
+            outcome = CheckResult(check.__name__, False, str(exc) or traceback.format_exc())
         else:
-            yield CheckResult(check.__name__, True)
+            outcome = CheckResult(check.__name__, True)
+        yield replace(outcome, seconds=time.perf_counter() - start)
 
 
 def run_conformance(
