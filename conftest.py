@@ -34,6 +34,14 @@ from typing import IO
 
 import pytest
 
+# This machine's environment sets PYTHONDONTWRITEBYTECODE=1: no process then kept the bytecode
+# it compiled, and every one a test starts (a rank, a rollout server, a job, Ray's actors,
+# vLLM's engine) compiled torch, transformers and the rest from source again: ~8 s of CPU
+# apiece, a tiny GRPO job 30 s instead of 14, CI 51 minutes instead of 37. The workers and
+# what they start inherit this.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
+
 #: a test of the default set (not marked slow) should take at most this long on a 2-core machine
 TEST_BUDGET_S = 30.0
 #: markers whose tests run alone
