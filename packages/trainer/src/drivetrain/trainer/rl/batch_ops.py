@@ -133,4 +133,6 @@ def sample_versions(batch: Batch) -> list[list[int]]:
     first = torch.where(mask, versions, torch.iinfo(versions.dtype).max).amin(-1)
     last = torch.where(mask, versions, torch.iinfo(versions.dtype).min).amax(-1)
     has = mask.any(-1)
-    return [[int(a), int(b)] for a, b, h in zip(first, last, has, strict=True) if h]
+    # as lists: iterating the tensors would make a tensor per sample
+    pairs = zip(first.tolist(), last.tolist(), has.tolist(), strict=True)
+    return [[a, b] for a, b, h in pairs if h]
