@@ -26,8 +26,9 @@ def fine_tune_cached(
 ) -> Path:
     """Fine-tune ``start`` for ``steps`` with ``addition_sft.yaml`` plus ``overrides`` on
     ``engine``, and publish its HF model at ``target`` with ``marker`` (a JSON file naming the
-    steps) beside it. The run's own directory is a staging path next to ``target``, removed
-    after, so an interrupted build leaves nothing a later run would mistake for the model."""
+    steps) beside it. The run's own directory is a hidden staging path next to ``target``
+    (removed once the model is published): an interrupted build leaves no directory under
+    ``target``'s name for a later run to mistake for the model."""
     from drivetrain.trainer.sft.job import load_sft_job, prepare, run_sft
 
     work = staging_path(target)
