@@ -19,6 +19,7 @@ from drivetrain.rollout.frontends import IMPLEMENTATIONS, load_backend_class
 from drivetrain.rollout.process import wire
 from drivetrain.rollout.process.protocol import ADDRESS_ENV, AUTHKEY_ENV, send_at_once
 from drivetrain.rollout.weights import tensor_from_bytes
+from drivetrain.runtime.heap import settle_heap
 from drivetrain.runtime.remote_rollout import RolloutHost
 
 
@@ -82,6 +83,7 @@ def serve(conn: Connection) -> None:
             if method == "start":
                 backend, config = args
                 host = RolloutHost(load_backend_class(backend)(config), steps_between_calls=True)
+                settle_heap()  # the model and imports stay out of the collector's full passes
                 result = {"pid": os.getpid(), "python": sys.executable, **_versions(backend)}
             elif host is None:
                 raise RuntimeError(f"{method!r} before the rollout started")

@@ -16,6 +16,7 @@ from rich.console import Console
 
 from drivetrain.api import SamplingParams
 from drivetrain.api.columns import LOSS_MASK
+from drivetrain.runtime.heap import settled_heap
 from drivetrain.trainer.checkpoints import CheckpointManager
 from drivetrain.trainer.console import plain_console
 from drivetrain.trainer.diagnose import log_prob_tolerance
@@ -208,11 +209,13 @@ class RLTrainer:
         if result.val_before:
             self.console.print(f"validation before: {fmt(result.val_before)}")
         logger = MetricsLogger(self.out, c.logging, run_config=self.setup.state, resume_step=start)
-        loop_began = time.perf_counter()
         try:
-            self.source.start(start)
-            self._train(start, result, logger, loop_began)
-            result.loop_seconds = time.perf_counter() - loop_began
+            # what the run built so far stays out of the collector's full passes in the loop
+            with settled_heap():
+                loop_began = time.perf_counter()
+                self.source.start(start)
+                self._train(start, result, logger, loop_began)
+                result.loop_seconds = time.perf_counter() - loop_began
             self.source.stop()
             final = self.position.done  # run.steps, or earlier when run.max_seconds ran out
             self.save(final)
