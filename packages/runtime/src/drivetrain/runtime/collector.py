@@ -20,6 +20,7 @@ class _Progress:
     versions: list[int] = field(default_factory=list)
     last_version: int = 0  # of the latest chunk, tokens or not
     finish_reason: FinishReason | None = None
+    aliases: list[str] = field(default_factory=list)  # its segments' ids, the first one first
 
 
 class Collector:
@@ -31,16 +32,15 @@ class Collector:
     """
 
     def __init__(self) -> None:
+        #: by each sequence's first id, in the order they were tracked (the completion order)
         self._progress: dict[str, _Progress] = {}
-        self._order: list[str] = []  # completion order: the first id of each sequence
         self._alias: dict[str, str] = {}  # a continuation's id -> the sequence's first id
 
     def track(self, request: Request) -> None:
         if request.request_id in self._alias or request.request_id in self._progress:
             raise ValueError(f"request id {request.request_id!r} is already tracked")
-        self._progress[request.request_id] = _Progress(request)
+        self._progress[request.request_id] = _Progress(request, aliases=[request.request_id])
         self._alias[request.request_id] = request.request_id
-        self._order.append(request.request_id)
 
     def add(self, chunks: Sequence[Chunk]) -> list[str]:
         """Record chunks; returns the ids of the sequences they finished."""
@@ -79,6 +79,7 @@ class Collector:
             raise ValueError(f"request {request_id!r} has no token budget left to resume")
         progress.finish_reason = None
         self._alias[new_id] = key
+        progress.aliases.append(new_id)
         seed = first.params.seed
         return Request(
             new_id,
@@ -131,15 +132,12 @@ class Collector:
     def forget(self, request_id: str) -> None:
         """Drop ``request_id``'s sequence, finished or not (ids of all its segments become
         free)."""
-        key = self._alias[request_id]
-        del self._progress[key]
-        self._order.remove(key)
-        for alias in [a for a, k in self._alias.items() if k == key]:
+        for alias in self._progress.pop(self._alias[request_id]).aliases:
             del self._alias[alias]
 
     def completions(self) -> list[Completion]:
         """Every tracked sequence's completion, in the order they were first tracked."""
-        return [self.completion(request_id) for request_id in self._order]
+        return [self.completion(request_id) for request_id in self._progress]
 
 
 def call_requests(

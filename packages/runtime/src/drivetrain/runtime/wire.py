@@ -31,7 +31,7 @@ from drivetrain.api.errors import DrivetrainError
 if TYPE_CHECKING:  # importing multiprocessing here would register __mp_main__ in every process
     from multiprocessing.connection import Connection
 
-_SCALARS = (str, int, float, bool, type(None))
+_SCALARS = frozenset((str, int, float, bool, type(None)))
 
 
 class WireError(DrivetrainError, ValueError):
@@ -57,6 +57,10 @@ class Codec:
         self.classes = {class_name(cls): cls for cls in classes}
         self.resolve = resolve
         self.what = what
+        #: per dataclass met while encoding: its constructor's fields, in order
+        self._init_fields: dict[type, tuple[str, ...]] = {}
+        #: allowed dataclasses met while decoding, by their wire name
+        self._dataclasses: dict[str, type] = {}
 
     def _allowed(self, name: str) -> type | None:
         cls = self.classes.get(name)
@@ -70,25 +74,32 @@ class Codec:
         kind = type(value)
         if kind in _SCALARS:
             return value
-        if kind is list:
-            return [self._to_json(item) for item in value]
-        if kind is tuple:
-            return {"$tuple": [self._to_json(item) for item in value]}
+        if kind is list or kind is tuple:
+            # token ids and log-probs: one C-level type check instead of a call per item
+            if _SCALARS.issuperset(map(type, value)):
+                items = list(value)
+            else:
+                items = [self._to_json(item) for item in value]
+            return items if kind is list else {"$tuple": items}
+        names = self._init_fields.get(kind)
+        if names is not None:  # a dataclass seen before (requests, chunks: hundreds a call)
+            fields = {name: self._to_json(getattr(value, name)) for name in names}
+            return {"$dataclass": class_name(kind), "fields": fields}
         if isinstance(value, Mapping):
             if all(type(key) is str and not key.startswith("$") for key in value):
                 return {key: self._to_json(item) for key, item in value.items()}
             return {"$dict": [[self._to_json(k), self._to_json(v)] for k, v in value.items()]}
+        return self._rare_to_json(value, kind)
+
+    def _rare_to_json(self, value: Any, kind: type) -> Any:
+        """Bytes, enums, a dataclass met for the first time, numbers of other types."""
         if isinstance(value, bytes | bytearray | memoryview):
             return {"$bytes": base64.b64encode(value).decode("ascii")}
         if isinstance(value, enum.Enum):
             return {"$enum": class_name(kind), "value": self._to_json(value.value)}
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            fields = {
-                f.name: self._to_json(getattr(value, f.name))
-                for f in dataclasses.fields(value)
-                if f.init
-            }
-            return {"$dataclass": class_name(kind), "fields": fields}
+            self._init_fields[kind] = tuple(f.name for f in dataclasses.fields(value) if f.init)
+            return self._to_json(value)
         if isinstance(value, numbers.Integral):  # numpy integers and the like
             return int(value)
         if isinstance(value, numbers.Real):
@@ -98,11 +109,16 @@ class Codec:
         raise WireError(f"the {self.what} carries plain data only, not {kind.__qualname__}")
 
     def _tagged(self, obj: dict[str, Any]) -> Any:
-        tags = [key for key in obj if key.startswith("$")]
-        if not tags:
-            return obj
-        if tags == ["$tuple"] and len(obj) == 1:
+        # the frequent shapes first: a tuple, a dataclass already checked once, a plain dict
+        if len(obj) == 1 and "$tuple" in obj:
             return tuple(obj["$tuple"])
+        if len(obj) == 2 and "fields" in obj:
+            checked = self._dataclasses.get(obj.get("$dataclass"))
+            if checked is not None:
+                return checked(**obj["fields"])
+        if not any(key.startswith("$") for key in obj):
+            return obj
+        tags = [key for key in obj if key.startswith("$")]
         if tags == ["$bytes"] and len(obj) == 1:
             return base64.b64decode(obj["$bytes"], validate=True)
         if tags == ["$dict"] and len(obj) == 1:
@@ -115,6 +131,7 @@ class Codec:
             if tags == ["$enum"] and set(obj) == {"$enum", "value"} and issubclass(cls, enum.Enum):
                 return cls(obj["value"])
             if set(obj) == {"$dataclass", "fields"} and dataclasses.is_dataclass(cls):
+                self._dataclasses[name] = cls
                 return cls(**obj["fields"])
         raise ValueError(f"unknown tag in {sorted(obj)}")
 
