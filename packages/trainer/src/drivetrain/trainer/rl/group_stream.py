@@ -159,6 +159,11 @@ class GroupStream:
         self._dropped_since_take = 0
         self._dropped_lengths: list[int] = []
         self._pending: dict[int, _Pending] = {}
+        #: per place in a step: its replica and the replica's first place (the sync loop's
+        #: split of a step's prompts over the replicas)
+        sizes = chunk_sizes(per_step, min(len(self.rollouts), per_step))
+        firsts = [sum(sizes[:i]) for i in range(len(sizes))]
+        self._replica_of = [(i, firsts[i]) for i, size in enumerate(sizes) for _ in range(size)]
         self._ready: dict[int, Group] = {}
         self._failure: BaseException | None = None
         self._cond = threading.Condition()
@@ -206,20 +211,17 @@ class GroupStream:
         prompt = self.prompts(step)[within]
         params = self.params(step)
         # the replica and sample numbers the sync loop's generate call gives this prompt
-        sizes = chunk_sizes(self.per_step, min(len(self.rollouts), self.per_step))
-        index, start = 0, 0
-        while within >= start + sizes[index]:
-            start += sizes[index]
-            index += 1
+        index, first = self._replica_of[within]
         self._pending[position] = _Pending(prompt, [None] * params.n)
+        prompt_ids = tuple(self.prompt_ids(prompt))
         requests = []
         for sample in range(params.n):
-            number = (within - start) * params.n + sample
+            number = (within - first) * params.n + sample
             seed = None if params.seed is None else sample_seed(params.seed, number)
             requests.append(
                 Request(
                     f"q{position}-{sample}",
-                    tuple(self.prompt_ids(prompt)),
+                    prompt_ids,
                     replace(params, n=1, seed=seed),
                     prompt_index=position,
                 )
