@@ -40,3 +40,18 @@ class _Runs:
 def test_anything_else_is_a_wire_error(data):
     with pytest.raises(WireError, match="not a drivetrain wire message"):
         PLAIN.decode(data)
+
+
+def test_a_class_decoded_once_is_still_checked_every_time():
+    """The decoder remembers a class it allowed: later messages of it still run its
+    constructor's checks, and a class it never allowed is still refused."""
+    codec = Codec((SamplingParams,))
+    good = codec.encode([SamplingParams(n=2), SamplingParams(n=3, seed=7)])
+    assert codec.decode(good) == [SamplingParams(n=2), SamplingParams(n=3, seed=7)]
+    bad = good.replace(b'"n":3', b'"n":0')  # the constructor refuses n < 1
+    with pytest.raises(WireError, match="n=0 must be >= 1"):
+        codec.decode(bad)
+    with pytest.raises(WireError, match="not allowed"):
+        codec.decode(good.replace(b"SamplingParams", b"Prompt"))
+    with pytest.raises(WireError, match="not allowed"):
+        codec.decode(b'{"$dataclass": "os:system", "fields": {}}')
