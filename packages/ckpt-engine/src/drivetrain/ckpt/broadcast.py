@@ -25,7 +25,7 @@ from drivetrain.api.weight_sync import (
 from drivetrain.ckpt import groups
 from drivetrain.ckpt.bucket_transport import BucketTransport
 from drivetrain.ckpt.config import BroadcastConfig
-from drivetrain.ckpt.devices import collective_backend, resolve_device
+from drivetrain.ckpt.devices import collective_backend, resolve_device, synchronize
 
 BUCKET, END, ABORT = 1, 2, 3
 
@@ -73,6 +73,7 @@ class _Sender(_Link):
             ) from exc
 
     def post(self, index: int, header: dict[str, Any]) -> None:
+        synchronize(self.device)  # the collective's stream does not wait for the packing
         tickets = self._announce(BUCKET, header, header["nbytes"], index)
         data = self.buffers[index][: header["nbytes"]]
         tickets.append(self.group.broadcast(data, self.root))
@@ -136,7 +137,11 @@ class _Receiver(_Link):
         self._index ^= 1
         return "bucket", meta, index
 
+    def ready(self, index: int) -> None:
+        synchronize(self.device)  # the reader thread's collective filled it on its stream
+
     def release(self, index: int) -> None:
+        synchronize(self.device)  # the consumer's copies out are done before it is refilled
         self._free[index].release()
 
     def close(self) -> None:

@@ -3,7 +3,9 @@
 The sender owns two bucket buffers that every receiver maps into its own address space: POSIX
 shared memory on the CPU, CUDA IPC handles on a GPU. A bucket's metadata goes over a small
 authenticated loopback channel; each receiver copies its tensors out and says the buffer is
-free again, while the sender already packs the next bucket into the other buffer.
+free again, while the sender already packs the next bucket into the other buffer. On a GPU
+the messages only say that a copy is queued: the streams order the copies themselves through
+interprocess events (:mod:`shared_buffers`), so neither host waits for the device per bucket.
 """
 
 from __future__ import annotations
@@ -27,10 +29,13 @@ from drivetrain.ckpt.config import ColocatedConfig
 from drivetrain.ckpt.devices import resolve_device
 from drivetrain.ckpt.shared_buffers import CudaIpcBuffers, SharedMemoryBuffers
 
+SharedBuffers = SharedMemoryBuffers | CudaIpcBuffers
+
 
 class _Sender:
-    def __init__(self, buffers: list[torch.Tensor], conns: dict[int, Connection], timeout: float):
-        self.buffers = buffers
+    def __init__(self, shared: SharedBuffers, conns: dict[int, Connection], timeout: float):
+        self.shared = shared
+        self.buffers = shared.buffers
         self.conns = conns
         self.timeout = timeout
         self.outstanding: dict[int, set[int]] = {0: set(), 1: set()}
@@ -73,12 +78,14 @@ class _Sender:
         return replies
 
     def post(self, index: int, header: dict[str, Any]) -> None:
+        self.shared.packed(index)
         self.version = header["version"]
         self.outstanding[index] = set(self.conns)
         self._broadcast(("bucket", index, header))
 
     def wait(self, index: int) -> None:
         self._collect(lambda _: not self.outstanding[index])
+        self.shared.reusable(index)
 
     def finish(self, summary: dict[str, Any]) -> None:
         self._broadcast(("end", summary))
@@ -98,8 +105,9 @@ class _Sender:
 class _Receiver:
     read_ahead = False  # see ReceiverLink.read_ahead
 
-    def __init__(self, buffers: list[torch.Tensor], conn: Connection, timeout: float) -> None:
-        self.buffers = buffers
+    def __init__(self, shared: SharedBuffers, conn: Connection, timeout: float) -> None:
+        self.shared = shared
+        self.buffers = shared.buffers
         self.conn = conn
         self.timeout = timeout
         self.versions: dict[int, int] = {}  # buffer -> the sync its current bucket belongs to
@@ -115,7 +123,11 @@ class _Receiver:
             raise WeightSyncError(f"the sender aborted the sync: {message[1]}")
         raise WeightSyncError(f"unexpected message {message[0]!r} from the sender")
 
+    def ready(self, index: int) -> None:
+        self.shared.arrived(index)
+
     def release(self, index: int) -> None:
+        self.shared.consumed(index)
         channel.send(self.conn, ("free", index, self.versions[index]), "the sender")
 
     def confirm(self, ok: bool, detail: str) -> None:
@@ -128,14 +140,14 @@ class ColocatedTransport(BucketTransport):
     def __init__(self, config: ColocatedConfig) -> None:
         super().__init__(config)
         self.device = torch.device("cpu")
-        self.shared: SharedMemoryBuffers | CudaIpcBuffers | None = None
+        self.shared: SharedBuffers | None = None
         self._listener: Listener | None = None
         self.conns: dict[int, Connection] = {}
         self.conn: Connection | None = None
         self.role: TransportRole | None = None
         self._owner = False  # the sender created the buffers and unlinks them
 
-    def _new_buffers(self, device: torch.device) -> SharedMemoryBuffers | CudaIpcBuffers:
+    def _new_buffers(self, device: torch.device) -> SharedBuffers:
         if device.type == "cpu":
             return SharedMemoryBuffers.create(self.config.bucket_bytes)
         if device.type == "cuda":
@@ -169,8 +181,9 @@ class ColocatedTransport(BucketTransport):
                 channel.send(conn, self.shared.handles(), f"receiver {peer}")
             for peer, conn in hello.items():
                 reply = channel.receive(conn, timeout, f"receiver {peer}")
-                if reply != "attached":
+                if not (isinstance(reply, dict) and reply.get("status") == "attached"):
                     raise WeightSyncError(f"receiver {peer} could not map the buffers: {reply}")
+                self.shared.add_peer(peer, reply.get("events"))
             self.conns = hello
         else:
             if rank not in topology.receivers:
@@ -187,7 +200,8 @@ class ColocatedTransport(BucketTransport):
             except Exception as exc:
                 channel.send(conn, f"{type(exc).__name__}: {exc}", "the sender")
                 raise WeightSyncError(f"cannot map the sender's buffers: {exc}") from exc
-            channel.send(conn, "attached", "the sender")
+            reply = {"status": "attached", "events": self.shared.peer_handles()}
+            channel.send(conn, reply, "the sender")
             self.device = self.shared.buffers[0].device
             self.conn = conn
         self.role = role
@@ -195,12 +209,12 @@ class ColocatedTransport(BucketTransport):
     def _sender_link(self) -> _Sender:
         if self.role is not TransportRole.SENDER or not self.conns or self.shared is None:
             raise WeightSyncError("not connected as the sender (or a receiver failed: reconnect)")
-        return _Sender(self.shared.buffers, self.conns, self._bucket_deadline())
+        return _Sender(self.shared, self.conns, self._bucket_deadline())
 
     def _receiver_link(self) -> _Receiver:
         if self.role is not TransportRole.RECEIVER or self.conn is None or self.shared is None:
             raise WeightSyncError("not connected as a receiver")
-        return _Receiver(self.shared.buffers, self.conn, self._bucket_deadline())
+        return _Receiver(self.shared, self.conn, self._bucket_deadline())
 
     def _bucket_deadline(self) -> float:
         assert self.shared is not None

@@ -4,6 +4,11 @@ A transport supplies a *link*: two bucket buffers and how to move one to the rec
 sender packs bucket N+1 into one buffer while bucket N is still moving out of the other; the
 receiver's link runs in a background thread, filling one buffer while the consumer copies
 tensors out of the other. Errors, timeouts and aborts surface as :class:`WeightSyncError`.
+
+Copies into and out of the buffers are queued on the device's current stream; the link
+orders them against the other side's (``post``, ``ready``, ``release``), by waiting on the
+host or, where it can, on the device alone. The receiver waits for its device once, before it
+confirms the stream.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ class SenderLink(Protocol):
     buffers: list[torch.Tensor]
 
     def post(self, index: int, header: dict[str, Any]) -> None:
-        """Start moving ``buffers[index]`` (header first) to every receiver."""
+        """Start moving ``buffers[index]`` (header first) to every receiver, once the copies
+        queued into it are done."""
 
     def wait(self, index: int) -> None:
         """Return once every receiver is done with ``buffers[index]``."""
@@ -55,8 +61,14 @@ class ReceiverLink(Protocol):
         """Block for the next message: ``("bucket", header, buffer_index)`` once its bytes
         are in ``buffers[buffer_index]``, or ``("end", summary, -1)``."""
 
+    def ready(self, index: int) -> None:
+        """Order the consumer's reads of ``buffers[index]`` after its bytes' arrival. Called
+        on the consumer's thread, whose current stream the reads go to (:meth:`next` may run
+        on another)."""
+
     def release(self, index: int) -> None:
-        """The consumer is done with ``buffers[index]``."""
+        """The consumer's reads of ``buffers[index]`` are queued: the sender may refill it
+        once they are done."""
 
     def confirm(self, ok: bool, detail: str) -> None:
         """Report the whole stream received and verified (or not) to the sender."""
@@ -86,7 +98,6 @@ def send_stream(
                 link.wait(index)
             buffer = link.buffers[index]
             layout = pack(bucket, buffer, layouts)
-            synchronize(device)
             pieces = layout.pieces
             if digest is not None:
                 for piece in pieces:
@@ -219,17 +230,17 @@ def receive_stream(
             if kind == "end":
                 break
             buffer = link.buffers[index]
-            synchronize(device)
+            link.ready(index)
             layout = layouts.receiving(header["pieces"], buffer)
             if digest is not None:
                 for piece in layout.pieces:
                     digest.update(piece, buffer[piece.offset : piece.offset + piece.nbytes])
             total_bytes += sum(piece.nbytes for piece in layout.pieces)
             yield from rebuild.add_bucket(layout)
-            synchronize(device)  # copies out of the buffer are done before it is reused
             link.release(index)
             num_buckets += 1
         rebuild.check_complete()
+        synchronize(device)  # the tensors are in place before the sender hears they are
         mine = {
             "num_tensors": rebuild.completed,
             "num_buckets": num_buckets,
@@ -252,6 +263,7 @@ def receive_stream(
     finally:
         messages.stop.set()
         if not completed:  # unblock and drop the reader: this stream is over either way
+            synchronize(device)  # and no copy of it still reads a buffer the next one fills
             close = getattr(link, "close", None)
             if close is not None:
                 close()
