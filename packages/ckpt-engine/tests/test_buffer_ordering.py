@@ -40,7 +40,6 @@ def test_each_buffer_round_is_ordered_and_the_host_waits_once_per_stream(monkeyp
     waits: list[str] = []
     monkeypatch.setattr(pipeline, "synchronize", lambda device: waits.append(str(device)))
     buffers = [torch.zeros(4096, dtype=torch.uint8) for _ in (0, 1)]
-    log: list[tuple[str, int]] = []
     lock = threading.Lock()
 
     class Logged(list):  # both threads append; keep each entry whole
@@ -84,9 +83,12 @@ def test_each_buffer_round_is_ordered_and_the_host_waits_once_per_stream(monkeyp
     events = [entry for entry in log if entry[0] != "read"]
     by_kind = {kind: [i for k, i in events if k == kind] for kind in dict(events)}
     # every bucket goes around once, alternating buffers
-    assert by_kind["packed"] == by_kind["arrived"] == by_kind["consumed"] == [
-        n % 2 for n in range(buckets)
-    ]
+    assert (
+        by_kind["packed"]
+        == by_kind["arrived"]
+        == by_kind["consumed"]
+        == [n % 2 for n in range(buckets)]
+    )
     position = {}
     for at, entry in enumerate(log):
         position.setdefault(entry, []).append(at)
