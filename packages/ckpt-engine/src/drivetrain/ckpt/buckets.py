@@ -26,7 +26,15 @@ ALIGN = 64
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    name = _DTYPE_NAMES.get(dtype)
+    return name if name is not None else str(dtype).removeprefix("torch.")
+
+
+_DTYPE_NAMES = {  # looked up for every tensor of every sync
+    dtype: str(dtype).removeprefix("torch.")
+    for dtype in vars(torch).values()
+    if isinstance(dtype, torch.dtype)
+}
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -112,7 +120,7 @@ def plan_buckets(weights: Iterable[NamedTensor], bucket_bytes: int) -> Iterator[
     current: Bucket = []
     used = 0
     for name, tensor in weights:
-        total = tensor.numel() * tensor.element_size()
+        total = tensor.nbytes
         meta = (name, tuple(tensor.shape), dtype_name(tensor.dtype), total)
         offset = _aligned(used) if used else 0
         if current and total <= bucket_bytes and offset + total > bucket_bytes:
@@ -154,30 +162,43 @@ def copy_bytes(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None
 class Layout:
     """One bucket's pieces at their places in one bucket buffer: ``views[i]`` is piece ``i``'s
     bytes in the buffer, typed as its tensor (dtype and shape) when the tensor goes whole, raw
-    bytes when it is split; ``text`` is the piece table as it travels. Built once per bucket
-    layout and reused (:class:`Layouts`): views made for every tensor of every sync cost more
-    host time than the bytes' copy."""
+    bytes when it is split; ``text`` is the piece table as it travels; ``whole[i]``: piece
+    ``i`` is a whole tensor. Built once per bucket layout and reused (:class:`Layouts`): views
+    made for every tensor of every sync cost more host time than the bytes' copy, and so does
+    asking each piece again what it is."""
 
     pieces: list[Piece]
     views: list[torch.Tensor]
     text: str
     used: int
+    whole: list[bool]
+    #: tensors that end in this bucket, and the bytes of its pieces
+    completes: int
+    nbytes: int
 
     @classmethod
     def build(cls, pieces: list[Piece], buffer: torch.Tensor, text: str | None = None) -> Layout:
         used = max((piece.offset + piece.nbytes for piece in pieces), default=0)
         if used > buffer.numel():
             raise WeightSyncError(f"a bucket of {used} bytes does not fit its {buffer.numel()}")
-        views = []
-        for piece in pieces:
+        views, whole = [], [piece.first and piece.last for piece in pieces]
+        for piece, alone in zip(pieces, whole, strict=True):
             raw = buffer[piece.offset : piece.offset + piece.nbytes]
-            if piece.first and piece.last:
+            if alone:
                 try:
                     raw = raw.view(dtype_from_name(piece.dtype)).view(piece.shape)
                 except RuntimeError as exc:  # a piece table from the wire that does not add up
                     raise WeightSyncError(f"piece of {piece.name!r} is malformed: {exc}") from None
             views.append(raw)
-        return cls(pieces, views, encode_pieces(pieces) if text is None else text, used)
+        return cls(
+            pieces,
+            views,
+            encode_pieces(pieces) if text is None else text,
+            used,
+            whole,
+            sum(piece.last for piece in pieces),
+            sum(piece.nbytes for piece in pieces),
+        )
 
 
 class Layouts:
@@ -220,8 +241,8 @@ def pack(bucket: Bucket, buffer: torch.Tensor, layouts: Layouts | None = None) -
     strided or not); returns its layout there."""
     layout = (layouts or Layouts()).sending(bucket, buffer)
     sources = [
-        source if piece.first and piece.last else source[piece.start : piece.stop]
-        for piece, source in bucket
+        source if alone else source[piece.start : piece.stop]
+        for (piece, source), alone in zip(bucket, layout.whole, strict=True)
     ]
     copy_bytes(layout.views, sources)
     return layout
@@ -275,8 +296,8 @@ class Reassembler:
         out: list[NamedTensor] = []
         targets: list[torch.Tensor] = []
         sources: list[torch.Tensor] = []
-        for piece, view in zip(layout.pieces, layout.views, strict=True):
-            if not (piece.first and piece.last) or self._partial is not None:
+        for piece, view, alone in zip(layout.pieces, layout.views, layout.whole, strict=True):
+            if not alone or self._partial is not None:
                 tensor = self.add(piece, view)
                 if tensor is not None:
                     out.append(tensor)

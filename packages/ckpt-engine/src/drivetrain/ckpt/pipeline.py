@@ -107,8 +107,8 @@ def send_stream(
             in_flight[index] = True
             index ^= 1
             num_buckets += 1
-            num_tensors += sum(piece.last for piece in pieces)
-            total_bytes += sum(piece.nbytes for piece in pieces)
+            num_tensors += layout.completes
+            total_bytes += layout.nbytes
         for i in (0, 1):
             if in_flight[i]:
                 link.wait(i)
@@ -235,7 +235,7 @@ def receive_stream(
             if digest is not None:
                 for piece in layout.pieces:
                     digest.update(piece, buffer[piece.offset : piece.offset + piece.nbytes])
-            total_bytes += sum(piece.nbytes for piece in layout.pieces)
+            total_bytes += layout.nbytes
             yield from rebuild.add_bucket(layout)
             link.release(index)
             num_buckets += 1
