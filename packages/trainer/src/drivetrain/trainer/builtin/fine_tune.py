@@ -5,6 +5,7 @@ this way."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -49,7 +50,7 @@ def fine_tune_cached(
     result = run_sft(prepare(job), resume="none", console=console)
     assert result is not None and result.hf_dir is not None
     staging = staging_path(target)
-    shutil.copytree(result.hf_dir, staging)
+    os.replace(result.hf_dir, staging)  # a sibling of the run: a rename, no copy
     (staging / marker).write_text(json.dumps({"sft_steps": steps}))
     publish(staging, target)
     shutil.rmtree(work, ignore_errors=True)
