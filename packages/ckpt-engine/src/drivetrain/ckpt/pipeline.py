@@ -13,6 +13,7 @@ confirms the stream.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -263,7 +264,10 @@ def receive_stream(
     finally:
         messages.stop.set()
         if not completed:  # unblock and drop the reader: this stream is over either way
-            synchronize(device)  # and no copy of it still reads a buffer the next one fills
+            # and no copy of it still reads a buffer the next one fills (a device that fails
+            # here has failed already: that error is the one to see)
+            with contextlib.suppress(Exception):
+                synchronize(device)
             close = getattr(link, "close", None)
             if close is not None:
                 close()
