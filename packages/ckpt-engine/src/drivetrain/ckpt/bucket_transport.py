@@ -49,7 +49,6 @@ class BucketTransport(WeightTransport):
                 link,
                 weights,
                 version=version,
-                device=self.device,
                 verify=self.config.verify,
                 layouts=self.layouts,
             )

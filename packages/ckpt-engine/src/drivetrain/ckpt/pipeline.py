@@ -80,7 +80,6 @@ def send_stream(
     weights: Iterable[NamedTensor],
     *,
     version: int,
-    device: torch.device,
     verify: bool,
     layouts: Layouts | None = None,
 ) -> SyncStats:
