@@ -25,7 +25,7 @@ from drivetrain.api.weight_sync import (
 from drivetrain.ckpt import groups
 from drivetrain.ckpt.bucket_transport import BucketTransport
 from drivetrain.ckpt.config import BroadcastConfig
-from drivetrain.ckpt.devices import collective_backend, resolve_device, synchronize
+from drivetrain.ckpt.devices import bucket_device, collective_backend, synchronize
 
 BUCKET, END, ABORT = 1, 2, 3
 
@@ -172,7 +172,7 @@ class BroadcastTransport(BucketTransport):
 
     def prepare(self) -> Mapping[str, Any]:
         self.finalize()  # a second prepare (reconnecting) must not leak the first's group
-        device = resolve_device(self.config.device)
+        device = bucket_device(self.config.device)
         backend = collective_backend(device, self.config.backend)
         self._store = groups.master_store(self.config.host, self.config.port, self.config.timeout_s)
         return {
@@ -190,7 +190,7 @@ class BroadcastTransport(BucketTransport):
         mine = topology.senders if role is TransportRole.SENDER else topology.receivers
         if rank not in mine:
             raise WeightSyncError(f"rank {rank} is not a {role.value} in {topology}")
-        self.device = resolve_device(self.config.device)
+        self.device = bucket_device(self.config.device)
         backend = collective_backend(self.device, self.config.backend)
         if backend != endpoint["backend"]:
             raise WeightSyncError(

@@ -26,7 +26,7 @@ from drivetrain.api.weight_sync import (
 from drivetrain.ckpt import channel
 from drivetrain.ckpt.bucket_transport import BucketTransport
 from drivetrain.ckpt.config import ColocatedConfig
-from drivetrain.ckpt.devices import resolve_device
+from drivetrain.ckpt.devices import bucket_device
 from drivetrain.ckpt.shared_buffers import CudaIpcBuffers, SharedMemoryBuffers
 
 SharedBuffers = SharedMemoryBuffers | CudaIpcBuffers
@@ -159,7 +159,7 @@ class ColocatedTransport(BucketTransport):
 
     def prepare(self) -> Mapping[str, Any]:
         self.finalize()  # a second prepare (reconnecting) must not leak the first's segments
-        self.device = resolve_device(self.config.device)
+        self.device = bucket_device(self.config.device)
         self.shared = self._new_buffers(self.device)
         self._owner = True
         self._listener, endpoint = channel.listen(self.config.host)

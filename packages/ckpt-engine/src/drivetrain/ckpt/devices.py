@@ -5,47 +5,13 @@ from __future__ import annotations
 import torch
 
 from drivetrain.api.weight_sync import WeightSyncError
-
-#: Device type -> collective backend. Anything else is refused by name, never a KeyError.
-BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+from drivetrain.runtime.devices import BACKENDS, resolve_device
 
 
-def _npu_available() -> bool:
-    npu = getattr(torch, "npu", None)  # present once torch_npu is imported
-    return bool(npu is not None and npu.is_available())
-
-
-def resolve_device(requested: str) -> torch.device:
-    """``auto``: the local accelerator (CUDA, then Ascend NPU), else the CPU. Otherwise the
-    named device, checked to be one the transports support and present here."""
-    if requested == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        if _npu_available():
-            return torch.device("npu", torch.npu.current_device())  # type: ignore[attr-defined]
-        return torch.device("cpu")
-    try:
-        device = torch.device(requested)
-    except RuntimeError as exc:
-        raise WeightSyncError(
-            f"weight_sync.device={requested!r} is not a device; use auto or one of "
-            f"{sorted(BACKENDS)}"
-        ) from exc
-    if device.type not in BACKENDS:
-        raise WeightSyncError(
-            f"weight sync does not support device {requested!r}: supported are "
-            + ", ".join(f"{d} ({b})" for d, b in BACKENDS.items())
-        )
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise WeightSyncError(f"weight_sync.device={requested!r} but CUDA is not available here")
-    if device.type == "npu" and not _npu_available():
-        raise WeightSyncError(
-            f"weight_sync.device={requested!r} but no Ascend NPU is available (torch_npu)"
-        )
-    if device.type in ("cuda", "npu") and device.index is None:
-        module = getattr(torch, device.type)
-        device = torch.device(device.type, module.current_device())
-    return device
+def bucket_device(requested: str) -> torch.device:
+    """Where buckets live: ``weight_sync.device`` resolved as every package resolves a device,
+    refused as a :class:`WeightSyncError`."""
+    return resolve_device(requested, setting="weight_sync.device", error=WeightSyncError)
 
 
 def collective_backend(device: torch.device, override: str = "") -> str:

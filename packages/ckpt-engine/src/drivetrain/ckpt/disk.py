@@ -45,7 +45,7 @@ from drivetrain.api.weight_sync import (
 )
 from drivetrain.ckpt.buckets import StreamDigest, byte_view
 from drivetrain.ckpt.config import DiskConfig
-from drivetrain.ckpt.devices import resolve_device
+from drivetrain.ckpt.devices import bucket_device
 from drivetrain.ckpt.heartbeat import Heartbeat, Watch
 from drivetrain.ckpt.shard_files import aligned, read_shard, write_shard
 from drivetrain.runtime.atomic_dir import remove_stale_staging, staging_path
@@ -122,7 +122,7 @@ class DiskTransport(WeightTransport):
         self.root, self.role, self.rank = root, role, rank
         self.receivers = topology.receivers
         self.bucket_bytes = int(endpoint["bucket_bytes"])
-        self.device = resolve_device(self.config.device)
+        self.device = bucket_device(self.config.device)
         # a handshake, as the other transports have: the sender learns at connect time that
         # every receiver sees the directory, instead of at the first sync's timeout
         if role is TransportRole.RECEIVER:

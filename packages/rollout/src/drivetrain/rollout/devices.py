@@ -1,18 +1,8 @@
-"""Which device a backend runs on, and its model directory, checked up front."""
+"""A backend's model directory, checked up front (its device: ``drivetrain.runtime.devices``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-
-import torch
-
-
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("rollout.device='cuda' but torch sees no CUDA device")
-    return device
 
 
 def model_dir(path: str) -> Path:

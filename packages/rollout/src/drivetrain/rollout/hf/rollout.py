@@ -12,10 +12,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from drivetrain.api.engine import NamedTensor
 from drivetrain.api.rollout import MEMORY_TAGS
 from drivetrain.rollout.config import HFRolloutConfig
-from drivetrain.rollout.devices import model_dir, resolve_device
+from drivetrain.rollout.devices import model_dir
 from drivetrain.rollout.hf.batcher import ContinuousBatcher
 from drivetrain.rollout.tokenized import TokenizedRollout
 from drivetrain.rollout.weights import apply_weights, destination
+from drivetrain.runtime.devices import resolve_device
 from drivetrain.runtime.fingerprint import fingerprint_like
 from drivetrain.runtime.request_queue import RequestQueue
 
@@ -28,7 +29,7 @@ class HFRollout(TokenizedRollout):
         path = model_dir(config.model_path)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.device = torch.device(resolve_device(config.device))
+        self.device = resolve_device(config.device, setting="rollout.device")
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModelForCausalLM.from_pretrained(
             path, dtype=getattr(torch, config.dtype), attn_implementation=config.attn_implementation
