@@ -10,29 +10,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from drivetrain.api import ConfigError
-
-#: Collective backend per device type; an unknown device is an error, never a KeyError.
-BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
-
-
-def _local_cuda() -> torch.device:
-    # Ray may expose one GPU per actor while LOCAL_RANK counts all local ranks
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
-
-
-def resolve_device(requested: str) -> torch.device:
-    if requested == "auto":
-        return _local_cuda() if torch.cuda.is_available() else torch.device("cpu")
-    kind = requested.split(":")[0]
-    if kind not in BACKENDS:
-        raise ConfigError(
-            f"device={requested!r}: supported devices are auto, {', '.join(BACKENDS)}"
-        )
-    if kind == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError("device='cuda' but no CUDA device is visible")
-        return _local_cuda()
-    return torch.device(requested)
+from drivetrain.runtime.devices import BACKENDS
 
 
 def ensure_process_group(device: torch.device) -> None:

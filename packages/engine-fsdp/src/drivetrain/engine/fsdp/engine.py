@@ -37,7 +37,7 @@ from drivetrain.api.config import coerce_config
 from drivetrain.engine.fsdp import checkpoint, offload, weights
 from drivetrain.engine.fsdp.attention import set_packed_row
 from drivetrain.engine.fsdp.config import FSDPConfig
-from drivetrain.engine.fsdp.distributed import build_meshes, ensure_process_group, resolve_device
+from drivetrain.engine.fsdp.distributed import build_meshes, ensure_process_group
 from drivetrain.engine.fsdp.model import DTYPES, TokenOutputModel, load_hf_model, unwrap_peft
 from drivetrain.engine.fsdp.optim import build_optimizer, clip_grad_norm
 from drivetrain.engine.fsdp.packing import PackedRow, outputs_per_token, pack
@@ -50,12 +50,13 @@ from drivetrain.engine_core import (
     on_device,
     to_layout,
 )
+from drivetrain.engine_core.base import TorchEngine
 from drivetrain.engine_core.packed_kernels import engine_kernel
+from drivetrain.runtime.devices import resolve_device
 from drivetrain.runtime.micro_batching import loss_totals, plan_micro_batches
-from drivetrain.runtime.modes import TRAIN, ModalEngine
 
 
-class FSDPEngine(ModalEngine):
+class FSDPEngine(TorchEngine):
     """Shared implementation; :class:`FSDP2Engine` and :class:`FSDP1Engine` pick the wrapper."""
 
     fsdp1: ClassVar[bool] = False
@@ -145,25 +146,18 @@ class FSDPEngine(ModalEngine):
     def _initialized(self) -> bool:
         return self.model is not None
 
-    def _place(self, mode: str | None) -> None:
-        if mode is None:  # idle: offload as configured
-            off = self.config.offload
-            self.to("cpu", model=off.params, optimizer=off.optimizer)
-            return
-        self.to("device", model=True, optimizer=mode == TRAIN)
-        self.model.train(mode == TRAIN)
+    def _modules(self) -> list[torch.nn.Module]:
+        return [self.model]
 
-    def to(self, device: str, *, model: bool = True, optimizer: bool = True) -> None:
-        if device not in ("cpu", "device"):
-            raise ValueError(f"device must be 'cpu' or 'device', got {device!r}")
-        target = torch.device("cpu") if device == "cpu" else self.device
+    def _move(self, *, to_host: bool, model: bool, optimizer: bool) -> None:
         if self.config.cpu_offload_policy:  # FSDP2 keeps parameters and optimizer on the host
             return
+        target = torch.device("cpu") if to_host else self.device
         if model:
             offload.move_model(self.model, target, fsdp1=self.fsdp1)
         if optimizer:
             offload.move_optimizer(self.optimizer, target)
-        if target.type == "cpu" and (model or optimizer):
+        if to_host:
             offload.release_device_memory(self.device)
 
     # ---- data ---------------------------------------------------------------------------
@@ -208,11 +202,7 @@ class FSDPEngine(ModalEngine):
 
     def _outputs(self, micro: Batch, spec: OutputSpec) -> dict[str, torch.Tensor]:
         """The requested outputs for ``micro``, aligned with its inputs, in its layout."""
-        if spec.values != self.config.model.value_head or (
-            spec.values and (spec.log_probs or spec.entropy)
-        ):
-            kind = "value-head" if self.config.model.value_head else "causal LM"
-            raise EngineStateError(f"a {kind} engine cannot compute {spec.names}")
+        self._check_outputs(spec)
         raw, row = self._run_model(micro, spec)
         wanted = {LOG_PROBS: "log_probs", ENTROPY: "entropy", VALUES: "values"}
         return {
@@ -225,11 +215,7 @@ class FSDPEngine(ModalEngine):
         self, batch: Batch, loss_fn: LossFn, *, outputs: OutputSpec | None = None
     ) -> StepResult:
         self._require("train", "forward_backward")
-        spec = outputs or (
-            OutputSpec(log_probs=False, values=True)
-            if self.config.model.value_head
-            else OutputSpec()
-        )
+        spec = self._training_outputs(outputs)
         m = self.meshes
         totals = loss_totals(batch, self.collectives)
         parts = self._micro_batches(batch)

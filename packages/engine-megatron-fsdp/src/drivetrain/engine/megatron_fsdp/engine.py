@@ -56,11 +56,12 @@ class MegatronFSDPEngine(MegatronEngine):
             )
         return GatheredParams(dict(chunk.named_parameters()), self.tcfg.params_dtype)
 
-    def to(self, device: str, *, model: bool = True, optimizer: bool = True) -> None:
-        if self.device.type != "cpu" and device == "cpu" and (model or optimizer):
-            raise NotImplementedError("the megatron_fsdp engine has no offload yet; use engine "
-                                      "megatron")  # fmt: skip
-        super().to(device, model=model, optimizer=optimizer)
+    def _move(self, *, to_host: bool, model: bool, optimizer: bool) -> None:
+        if self.device.type != "cpu" and to_host:
+            raise NotImplementedError(
+                "the megatron_fsdp engine has no offload yet; use engine megatron"
+            )
+        super()._move(to_host=to_host, model=model, optimizer=optimizer)
 
     def save_checkpoint(self, path: str, *, step: int) -> CheckpointInfo:
         self._sync_params()

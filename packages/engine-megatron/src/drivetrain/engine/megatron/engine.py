@@ -49,24 +49,20 @@ from drivetrain.engine_core import (
     on_device,
     to_layout,
 )
+from drivetrain.engine_core.base import TorchEngine
 from drivetrain.engine_core.packed_kernels import engine_kernel
+from drivetrain.runtime.devices import resolve_device
 from drivetrain.runtime.micro_batching import loss_totals, plan_micro_batches
-from drivetrain.runtime.modes import ModalEngine
 from drivetrain.runtime.schedule import lr_multiplier
 
 log = logging.getLogger(__name__)
 
 
-def _resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-class MegatronEngine(ModalEngine):
+class MegatronEngine(TorchEngine):
     config: MegatronConfig
     #: close() destroys the process groups initialize() built (parallel.release_groups)
     releases_groups = True
+    _said_host = False  # the CPU no-op offload is logged once
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(coerce_config(config, MegatronConfig))
@@ -83,7 +79,7 @@ class MegatronEngine(ModalEngine):
         from drivetrain.engine.megatron.model import build_model, transformer_config
 
         cfg = self.config
-        self.device = _resolve_device(cfg.device)
+        self.device = resolve_device(cfg.device)
         self._groups = init_parallel(
             tensor_parallel=cfg.tensor_parallel,
             pipeline_parallel=cfg.pipeline_parallel,
@@ -215,27 +211,19 @@ class MegatronEngine(ModalEngine):
             },
         )
 
-    def _place(self, mode: str | None) -> None:
-        if mode is None:  # idle: offload as configured
-            off = self.config.offload
-            self.to("cpu", model=off.params, optimizer=off.optimizer)
-            return
-        self.to("device", model=True, optimizer=mode == "train")
-        for chunk in self.model:
-            chunk.train(mode == "train")
+    def _modules(self) -> list[Any]:
+        return self.model
 
-    def to(self, device: str, *, model: bool = True, optimizer: bool = True) -> None:
-        """Parameters + gradient buffers (``model``) and optimizer state to host memory
-        (``"cpu"``) or back (``"device"``); see ``offload.py``. On a CPU engine the compute
-        device is the host: nothing moves (logged once)."""
-        if device not in ("cpu", "device"):
-            raise ValueError(f"device must be 'cpu' or 'device', got {device!r}")
+    def _move(self, *, to_host: bool, model: bool, optimizer: bool) -> None:
+        """Parameters + gradient buffers (``model``) and optimizer state to host memory or
+        back; see ``offload.py``. On a CPU engine the compute device is the host: nothing
+        moves (logged once)."""
         if self.device.type == "cpu":
-            if device == "cpu" and (model or optimizer) and not getattr(self, "_said_host", 0):
+            if to_host and not self._said_host:
                 log.info("megatron engine on CPU: offload is a no-op (state already in host RAM)")
                 self._said_host = True
             return
-        if device == "cpu":
+        if to_host:
             self.offloader.offload(model=model, optimizer=optimizer)
         else:
             self.offloader.reload(model=model, optimizer=optimizer)
@@ -294,9 +282,7 @@ class MegatronEngine(ModalEngine):
         self, output: torch.Tensor, row: Any, micro: Batch, spec: OutputSpec
     ) -> dict[str, torch.Tensor]:
         """Requested per-token columns from the last stage's output ``[1, T, V/tp]``."""
-        if spec.values != self.config.model.value_head:
-            kind = "value-head" if self.config.model.value_head else "causal LM"
-            raise EngineStateError(f"a {kind} engine cannot compute {spec.names}")
+        self._check_outputs(spec)
         if spec.values:
             values = self._gather_cp(output[0, :, 0].float(), row)
             return {VALUES: to_layout(values[: row.num_tokens], micro)}
@@ -355,8 +341,7 @@ class MegatronEngine(ModalEngine):
         self, batch: Batch, loss_fn: LossFn, *, outputs: OutputSpec | None = None
     ) -> StepResult:
         self._require("train", "forward_backward")
-        value_head = self.config.model.value_head
-        spec = outputs or (OutputSpec(log_probs=False, values=True) if value_head else OutputSpec())
+        spec = self._training_outputs(outputs)
         totals = loss_totals(batch, self.collectives)
         parts = self._micro_batches(batch)
         dp_size = self.ps.get_data_parallel_world_size()
