@@ -209,6 +209,13 @@ class SumsEveryMetric(FakeEngine):
         return replace(result, metrics=metrics)
 
 
+class ShardsItsOwnWay(FakeEngine):
+    """Still defines the ``shard_data`` that left the contract: no caller would run it."""
+
+    def shard_data(self, batch):
+        return batch.select(list(range(self.parallel.dp_rank, len(batch), self.parallel.dp_size)))
+
+
 class InferChangesWeights(FakeEngine):
     def infer(self, batch, outputs):
         self.params["bigram.bias"][0] += 1e-3
@@ -262,6 +269,7 @@ def test_fake_engine_passes_everything():
         ),
         (InfersInDoublePrecision, "check_output_dtypes", "log_probs are float64"),
         (NoModeChecks, "check_contract_shapes", "must raise EngineStateError"),
+        (ShardsItsOwnWay, "check_contract_shapes", "ShardsItsOwnWay.shard_data is never called"),
         (InferChangesWeights, "check_modes", "deterministic"),
         (SumsEveryMetric, "check_micro_batch_invariance", "must be the largest"),
     ],

@@ -28,7 +28,7 @@ if __name__ == "__main__":
         for _ in range(data["steps"]):
             with engine.train_mode():
                 engine.optimizer_zero_grad()
-                result = engine.forward_backward(engine.shard_data(batch), token_mean_nll)
+                result = engine.forward_backward(engine.parallel.shard_of(batch), token_mean_nll)
                 norms.append(engine.optimizer_step())
                 engine.lr_scheduler_step()
             losses.append(result.loss)

@@ -22,7 +22,7 @@ from launch import write_result
 def step(engine, batch):
     with engine.train_mode():
         engine.optimizer_zero_grad()
-        result = engine.forward_backward(engine.shard_data(batch), token_mean_nll)
+        result = engine.forward_backward(engine.parallel.shard_of(batch), token_mean_nll)
         norm = engine.optimizer_step()
         engine.lr_scheduler_step()
     return result.loss, norm

@@ -33,7 +33,7 @@ def exported_vs_training(harness):
         batch = harness.make_batch(*training_batch())  # rows of 6..20 tokens
         train(engine, batch, 1)
         with engine.eval_mode():  # a forward pass leaves every chunk's raw (gathered) params
-            engine.infer(engine.shard_data(batch), OutputSpec())
+            engine.infer(engine.parallel.shard_of(batch), OutputSpec())
         exported = {name: t.clone() for name, t in engine.export_weights()}
         main = {id(c.module): dict(c.param_and_grad_buffer.optimizer_named_parameters)
                 for c in engine.model}  # fmt: skip

@@ -26,7 +26,7 @@ def train(engine, batch, steps):
     for _ in range(steps):
         with engine.train_mode():
             engine.optimizer_zero_grad()
-            loss = engine.forward_backward(engine.shard_data(batch), token_mean_nll).loss
+            loss = engine.forward_backward(engine.parallel.shard_of(batch), token_mean_nll).loss
             norm = engine.optimizer_step()
             engine.lr_scheduler_step()
         results.append({"loss": loss, "grad_norm": norm})

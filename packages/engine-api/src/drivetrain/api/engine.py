@@ -61,6 +61,16 @@ class ParallelInfo:
         if not 0 <= self.dp_rank < self.dp_size or self.world_size % self.dp_size:
             raise ValueError(f"dp_rank {self.dp_rank}/dp_size {self.dp_size} invalid")
 
+    def shard_of(self, batch: Batch) -> Batch:
+        """This rank's share of a global batch: ``batch.dp_shards(dp_size)[dp_rank]``
+        (token-balanced, sample groups kept whole, in the global batch's order), the same for
+        every rank with this ``dp_rank``. The controller shards this way and nothing else
+        (an engine receives its shard and cannot choose another split), so results collected
+        per ``dp_rank`` join back with :func:`~drivetrain.api.batch.restore_order`. Shards
+        may hold different numbers of samples and micro-batches: engines agree on a common
+        micro-batch count (running empty ones where needed) so their collectives line up."""
+        return batch.select(batch.dp_shards(self.dp_size)[self.dp_rank])
+
 
 @dataclass(frozen=True)
 class StepResult:
@@ -161,17 +171,6 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def lr_scheduler_step(self) -> float:
         """Advance the LR schedule by one step; return the learning rate now in effect."""
-
-    # ---- data ---------------------------------------------------------------------------
-    def shard_data(self, batch: Batch) -> Batch:
-        """This rank's share of a global batch, per :meth:`.Batch.dp_shards`
-        (token-balanced; equal sample counts when ``dp_size`` divides the batch), identical for
-        ranks with the same ``dp_rank``, in the global batch's order. Shards may hold different
-        numbers of samples and micro-batches: engines agree on a common micro-batch count
-        (running empty ones where needed) so their collectives line up.
-        :func:`~drivetrain.api.batch.restore_order` joins collected results back."""
-        info = self.parallel
-        return batch.select(batch.dp_shards(info.dp_size)[info.dp_rank])
 
     # ---- placement ----------------------------------------------------------------------
     @abc.abstractmethod

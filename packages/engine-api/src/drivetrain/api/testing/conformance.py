@@ -63,7 +63,7 @@ def _infer_rows(
     h: EngineHarness, engine: Engine, batch: Batch, spec: OutputSpec, *, shard: bool = True
 ) -> list[list[list[float]]] | None:
     with engine.eval_mode():
-        out = engine.infer(engine.shard_data(batch) if shard else batch, spec)
+        out = engine.infer(engine.parallel.shard_of(batch) if shard else batch, spec)
     if out is None:
         return None
     return [rows(h, out, name) for name in spec.names]
@@ -97,9 +97,15 @@ def check_contract_shapes(h: EngineHarness) -> None:
     assert isinstance(engine, Engine), f"{type(engine).__name__} does not subclass Engine"
     info = engine.parallel
     assert isinstance(info, ParallelInfo), "parallel must be a ParallelInfo"
+    assert not hasattr(engine, "shard_data"), (
+        f"{type(engine).__name__}.shard_data is never called: the trainer shards every batch "
+        "with ParallelInfo.shard_of (Batch.dp_shards); remove the method"
+    )
     batch = data(h)
-    shard = engine.shard_data(batch)
-    assert isinstance(shard, Batch) and len(shard) >= 1, "shard_data must return a non-empty Batch"
+    shard = info.shard_of(batch)
+    assert len(shard) >= 1, (
+        f"dp rank {info.dp_rank} of {info.dp_size} got no sample of the kit's batch"
+    )
     try:
         engine.forward_backward(shard, token_mean_nll)
     except EngineStateError:
@@ -183,7 +189,7 @@ def check_micro_batch_invariance(h: EngineHarness) -> None:
     )
 
     engine = h.make_engine(splits[0])
-    shard = engine.shard_data(batch)
+    shard = engine.parallel.shard_of(batch)
     logp = _infer_rows(h, engine, shard, OutputSpec(log_probs=True), shard=False)
     local = (0.0, 0)
     if logp is not None:  # output ranks of each data-parallel group report their shard's sums
@@ -222,7 +228,7 @@ def check_sample_groups_stay_together(h: EngineHarness) -> None:
         engine = h.make_engine(split)
         with engine.train_mode():
             engine.optimizer_zero_grad()
-            engine.forward_backward(engine.shard_data(batch), recording_loss)
+            engine.forward_backward(engine.parallel.shard_of(batch), recording_loss)
         engine.close()
     micros = [micro for rank in gather(h, seen) for micro in rank]
     assert micros, "the loss never ran"
@@ -239,7 +245,7 @@ def check_order_restored(h: EngineHarness) -> None:
     """``infer`` returns samples in the caller's order, whatever its micro-batching."""
     regrouping = h.make_engine(MicroBatchConfig(max_tokens=max(LENGTHS) + 4))
     one_by_one = h.make_engine(MicroBatchConfig(micro_batch_size=1))
-    shard = regrouping.shard_data(data(h))
+    shard = regrouping.parallel.shard_of(data(h))
     spec = OutputSpec(log_probs=True, entropy=True)
     got = _infer_rows(h, regrouping, shard, spec, shard=False)
     want = _infer_rows(h, one_by_one, shard, spec, shard=False)

@@ -28,7 +28,7 @@ def check_output_dtypes(h: EngineHarness) -> None:
         engine = make(h, SPLIT, dtype=dtype) if dtype else make(h, SPLIT)
         batch = data(h)
         with engine.eval_mode():
-            out = engine.infer(engine.shard_data(batch), spec)
+            out = engine.infer(engine.parallel.shard_of(batch), spec)
         run = train_step(h, engine, batch)
         engine.close()
         model = f"model.dtype={dtype}" if dtype else "the harness's model dtype"

@@ -26,7 +26,7 @@ def check_split_failure_reaches_every_rank(h: EngineHarness) -> None:
     engine = make(h, MicroBatchConfig(max_tokens=max(LENGTHS) - 1))
     outcome = "forward_backward raised nothing"
     try:
-        shard = engine.shard_data(data(h))
+        shard = engine.parallel.shard_of(data(h))
         with engine.train_mode():
             engine.optimizer_zero_grad()
             engine.forward_backward(shard, token_mean_nll)

@@ -16,7 +16,8 @@ class EngineHarness(Protocol):
     Every engine from ``make_engine`` must start from the same weights (same seed), with an
     optimizer config whose steps visibly change the weights (a learning rate around 1e-2 and
     no warm-up suits the kit's tiny data). On a multi-rank engine every rank builds the same
-    global batch; the kit shards it with ``engine.shard_data``.
+    global batch; the kit shards it with ``engine.parallel.shard_of``,
+    as the trainer does.
     """
 
     #: The vocabulary size: the kit draws token ids below it.

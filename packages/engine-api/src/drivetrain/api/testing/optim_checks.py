@@ -151,7 +151,7 @@ def check_nonfinite_step_skipped(h: EngineHarness) -> None:
     kept = weights(h, engine)
     with engine.train_mode():
         engine.optimizer_zero_grad()
-        engine.forward_backward(engine.shard_data(batch), _nan_loss)
+        engine.forward_backward(engine.parallel.shard_of(batch), _nan_loss)
         bad_norm = engine.optimizer_step()
     after_bad = weights(h, engine)
     got = train_step(h, engine, batch)

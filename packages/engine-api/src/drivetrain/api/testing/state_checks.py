@@ -106,7 +106,9 @@ def check_rng_restored(h: EngineHarness) -> None:
     with engine.train_mode():
         for _ in range(2):
             engine.optimizer_zero_grad()
-            losses.append(engine.forward_backward(engine.shard_data(data(h)), token_mean_nll).loss)
+            losses.append(
+                engine.forward_backward(engine.parallel.shard_of(data(h)), token_mean_nll).loss
+            )
     engine.close()
     assert losses[0] != losses[1], (
         f"make_engine(dropout={DROPOUT}) trains deterministically (same loss twice): the RNG "

@@ -106,7 +106,7 @@ def train_step(
 ) -> Run:
     with engine.train_mode():
         engine.optimizer_zero_grad()
-        result = engine.forward_backward(engine.shard_data(batch), loss_fn)
+        result = engine.forward_backward(engine.parallel.shard_of(batch), loss_fn)
         grad_norm = engine.optimizer_step()
         lr = engine.lr_scheduler_step()
     return Run(result.loss, grad_norm, lr, result, weights(h, engine))

@@ -38,7 +38,7 @@ class EngineWorker:
         return self.engine.parallel
 
     def shard(self, batch: Batch) -> Batch:
-        return self.engine.shard_data(batch)
+        return self.engine.parallel.shard_of(batch)
 
     def train_step(self, shard: Batch, loss: str | LossFn) -> StepStats:
         """One optimizer step. ``loss``: a name in :mod:`drivetrain.trainer.losses`, or a loss
