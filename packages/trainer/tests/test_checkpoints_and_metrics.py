@@ -2,7 +2,7 @@ import json
 
 from drivetrain.trainer.checkpoints import CheckpointManager
 from drivetrain.trainer.job_config import LoggingConfig
-from drivetrain.trainer.metrics import METRICS_FILE, MetricsLogger, plot_loss_curve
+from drivetrain.trainer.metrics import LOSS_CURVE, METRICS_FILE, MetricsLogger
 
 
 def fake_save(manager, step):
@@ -48,5 +48,5 @@ def test_resumed_metrics_drop_steps_after_the_checkpoint(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / METRICS_FILE).read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["train/loss"] == 0.3
     assert any((tmp_path / "tensorboard").iterdir())
-    png = plot_loss_curve(tmp_path / METRICS_FILE, tmp_path / "loss.png")
+    png = LOSS_CURVE.plot(tmp_path)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

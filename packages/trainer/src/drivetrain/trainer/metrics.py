@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -91,10 +92,26 @@ class MetricsLogger:
             self._wandb.finish()
 
 
-def plot_loss_curve(metrics_path: Path, png_path: Path) -> Path:
-    """Train (and validation) loss against step, as a PNG."""
-    series = [("train/loss", "train"), ("val/loss", "validation")]
-    return plot_curve(metrics_path, png_path, series, ylabel="loss", log_scale=True)
+@dataclass(frozen=True)
+class Curve:
+    """The PNG a run leaves beside its metrics: which series (key, label) against step."""
+
+    file: str
+    series: tuple[tuple[str, str], ...]
+    ylabel: str
+    log_scale: bool = False
+
+    def plot(self, run_dir: Path) -> Path:
+        """Drawn from ``run_dir``'s metrics file, written into ``run_dir``."""
+        return plot_curve(
+            run_dir / METRICS_FILE, run_dir / self.file, list(self.series),
+            ylabel=self.ylabel, log_scale=self.log_scale,
+        )  # fmt: skip
+
+
+#: SFT's and DPO's: train (and validation) loss
+LOSS_CURVE = Curve("loss_curve.png", (("train/loss", "train"), ("val/loss", "validation")),
+                   "loss", log_scale=True)  # fmt: skip
 
 
 def plot_curve(

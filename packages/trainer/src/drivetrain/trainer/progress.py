@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from types import TracebackType
-
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -46,12 +44,7 @@ class TrainingProgress:
         self._progress.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._progress.stop()
 
     def update(self, *, loss: float, tokens_per_s: float, task: float | None = None) -> None:

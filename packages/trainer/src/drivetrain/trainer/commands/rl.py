@@ -3,7 +3,8 @@ engine, rollout and weight-sync transport."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -82,20 +83,28 @@ class RLCommand(JobCommand["RLJob", "PreparedRL", "RLResult"]):
 
     def fit(self, prepared: PreparedRL, *, resume: str, overwrite: bool) -> RLResult:
         from drivetrain.trainer.rl.trainer import RLTrainer
+        from drivetrain.trainer.run_loop import run_job
 
-        placement = self.jobs.start(prepared)
-        try:
-            return RLTrainer(prepared.setup, placement, console).fit(
-                resume=resume, overwrite=overwrite
-            )
-        finally:
-            placement.close()
+        @contextlib.contextmanager
+        def launched() -> Iterator[RLTrainer]:
+            placement = self.jobs.start(prepared)  # the RL job's worker groups and rollouts
+            try:
+                yield RLTrainer(prepared.setup, placement, console)
+            finally:
+                placement.close()
+
+        result = run_job(
+            launched, prepared.setup.config.run, writer=True,
+            config_yaml=prepared.job.to_yaml(), resume=resume, overwrite=overwrite,
+            console=console,
+        )  # fmt: skip
+        assert result is not None  # the controller writes
+        return result
 
     def summary(self, job: RLJob, prepared: PreparedRL, result: RLResult) -> dict[str, Any]:
         from drivetrain.trainer.builtin.addition import AdditionAssets
 
         out = Path(job.config.run.output_dir)
-        (out / "config.yaml").write_text(job.to_yaml())
         summary, window = rl_summary(result, out)
         weights = job.config.reward.weights
         if window and not (weights and not any(weights)):  # all-zero weights: the reward is 0

@@ -20,6 +20,7 @@ from drivetrain.api.errors import ConfigError
 from drivetrain.api.plugin import PluginSpec
 from drivetrain.trainer.capabilities import fit_single_engine, require_adapter_reference
 from drivetrain.trainer.config_loader import load_config, to_yaml
+from drivetrain.trainer.console import plain_console
 from drivetrain.trainer.data.batching import StepPlan
 from drivetrain.trainer.data.tokenize import pad_token_id
 from drivetrain.trainer.dpo.config import DPOConfig, dpo_config_type
@@ -35,8 +36,9 @@ from drivetrain.trainer.preflight import (
     load_tokenizer,
     model_context,
 )
-from drivetrain.trainer.supervised_run import run_supervised
+from drivetrain.trainer.run_loop import on_workers, run_job
 from drivetrain.trainer.workers.group import WorkerGroup
+from drivetrain.trainer.workers.launch import writes_files
 from drivetrain.trainer.workers.role_worker import ACTOR, REFERENCE, RoleSpec
 
 #: makes a built-in task's layers (``train``: train what it needs first)
@@ -151,13 +153,12 @@ def run_dpo(
     """Train; the result on the writing process (rank 0 / the controller), else ``None``."""
     job, c = prepared.job, prepared.job.config
 
-    def trainer(group: WorkerGroup, console: Console) -> DPOTrainer:
-        return DPOTrainer(
-            c, engine_name=job.engine_name, group=group, data=prepared.data, console=console
-        )
+    def trainer(group: WorkerGroup) -> DPOTrainer:
+        return DPOTrainer(c, engine_name=job.engine_name, group=group, data=prepared.data)
 
-    return run_supervised(
-        c.run, c.workers, factory=functools.partial(PreferenceWorker, role_specs(prepared)),
-        trainer=trainer, config_yaml=job.to_yaml(), resume=resume, overwrite=overwrite,
-        console=console,
+    factory = functools.partial(PreferenceWorker, role_specs(prepared))
+    return run_job(
+        on_workers(factory, c.workers, trainer), c.run, writer=writes_files(c.workers),
+        config_yaml=job.to_yaml(), resume=resume, overwrite=overwrite,
+        console=console or plain_console(),
     )  # fmt: skip

@@ -1,12 +1,12 @@
-"""The RL loop: a source draws each step's scored samples, stages add what the updates
+"""The RL job: a source draws each step's scored samples, stages add what the updates
 need (old and reference log-probs, values, advantages), the updates run, and the source moves
-the weights; driven from one controller over any placement."""
+the weights; driven from one controller over any placement (the run around the steps is
+:mod:`drivetrain.trainer.run_loop`'s)."""
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import math
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,12 +16,9 @@ from rich.console import Console
 
 from drivetrain.api import SamplingParams
 from drivetrain.api.columns import LOSS_MASK
-from drivetrain.runtime.heap import settled_heap
-from drivetrain.trainer.checkpoints import CheckpointManager
 from drivetrain.trainer.console import plain_console
 from drivetrain.trainer.diagnose import log_prob_tolerance
-from drivetrain.trainer.metrics import METRICS_FILE, MetricsLogger, plot_curve
-from drivetrain.trainer.progress import TrainingProgress
+from drivetrain.trainer.metrics import Curve
 from drivetrain.trainer.reference import Reference
 from drivetrain.trainer.rl.config import RLConfig
 from drivetrain.trainer.rl.episode_setup import EpisodeSetup
@@ -34,9 +31,7 @@ from drivetrain.trainer.rl.sources import choose_source
 from drivetrain.trainer.rl.stages import StepBatch, build_stages
 from drivetrain.trainer.rl.step_metrics import clip_ratio, fmt
 from drivetrain.trainer.rl.updates import build_updates, on_policy
-from drivetrain.trainer.run_dir import adopt_checkpoint, check_steps_left, start_point
-from drivetrain.trainer.run_lock import owning
-from drivetrain.trainer.stopping import Position, run_signals, stop_here
+from drivetrain.trainer.run_loop import Job, LoopSpec, Outcome
 from drivetrain.trainer.sync_manager import SyncReport
 from drivetrain.trainer.workers.engine_worker import StepStats
 from drivetrain.trainer.workers.role_worker import ACTOR, CRITIC, RoleWorker
@@ -59,6 +54,11 @@ class RLSetup:
     episodes: EpisodeSetup | None = None  # env=<name>: multi-turn episodes
 
 
+REWARD_CURVE = Curve("reward_curve.png",
+                     (("reward/mean", "train reward"), ("val/reward", "validation reward")),
+                     "reward")  # fmt: skip
+
+
 @dataclass
 class RLResult:
     output_dir: Path
@@ -77,7 +77,7 @@ class RLResult:
     weight_digests: dict[int, str] = field(default_factory=dict)  # with weight_sync.verify
 
 
-class RLTrainer:
+class RLTrainer(Job[RLResult]):
     def __init__(self, setup: RLSetup, placement: Placement, console: Console | None = None):
         self.setup, self.placement = setup, placement
         self.config = c = setup.config
@@ -98,10 +98,13 @@ class RLTrainer:
         )  # fmt: skip
         self.updates = build_updates(c, on_policy=self.on_policy, critic=setup.critic)
         self.trainable = (ACTOR, CRITIC) if setup.critic else (ACTOR,)
-        self.checkpoints = CheckpointManager(
-            self.out / "checkpoints", keep_last=c.run.keep_last, writer=True
-        )
-        self.position = Position(self.checkpoints)  # where the run is (for a stop)
+        self.spec = LoopSpec(
+            name="rl", total=c.run.steps, steps_knob="run.steps", run=c.run, logging=c.logging,
+            state=setup.state, identity=setup.state, headline="reward/mean", metric_word="reward",
+            tokens_per_s="perf/tokens_per_s", curve=REWARD_CURVE, validate_before=True,
+            validation_label="validation", max_seconds=c.run.max_seconds,
+        )  # fmt: skip
+        self.kept = RLResult(self.out, final_step=0)  # what record() keeps of each step
         threshold = c.run.log_prob_alarm or log_prob_tolerance(c.actor.model.dtype, c.rollout.dtype)
         self.alarm = LogProbAlarm(threshold, self.console.print)
 
@@ -157,6 +160,15 @@ class RLTrainer:
             metrics.update(stage.report(batch))
         return metrics
 
+    def run_step(self, step: int) -> dict[str, float]:
+        """:meth:`step`, then its alarms: the log-prob gap, a non-finite loss."""
+        metrics = self.step(step)
+        done = step + 1
+        self.alarm.check(done, metrics)
+        if not math.isfinite(metrics["actor/loss"]):
+            raise FloatingPointError(f"actor loss is {metrics['actor/loss']} at {done}")
+        return metrics
+
     # ---- validation, checkpoints, the run -----------------------------------------------
     def validate(self) -> dict[str, float]:
         """Greedy decoding on the validation prompts (tasks): the source's metrics of it."""
@@ -165,106 +177,42 @@ class RLTrainer:
         params = SamplingParams(temperature=0.0, max_new_tokens=self.config.sampling.max_new_tokens)
         return self.source.validate(params)
 
-    def save(self, step: int) -> None:
-        with self.checkpoints.writing(step):
-            path = self.checkpoints.engine_staging_path(step)
-            self.group.run_all(RoleWorker.save_checkpoint, path, step, self.trainable)
-            self.checkpoints.publish(step, {**self.setup.state, "step": step, "time": time.time()})
-        self.position.saved = step
+    def describe(self, metrics: Mapping[str, float]) -> str:
+        return fmt(metrics)
 
-    def resume(self, how: str, overwrite: bool) -> int:
-        found = start_point(
-            self.checkpoints, how, overwrite=overwrite, writer=True, console=self.console
-        )
-        if found is None:
-            return 0
-        adopt_checkpoint(found, self.setup.state, self.checkpoints)
-        check_steps_left(found, self.config.run.steps, "run.steps")
-        step = self.group.run_all(RoleWorker.load_checkpoint, found.engine_path, self.trainable)
+    def load(self, engine_path: str) -> int:
+        step = self.group.run_all(RoleWorker.load_checkpoint, engine_path, self.trainable)
         self.weights.sync(step)  # the rollouts generate with the checkpoint's weights
-        self.console.print(f"resumed from {found.path} at step {step}")
         return step
 
-    def _record(self, result: RLResult, done: int, metrics: Mapping[str, float]) -> None:
+    def save(self, engine_path: str, step: int) -> None:
+        self.group.run_all(RoleWorker.save_checkpoint, engine_path, step, self.trainable)
+
+    def export(self, hf_dir: str) -> None:
+        self.group.run_all(RoleWorker.export_hf, hf_dir)
+
+    def record(self, done: int, metrics: Mapping[str, float]) -> None:
         """What the end-of-run summary keeps of step ``done``."""
-        result.rewards[done], result.final_step = metrics["reward/mean"], done
+        kept = self.kept
+        kept.rewards[done] = metrics["reward/mean"]
         if "reward/task" in metrics:
-            result.task_rewards[done] = metrics["reward/task"]
+            kept.task_rewards[done] = metrics["reward/task"]
         digest = self.weights.reports[-1].sent.digest if self.weights.reports else None
         if digest is not None:
-            result.weight_digests[done] = digest
+            kept.weight_digests[done] = digest
 
-    def fit(self, *, resume: str = "auto", overwrite: bool = False) -> RLResult:
-        with owning(self.out, writer=True):  # before anything in out is read or cleaned
-            return self._fit(resume, overwrite)
+    def begin(self, start: int) -> None:
+        self.source.start(start)
 
-    def _fit(self, resume: str, overwrite: bool) -> RLResult:
-        c = self.config
-        began = time.perf_counter()
-        self.checkpoints.clean_staging()
-        start = self.resume(resume, overwrite)
-        self.position = Position(self.checkpoints, start, start or None)
-        result = RLResult(self.out, final_step=start)
-        result.val_before = self.validate()
-        if result.val_before:
-            self.console.print(f"validation before: {fmt(result.val_before)}")
-        logger = MetricsLogger(self.out, c.logging, run_config=self.setup.state, resume_step=start)
-        try:
-            # what the run built so far stays out of the collector's full passes in the loop
-            with settled_heap():
-                loop_began = time.perf_counter()
-                self.source.start(start)
-                self._train(start, result, logger, loop_began)
-                result.loop_seconds = time.perf_counter() - loop_began
-            self.source.stop()
-            final = self.position.done  # run.steps, or earlier when run.max_seconds ran out
-            self.save(final)
-            result.val_after = self.validate()
-            if result.val_after:
-                logger.log(final, result.val_after)
-                self.console.print(f"validation after: {fmt(result.val_after)}")
-            if c.run.export_hf:
-                result.hf_dir = self.out / "hf"
-                self.group.run_all(RoleWorker.export_hf, str(result.hf_dir))
-        finally:
-            with contextlib.suppress(Exception):  # a failed run's own error is the one to see
-                self.source.close()
-            logger.close()
-        series = [("reward/mean", "train reward"), ("val/reward", "validation reward")]
-        plot_curve(self.out / METRICS_FILE, self.out / "reward_curve.png", series, ylabel="reward")
-        result.seconds = time.perf_counter() - began
-        return result
+    def end(self) -> None:
+        self.source.stop()
 
-    def _train(self, start: int, result: RLResult, logger: MetricsLogger, began: float) -> None:
-        """Steps ``start`` to ``run.steps`` (fewer when ``run.max_seconds`` runs out since
-        ``began``), with mid-run validation and checkpoints."""
-        c = self.config
-        with TrainingProgress(
-            c.run.steps, start, enabled=c.logging.progress, console=self.console,
-            description="rl", metric="reward",
-        ) as progress, run_signals(c.run, self.position, agree=False) as stop:  # fmt: skip
-            for step in range(start, c.run.steps):
-                if stop.requested():
-                    raise stop_here(stop, self.position, self.save)
-                metrics = self.step(step)
-                done = self.position.done = step + 1
-                self.alarm.check(done, metrics)
-                if not math.isfinite(metrics["actor/loss"]):
-                    raise FloatingPointError(f"actor loss is {metrics['actor/loss']} at {done}")
-                if c.run.eval_every and done % c.run.eval_every == 0 and done < c.run.steps:
-                    metrics.update(self.validate())
-                logger.log(done, metrics)
-                self._record(result, done, metrics)
-                progress.update(
-                    loss=metrics["reward/mean"],
-                    tokens_per_s=metrics["perf/tokens_per_s"],
-                    task=metrics.get("reward/task"),
-                )
-                if c.run.max_seconds and time.perf_counter() - began >= c.run.max_seconds:
-                    if done < c.run.steps:
-                        self.console.print(
-                            f"run.max_seconds={c.run.max_seconds:g} spent: {done} steps"
-                        )
-                    break
-                if c.run.save_every and done % c.run.save_every == 0 and done < c.run.steps:
-                    self.save(done)
+    def close(self) -> None:
+        self.source.close()
+
+    def result(self, outcome: Outcome) -> RLResult:
+        return dataclasses.replace(
+            self.kept, final_step=outcome.final_step, val_before=outcome.val_before,
+            val_after=outcome.val_after, hf_dir=outcome.hf_dir, seconds=outcome.seconds,
+            loop_seconds=outcome.loop_seconds,
+        )  # fmt: skip

@@ -22,6 +22,7 @@ from drivetrain.api import EngineConfig, registry
 from drivetrain.api.errors import ConfigError
 from drivetrain.trainer.capabilities import fit_single_engine
 from drivetrain.trainer.config_loader import load_config, to_yaml
+from drivetrain.trainer.console import plain_console
 from drivetrain.trainer.data.batching import StepPlan
 from drivetrain.trainer.data.tokenize import pad_token_id
 from drivetrain.trainer.errors import DataError
@@ -33,12 +34,13 @@ from drivetrain.trainer.preflight import (
     load_tokenizer,
     model_context,
 )
+from drivetrain.trainer.run_loop import on_workers, run_job
 from drivetrain.trainer.sft.config import SFTConfig, sft_config_type
 from drivetrain.trainer.sft.dataset import SFTData, load_sft_data
 from drivetrain.trainer.sft.trainer import SFTResult, SFTTrainer, total_steps
-from drivetrain.trainer.supervised_run import run_supervised
 from drivetrain.trainer.workers.engine_worker import EngineWorker
 from drivetrain.trainer.workers.group import WorkerGroup
+from drivetrain.trainer.workers.launch import writes_files
 
 #: makes a built-in task's layers (``train``: train what it needs first; off for
 #: --print-config and --dry-run)
@@ -150,14 +152,15 @@ def run_sft(
     """Train; returns the result on the writing process (rank 0 / the controller)."""
     job, config = prepared.job, prepared.job.config
 
-    def trainer(group: WorkerGroup, console: Console) -> SFTTrainer:
+    def trainer(group: WorkerGroup) -> SFTTrainer:
         return SFTTrainer(
             config, engine_name=job.engine_name, group=group, data=prepared.data,
-            pad_token_id=prepared.pad_token_id, console=console,
+            pad_token_id=prepared.pad_token_id,
         )  # fmt: skip
 
     factory = functools.partial(EngineWorker, job.engine_name, engine_config_for_run(prepared))
-    return run_supervised(
-        config.run, config.workers, factory=factory, trainer=trainer, config_yaml=job.to_yaml(),
-        resume=resume, overwrite=overwrite, console=console,
+    return run_job(
+        on_workers(factory, config.workers, trainer), config.run,
+        writer=writes_files(config.workers), config_yaml=job.to_yaml(), resume=resume,
+        overwrite=overwrite, console=console or plain_console(),
     )  # fmt: skip

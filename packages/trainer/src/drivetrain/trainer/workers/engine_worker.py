@@ -8,6 +8,7 @@ same value on every rank, so a controller can read any one of them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,24 @@ class StepStats:
     lr: float
     num_tokens: int
     metrics: Mapping[str, float] = field(default_factory=dict)
+
+    def train_metrics(
+        self, step: int, *, tokens_per_s: float, epoch: float, loss_tokens: bool = False
+    ) -> dict[str, float]:
+        """A supervised (SFT, DPO) step's ``train/...`` metrics, the loss's own last (and
+        ``train/loss_tokens`` before them when asked); a non-finite loss is an error here."""
+        if not math.isfinite(self.loss):
+            raise FloatingPointError(f"loss is {self.loss} at step {step + 1}")
+        counted = {"train/loss_tokens": self.num_tokens} if loss_tokens else {}
+        return {
+            "train/loss": self.loss,
+            "train/grad_norm": self.grad_norm,
+            "train/lr": self.lr,
+            **counted,
+            "train/tokens_per_s": tokens_per_s,
+            "train/epoch": epoch,
+            **{f"train/{k}": v for k, v in self.metrics.items()},
+        }
 
 
 class EngineWorker:
