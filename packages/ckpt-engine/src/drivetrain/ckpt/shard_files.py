@@ -24,10 +24,19 @@ from drivetrain.ckpt.buckets import ALIGN, dtype_from_name, dtype_name
 
 #: torch dtype name -> safetensors dtype code
 CODES = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8",
-    "bool": "BOOL", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
-}  # fmt: skip
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+}
 NAMES = {code: name for name, code in CODES.items()}
 
 
@@ -51,8 +60,11 @@ def write_shard(
         if code is None:
             raise WeightSyncError(f"{name}: dtype {tensor.dtype} has no safetensors code")
         nbytes = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": code, "shape": list(tensor.shape),
-                        "data_offsets": [position, position + nbytes]}  # fmt: skip
+        header[name] = {
+            "dtype": code,
+            "shape": list(tensor.shape),
+            "data_offsets": [position, position + nbytes],
+        }
         position += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % ALIGN)  # data starts aligned

@@ -154,17 +154,39 @@ class CudaIpcBuffers:
         out = []
         for buffer in self.buffers:
             _rebuild, args = reduce_tensor(buffer)
-            (_cls, size, stride, offset, _storage_cls, dtype, _device, handle, size_bytes,
-             offset_bytes, _grad, ref_handle, ref_offset, event, event_sync) = args  # fmt: skip
-            out.append({
-                "size": list(size), "stride": list(stride), "offset": int(offset),
-                "dtype": str(dtype).removeprefix("torch."), "handle": bytes(handle),
-                "size_bytes": int(size_bytes), "offset_bytes": int(offset_bytes),
-                "ref_counter_handle": bytes(ref_handle), "ref_counter_offset": int(ref_offset),
-                "event_handle": None if event is None else bytes(event),
-                "event_sync_required": bool(event_sync),
-                "written_event": bytes(self.written[len(out)].ipc_handle()),
-            })  # fmt: skip
+            (
+                _cls,
+                size,
+                stride,
+                offset,
+                _storage_cls,
+                dtype,
+                _device,
+                handle,
+                size_bytes,
+                offset_bytes,
+                _grad,
+                ref_handle,
+                ref_offset,
+                event,
+                event_sync,
+            ) = args
+            out.append(
+                {
+                    "size": list(size),
+                    "stride": list(stride),
+                    "offset": int(offset),
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "handle": bytes(handle),
+                    "size_bytes": int(size_bytes),
+                    "offset_bytes": int(offset_bytes),
+                    "ref_counter_handle": bytes(ref_handle),
+                    "ref_counter_offset": int(ref_offset),
+                    "event_handle": None if event is None else bytes(event),
+                    "event_sync_required": bool(event_sync),
+                    "written_event": bytes(self.written[len(out)].ipc_handle()),
+                }
+            )
         return out
 
     def peer_handles(self) -> list[bytes]:
@@ -208,14 +230,25 @@ class CudaIpcBuffers:
         for h in handles:
             if h["dtype"] != "uint8":
                 raise WeightSyncError(f"a bucket buffer of dtype {h['dtype']!r}, not uint8")
-            buffers.append(rebuild_cuda_tensor(
-                torch.Tensor, torch.Size(h["size"]), tuple(h["stride"]), h["offset"],
-                torch.storage.TypedStorage, torch.uint8,
-                local[0],  # storage device: the sender's index may differ from ours
-                h["handle"], h["size_bytes"], h["offset_bytes"], False,
-                h["ref_counter_handle"], h["ref_counter_offset"], h["event_handle"],
-                h["event_sync_required"],
-            ))  # fmt: skip
+            buffers.append(
+                rebuild_cuda_tensor(
+                    torch.Tensor,
+                    torch.Size(h["size"]),
+                    tuple(h["stride"]),
+                    h["offset"],
+                    torch.storage.TypedStorage,
+                    torch.uint8,
+                    local[0],  # storage device: the sender's index may differ from ours
+                    h["handle"],
+                    h["size_bytes"],
+                    h["offset_bytes"],
+                    False,
+                    h["ref_counter_handle"],
+                    h["ref_counter_offset"],
+                    h["event_handle"],
+                    h["event_sync_required"],
+                )
+            )
             written.append(h["written_event"])
         device = torch.device("cuda", local[0])
         return cls(buffers, _opened_events(device, written), _shared_events(device))

@@ -55,8 +55,9 @@ def length_groups(lengths: list[int]) -> list[list[int]]:
     order = sorted((i for i, n in enumerate(lengths) if n > 0), key=lambda i: lengths[i])
     groups: list[list[int]] = []
     for i in order:
-        if groups and lengths[i] <= max(lengths[groups[-1][0]] * GROUP_RATIO,
-                                         lengths[groups[-1][0]] + SLACK):  # fmt: skip
+        if groups and lengths[i] <= max(
+            lengths[groups[-1][0]] * GROUP_RATIO, lengths[groups[-1][0]] + SLACK
+        ):
             groups[-1].append(i)
         else:
             groups.append([i])
@@ -92,8 +93,10 @@ def attend_spans(
         members = [spans[i] for i in group]
         if _back_to_back(members):  # a plain view: no gather, no mask, nothing to reorder
             a, n, g = members[0].start, members[0].length, len(members)
-            q, k, v = (t[0, :, a : a + g * n].unflatten(1, (g, n)).transpose(0, 1)
-                       for t in (query, key, value))  # fmt: skip
+            q, k, v = (
+                t[0, :, a : a + g * n].unflatten(1, (g, n)).transpose(0, 1)
+                for t in (query, key, value)
+            )
             out = F.scaled_dot_product_attention(
                 q, k, v, dropout_p=dropout, is_causal=True, scale=scale
             )  # [g, h, n, d]
@@ -124,8 +127,10 @@ def attend_spans(
     out = torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
     if _in_order(positions):  # equal documents packed back to back: the usual SFT row
         return out.unsqueeze(0)
-    index = [torch.arange(p.start, p.stop, device=device) if isinstance(p, range) else p
-             for p in positions]  # fmt: skip
+    index = [
+        torch.arange(p.start, p.stop, device=device) if isinstance(p, range) else p
+        for p in positions
+    ]
     return out[:, torch.argsort(torch.cat(index))].unsqueeze(0)
 
 

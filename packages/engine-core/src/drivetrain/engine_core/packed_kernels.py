@@ -57,9 +57,16 @@ class VarlenKernel(Protocol):
 
 
 def _flash_attn(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-    max_q: int, max_k: int, scale: float | None, dropout: float,
-) -> torch.Tensor:  # fmt: skip
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    scale: float | None,
+    dropout: float,
+) -> torch.Tensor:
     from flash_attn import flash_attn_varlen_func
 
     return flash_attn_varlen_func(
@@ -68,9 +75,16 @@ def _flash_attn(
 
 
 def _torch_varlen(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-    max_q: int, max_k: int, scale: float | None, dropout: float,
-) -> torch.Tensor:  # fmt: skip
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    scale: float | None,
+    dropout: float,
+) -> torch.Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
     if dropout:
@@ -127,9 +141,10 @@ def choose_kernel(requested: str, device_type: str, installed: Sequence[str]) ->
         return installed[0]
     if requested not in installed:
         why = (
-            "needs a CUDA device" if device_type != "cuda"
+            "needs a CUDA device"
+            if device_type != "cuda"
             else "is not installed or does not take this model dtype (float16/bfloat16 only)"
-        )  # fmt: skip
+        )
         raise ValueError(
             f"packed_kernel={requested!r} {why} (this engine runs on {device_type}; "
             f"available: {', '.join(installed)})"
@@ -177,12 +192,18 @@ def varlen_layout(spans: Sequence[Span], device: torch.device) -> VarlenLayout:
     spans = [s for s in spans if s.length > 0]
     index = None
     if any(s.prefix_len for s in spans):  # each span's keys: [its prefix, its own positions]
-        ranges = ((range(s.prefix_start, s.prefix_start + s.prefix_len),
-                   range(s.start, s.start + s.length)) for s in spans)  # fmt: skip
+        ranges = (
+            (
+                range(s.prefix_start, s.prefix_start + s.prefix_len),
+                range(s.start, s.start + s.length),
+            )
+            for s in spans
+        )
         index = torch.tensor(
             list(itertools.chain.from_iterable(itertools.chain(*r) for r in ranges)),
-            dtype=torch.long, device=device,
-        )  # fmt: skip
+            dtype=torch.long,
+            device=device,
+        )
     queries = [s.length for s in spans]
     keys = [s.keys for s in spans]
 
@@ -207,7 +228,14 @@ def attend_varlen(
     if layout.key_index is not None:
         k, v = k[layout.key_index], v[layout.key_index]
     out = kernel(
-        q.contiguous(), k.contiguous(), v.contiguous(), layout.cu_q, layout.cu_k,
-        layout.max_q, layout.max_k, scale, dropout,
-    )  # fmt: skip
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        layout.cu_q,
+        layout.cu_k,
+        layout.max_q,
+        layout.max_k,
+        scale,
+        dropout,
+    )
     return out.transpose(0, 1).unsqueeze(0)

@@ -60,10 +60,17 @@ def launch_ranks(
     procs: list[tuple[subprocess.Popen[bytes] | zygote_client.ForkedProcess, Any]] = []
     for rank in range(nproc):
         env = dict(
-            os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-            LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-            OMP_NUM_THREADS="1", PYTHONPATH=path, PYTHONFAULTHANDLER="1",
-        )  # fmt: skip
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(nproc),
+            LOCAL_WORLD_SIZE=str(nproc),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=path,
+            PYTHONFAULTHANDLER="1",
+        )
         log_path = out_dir / f"rank{rank}.log"
         if fork:
             log_path.write_text("")

@@ -27,9 +27,18 @@ from pathlib import Path
 ZYGOTE_VAR = "DRIVETRAIN_ZYGOTE"
 #: environment variables modules may read at import time: part of a zygote's identity
 IMPORT_TIME_ENV = (
-    "CUDA", "HF_", "HUGGINGFACE", "KMP_", "MKL_", "OMP_", "PYTHON", "PYTORCH", "TORCH",
-    "TRANSFORMERS", "TOKENIZERS",
-)  # fmt: skip
+    "CUDA",
+    "HF_",
+    "HUGGINGFACE",
+    "KMP_",
+    "MKL_",
+    "OMP_",
+    "PYTHON",
+    "PYTORCH",
+    "TORCH",
+    "TRANSFORMERS",
+    "TOKENIZERS",
+)
 
 
 def enabled() -> bool:
@@ -153,9 +162,12 @@ def forked(
     ``preload``, its output appended to the files ``stdout`` and ``stderr``."""
     env = dict(os.environ if env is None else env)
     request = {
-        "argv": list(argv), "env": env, "cwd": str(cwd or os.getcwd()),
-        "stdout": str(stdout), "stderr": str(stderr),
-    }  # fmt: skip
+        "argv": list(argv),
+        "env": env,
+        "cwd": str(cwd or os.getcwd()),
+        "stdout": str(stdout),
+        "stderr": str(stderr),
+    }
     return _zygote(preload, env).spawn(request, deadline)
 
 

@@ -152,8 +152,9 @@ class DirectTransport(WeightTransport):
                     link.inbox.put_nowait((link.sent, "abort", reason))
         for link in self._links.values():
             with link.lock:
-                link.lock.wait_for(lambda link=link: not link.reading,
-                                   max(0.0, deadline - time.monotonic()))  # fmt: skip
+                link.lock.wait_for(
+                    lambda link=link: not link.reading, max(0.0, deadline - time.monotonic())
+                )
                 link.drain()
 
     def receive(self, into: Destination | None = None) -> Iterator[NamedTensor]:

@@ -112,8 +112,9 @@ def verify_manifest(directory: str | os.PathLike[str], *, allow_extra: bool = Fa
             raise ManifestError(f"{root / rel} is missing (listed in {MANIFEST_FILE})")
     extra = sorted(present - set(expected))
     if extra and not allow_extra:
-        raise ManifestError(f"{root / extra[0]} was not written with this directory (not in "
-                            f"{MANIFEST_FILE})")  # fmt: skip
+        raise ManifestError(
+            f"{root / extra[0]} was not written with this directory (not in {MANIFEST_FILE})"
+        )
     for rel in sorted(expected):  # sizes first: a truncated file is found without hashing
         size = (root / rel).stat().st_size
         if size != expected[rel].get("size"):

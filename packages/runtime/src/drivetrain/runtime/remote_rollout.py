@@ -28,11 +28,23 @@ from drivetrain.runtime.weight_receiver import Receiving, WeightReceiver
 #: what a proxy may ask of the far side
 ROLLOUT_CALLS = frozenset(
     {
-        "generate", "submit", "poll", "abort", "pause_generation", "resume_generation",
-        "weight_version", "weights_fingerprint", "sleep", "wake_up", "shutdown",
-        "weights_connect", "weights_receive", "weights_disconnect", "background_generation",
+        "generate",
+        "submit",
+        "poll",
+        "abort",
+        "pause_generation",
+        "resume_generation",
+        "weight_version",
+        "weights_fingerprint",
+        "sleep",
+        "wake_up",
+        "shutdown",
+        "weights_connect",
+        "weights_receive",
+        "weights_disconnect",
+        "background_generation",
     }
-)  # fmt: skip
+)
 
 
 class Channel(Protocol):

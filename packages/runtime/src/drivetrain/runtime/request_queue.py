@@ -275,8 +275,9 @@ class RequestQueue:
             self._finish(request_id, FinishReason.ABORT)
         for event in events:
             if event.request_id not in self._running:
-                raise RuntimeError(f"the backend reported tokens of {event.request_id!r}, "
-                                   "which is not running")  # fmt: skip
+                raise RuntimeError(
+                    f"the backend reported tokens of {event.request_id!r}, which is not running"
+                )
             pending = self._pending.setdefault(event.request_id, _Pending())
             pending.add(version, event.token_ids, event.log_probs)
             if event.finish_reason is not None:
@@ -295,9 +296,14 @@ class RequestQueue:
             for i, (version, tokens, log_probs) in enumerate(segments):
                 last = i == len(segments) - 1
                 chunks.append(
-                    Chunk(request_id, tuple(tokens), tuple(log_probs), version,
-                          pending.finish_reason if last else None)
-                )  # fmt: skip
+                    Chunk(
+                        request_id,
+                        tuple(tokens),
+                        tuple(log_probs),
+                        version,
+                        pending.finish_reason if last else None,
+                    )
+                )
         self._pending.clear()
         return chunks
 

@@ -31,20 +31,38 @@ RENAMED = {
     "episode.workers": "episode.env_threads",
     # the algorithm's components, each with its config next to it (rl/dapo.py, rl/off_policy.py,
     # rl/group_stream.py, rl/policy_losses.py, rl/kl.py)
-    **{f"algorithm.{k}": f"algorithm.dapo.{k}" for k in (
-        "dynamic_sampling", "max_sampling_rounds", "overlong_buffer", "overlong_penalty",
-        "overlong_filter",
-    )},
-    **{f"algorithm.{k}": f"algorithm.ahead.{k}" for k in (
-        "max_staleness", "stale_samples", "sync_every", "partial_rollouts", "scripted_rounds",
-    )},
+    **{
+        f"algorithm.{k}": f"algorithm.dapo.{k}"
+        for k in (
+            "dynamic_sampling",
+            "max_sampling_rounds",
+            "overlong_buffer",
+            "overlong_penalty",
+            "overlong_filter",
+        )
+    },
+    **{
+        f"algorithm.{k}": f"algorithm.ahead.{k}"
+        for k in (
+            "max_staleness",
+            "stale_samples",
+            "sync_every",
+            "partial_rollouts",
+            "scripted_rounds",
+        )
+    },
     "algorithm.correction": "algorithm.correction.method",
-    **{f"algorithm.{k}": f"algorithm.clip.{v}" for k, v in (
-        ("clip_low", "low"), ("clip_high", "high"), ("dual_clip", "dual"),
-    )},
+    **{
+        f"algorithm.{k}": f"algorithm.clip.{v}"
+        for k, v in (
+            ("clip_low", "low"),
+            ("clip_high", "high"),
+            ("dual_clip", "dual"),
+        )
+    },
     **{f"algorithm.kl_{k}": f"algorithm.kl.{k}" for k in ("coef", "in_reward", "estimator")},
     **{f"algorithm.correction_{k}": f"algorithm.correction.{k}" for k in ("cap", "low", "high")},
-}  # fmt: skip
+}
 
 
 def _leaf_keys(node: Any, prefix: str = "") -> list[str]:
@@ -52,9 +70,10 @@ def _leaf_keys(node: Any, prefix: str = "") -> list[str]:
     if not isinstance(node, DictConfig):
         return [prefix]
     return [
-        key for name, child in node.items_ex(resolve=False)
+        key
+        for name, child in node.items_ex(resolve=False)
         for key in _leaf_keys(child, f"{prefix}.{name}" if prefix else str(name))
-    ]  # fmt: skip
+    ]
 
 
 def _refuse_renamed(keys: Sequence[str], where: str) -> None:

@@ -95,10 +95,11 @@ def compare_log_probs(
             if gap > tolerance:
                 token = completion.token_ids[position]
                 return Stage(
-                    "log_probs", False,
+                    "log_probs",
+                    False,
                     f"prompt {index}, generated token {position} (id {token}): rollout "
                     f"{sampled:.5f}, trainer {recomputed:.5f} (tolerance {tolerance:g})",
-                )  # fmt: skip
+                )
             worst = max(worst, gap)
     tokens = sum(len(c.token_ids) for c in completions)
     return Stage("log_probs", True, f"{tokens} sampled tokens, largest gap {worst:.2e}")

@@ -104,14 +104,18 @@ class Curve:
     def plot(self, run_dir: Path) -> Path:
         """Drawn from ``run_dir``'s metrics file, written into ``run_dir``."""
         return plot_curve(
-            run_dir / METRICS_FILE, run_dir / self.file, list(self.series),
-            ylabel=self.ylabel, log_scale=self.log_scale,
-        )  # fmt: skip
+            run_dir / METRICS_FILE,
+            run_dir / self.file,
+            list(self.series),
+            ylabel=self.ylabel,
+            log_scale=self.log_scale,
+        )
 
 
 #: SFT's and DPO's: train (and validation) loss
-LOSS_CURVE = Curve("loss_curve.png", (("train/loss", "train"), ("val/loss", "validation")),
-                   "loss", log_scale=True)  # fmt: skip
+LOSS_CURVE = Curve(
+    "loss_curve.png", (("train/loss", "train"), ("val/loss", "validation")), "loss", log_scale=True
+)
 
 
 def plot_curve(

@@ -143,6 +143,11 @@ def start_point(
     """Before a run writes anything: the verified checkpoint it continues from (or None), with
     its output directory (``checkpoints.root``'s parent) claimed for it."""
     found = resume_point(checkpoints, how, overwrite=overwrite, console=console)
-    claim_run_dir(checkpoints.root.parent, resuming=found is not None, overwrite=overwrite,
-                  writer=writer, console=console)  # fmt: skip
+    claim_run_dir(
+        checkpoints.root.parent,
+        resuming=found is not None,
+        overwrite=overwrite,
+        writer=writer,
+        console=console,
+    )
     return found

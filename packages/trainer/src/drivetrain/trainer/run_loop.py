@@ -264,10 +264,17 @@ def _steps(
     """Steps ``start`` to ``spec.total`` (fewer when ``spec.max_seconds`` runs out since
     ``began``), with mid-run validation and checkpoints."""
     spec, position = job.spec, checkpointer.position
-    with TrainingProgress(
-        spec.total, start, enabled=spec.logging.progress and spec.writer, console=console,
-        description=spec.name, metric=spec.metric_word,
-    ) as progress, run_signals(spec.run, position, agree=spec.agree) as stop:  # fmt: skip
+    with (
+        TrainingProgress(
+            spec.total,
+            start,
+            enabled=spec.logging.progress and spec.writer,
+            console=console,
+            description=spec.name,
+            metric=spec.metric_word,
+        ) as progress,
+        run_signals(spec.run, position, agree=spec.agree) as stop,
+    ):
         for step in range(start, spec.total):
             if stop.requested():
                 raise stop_here(stop, position, checkpointer.save)

@@ -73,11 +73,14 @@ def _assert_messages(messages: object, what: str) -> None:
         raise AssertionError(f"{what}: {type(messages).__name__}, wanted a list of messages")
     for m in messages:
         if not isinstance(m, Mapping) or m.get("role") not in ROLES:
-            raise AssertionError(f"{what}: {m!r:.200} is not a chat message (role one of "
-                                 f"{sorted(ROLES)})")  # fmt: skip
+            raise AssertionError(
+                f"{what}: {m!r:.200} is not a chat message (role one of {sorted(ROLES)})"
+            )
         if not isinstance(m.get("content"), str):
-            raise AssertionError(f"{what}: a {m['role']} message's content is "
-                                 f"{type(m.get('content')).__name__}, not text")  # fmt: skip
+            raise AssertionError(
+                f"{what}: a {m['role']} message's content is "
+                f"{type(m.get('content')).__name__}, not text"
+            )
     _json(list(messages), what)
 
 
@@ -89,8 +92,10 @@ def _assert_result(result: object, what: str) -> StepResult:
     _assert_messages(result.observations, f"{what}: observations")
     for key, value in result.info.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise AssertionError(f"{what}: info[{key!r}] is {value!r}, not a number (info "
-                                 "values are summed over turns and averaged)")  # fmt: skip
+            raise AssertionError(
+                f"{what}: info[{key!r}] is {value!r}, not a number (info "
+                "values are summed over turns and averaged)"
+            )
         if not math.isfinite(value):
             raise AssertionError(f"{what}: info[{key!r}] is {value}")
     return result
@@ -127,8 +132,9 @@ def check_options(h: EnvironmentHarness) -> None:
         except ValueError as exc:
             line = str(exc)
             if "\n" in line.strip() or not any(key in line for key in options):
-                raise AssertionError(f"options {options}: the error {line!r} is not one line "
-                                     "naming the option") from exc  # fmt: skip
+                raise AssertionError(
+                    f"options {options}: the error {line!r} is not one line naming the option"
+                ) from exc
         else:
             raise AssertionError(f"options {options} were accepted")
 
@@ -146,8 +152,9 @@ def check_tools_and_tasks(h: EnvironmentHarness) -> None:
         if schema.get("type") != "function" or not isinstance(function, Mapping):
             raise AssertionError(f"tool schema {schema!r:.200} is not OpenAI's function format")
         if not function.get("name") or function.get("parameters", {}).get("type") != "object":
-            raise AssertionError(f"tool {function.get('name')!r}: needs a name and object "
-                                 "parameters")  # fmt: skip
+            raise AssertionError(
+                f"tool {function.get('name')!r}: needs a name and object parameters"
+            )
         names.append(function["name"])
     if len(set(names)) != len(names):
         raise AssertionError(f"tool names repeat: {names}")
@@ -248,13 +255,16 @@ def check_episodes_independent(h: EnvironmentHarness) -> None:
                 interleaved[i].append(e.step(solutions[i][step]))
     if interleaved != reference:
         i = next(i for i, (a, b) in enumerate(zip(interleaved, reference, strict=True)) if a != b)
-        raise AssertionError(f"task {i} gave other results when its turns alternated with "
-                             "other episodes': episodes share state")  # fmt: skip
+        raise AssertionError(
+            f"task {i} gave other results when its turns alternated with "
+            "other episodes': episodes share state"
+        )
     with ThreadPoolExecutor(4) as pool:
         threaded = list(pool.map(alone, [i for i in range(len(tasks)) for _ in range(4)]))
     if threaded != [r for r in reference for _ in range(4)]:
-        raise AssertionError("episodes stepped in threads gave other results: shared state "
-                             "needs a lock, or none")  # fmt: skip
+        raise AssertionError(
+            "episodes stepped in threads gave other results: shared state needs a lock, or none"
+        )
 
 
 def check_truncation(h: EnvironmentHarness) -> None:

@@ -72,8 +72,12 @@ def check_gradient_clipping(h: EngineHarness) -> None:
     tight, tight_norm = _update_ratio(h, norm / 4, unclipped)
     loose, loose_norm = _update_ratio(h, norm * 4, unclipped)
     for got, clip in ((tight_norm, norm / 4), (loose_norm, norm * 4)):
-        assert_close(h, got, norm, f"optimizer_step must return the norm before clipping "
-                                   f"(clip_grad={clip:.3g})")  # fmt: skip
+        assert_close(
+            h,
+            got,
+            norm,
+            f"optimizer_step must return the norm before clipping (clip_grad={clip:.3g})",
+        )
     assert math.isclose(tight, 0.25, rel_tol=0.05), (
         f"gradient clipping not applied: with clip_grad = norm/4 the update is {tight:.3g} x "
         "the unclipped one, expected 0.25"
@@ -165,11 +169,16 @@ def check_nonfinite_step_skipped(h: EngineHarness) -> None:
         "total norm"
     )
     assert_weights_close(
-        h, after_bad, kept, "a step with a non-finite gradient norm changed the weights (it must "
-        "be skipped)"
-    )  # fmt: skip
+        h,
+        after_bad,
+        kept,
+        "a step with a non-finite gradient norm changed the weights (it must be skipped)",
+    )
     assert_weights_close(
-        h, got.weights, want.weights, "the step after a skipped one differs from an engine "
+        h,
+        got.weights,
+        want.weights,
+        "the step after a skipped one differs from an engine "
         "that never took it (the skipped step updated optimizer moments or step count, or "
-        "optimizer_zero_grad left its gradients)"
-    )  # fmt: skip
+        "optimizer_zero_grad left its gradients)",
+    )

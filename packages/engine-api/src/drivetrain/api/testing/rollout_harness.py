@@ -90,8 +90,12 @@ def deadline(h: RolloutHarness) -> Callable[[str], None]:
     return check
 
 
-def drain(rollout: Rollout, collector: Collector, h: RolloutHarness,
-          on_chunks: Callable[[list[Chunk]], None] | None = None) -> None:  # fmt: skip
+def drain(
+    rollout: Rollout,
+    collector: Collector,
+    h: RolloutHarness,
+    on_chunks: Callable[[list[Chunk]], None] | None = None,
+) -> None:
     """Poll until every tracked request has ended (or the deadline)."""
     overdue = deadline(h)
     while not collector.done:

@@ -83,10 +83,14 @@ def check_sampled_log_probs(h: RolloutHarness) -> None:
     def check(rollout: Rollout) -> None:
         params = SamplingParams(temperature=0.8, max_new_tokens=16, ignore_eos=True)
         seeded = [
-            Request(r.request_id, r.prompt_ids, SamplingParams(
-                temperature=0.8, max_new_tokens=16, ignore_eos=True, seed=100 + i), i)
+            Request(
+                r.request_id,
+                r.prompt_ids,
+                SamplingParams(temperature=0.8, max_new_tokens=16, ignore_eos=True, seed=100 + i),
+                i,
+            )
             for i, r in enumerate(requests_for(h, params, "s-"))
-        ]  # fmt: skip
+        ]
         first = run(h, rollout, seeded)
         for c in first:
             assert_log_probs(h, c, 0.8, False, f"sampled prompt {c.prompt_index}")
@@ -126,8 +130,9 @@ def check_abort(h: RolloutHarness) -> None:
         drain(rollout, collector, h, consume)
         for r, ours, theirs in zip(requests, collector.completions(), undisturbed, strict=True):
             if r.request_id in abort_at:
-                _check_aborted(h, r.request_id, ours, theirs, abort_at[r.request_id],
-                               streamed[r.request_id])  # fmt: skip
+                _check_aborted(
+                    h, r.request_id, ours, theirs, abort_at[r.request_id], streamed[r.request_id]
+                )
             elif ours.token_ids != theirs.token_ids:
                 raise AssertionError(f"{r.request_id} was not aborted but its tokens changed")
         _check_waiting_abort(h, rollout)
@@ -153,8 +158,14 @@ def _check_waiting_abort(h: RolloutHarness, rollout: Rollout) -> None:
         raise AssertionError("an aborted waiting request did not end with 'abort'")
 
 
-def _check_aborted(h: RolloutHarness, request_id: str, ours: Completion, theirs: Completion,
-                   abort_at: int, streamed: int) -> None:  # fmt: skip
+def _check_aborted(
+    h: RolloutHarness,
+    request_id: str,
+    ours: Completion,
+    theirs: Completion,
+    abort_at: int,
+    streamed: int,
+) -> None:
     """One request the abort check aborted after ``abort_at`` streamed tokens."""
     n = len(ours.token_ids)
     if not streamed and ours.finish_reason is not FinishReason.ABORT:
@@ -166,8 +177,10 @@ def _check_aborted(h: RolloutHarness, request_id: str, ours: Completion, theirs:
     if ours.finish_reason is not FinishReason.ABORT:
         raise AssertionError(f"{request_id} was aborted but ended with {ours.finish_reason}")
     if ours.token_ids != theirs.token_ids[:n]:
-        raise AssertionError(f"{request_id}: aborted output {ours.token_ids} is not the "
-                             f"{abort_at}+ token prefix of {theirs.token_ids}")  # fmt: skip
+        raise AssertionError(
+            f"{request_id}: aborted output {ours.token_ids} is not the "
+            f"{abort_at}+ token prefix of {theirs.token_ids}"
+        )
     assert_log_probs(h, ours, 0, False, f"aborted {request_id}")
 
 
@@ -209,10 +222,17 @@ def check_weight_versions(h: RolloutHarness) -> None:
             raise AssertionError(f"resumed request versions {c.token_versions}")
         if len(c.token_ids) != 20:
             raise AssertionError(f"resumed request has {len(c.token_ids)} tokens, wanted 20")
-        head = Completion(c.prompt_index, c.prompt_ids, c.token_ids[:old], c.log_probs[:old],
-                          c.finish_reason, 0)  # fmt: skip
-        tail = Completion(c.prompt_index, c.prompt_ids + c.token_ids[:old], c.token_ids[old:],
-                          c.log_probs[old:], c.finish_reason, 7)  # fmt: skip
+        head = Completion(
+            c.prompt_index, c.prompt_ids, c.token_ids[:old], c.log_probs[:old], c.finish_reason, 0
+        )
+        tail = Completion(
+            c.prompt_index,
+            c.prompt_ids + c.token_ids[:old],
+            c.token_ids[old:],
+            c.log_probs[old:],
+            c.finish_reason,
+            7,
+        )
         assert_log_probs(h, head, 0, False, "the segment before the update")
         assert_log_probs(h, tail, 0, True, "the segment after the update")
 
@@ -238,8 +258,9 @@ def check_updates_between_steps(h: RolloutHarness) -> None:
                 number = 0
                 while not stop_submitting.is_set() or not collector.done:
                     if not stop_submitting.is_set():
-                        request = Request(f"live-{number}", prompts[number % len(prompts)],
-                                          greedy(12), number)  # fmt: skip
+                        request = Request(
+                            f"live-{number}", prompts[number % len(prompts)], greedy(12), number
+                        )
                         collector.track(request)
                         rollout.submit([request])
                         number += 1

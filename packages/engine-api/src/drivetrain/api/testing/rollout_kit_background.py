@@ -75,8 +75,9 @@ def _check_update_mid_request(h: RolloutHarness, rollout: Rollout) -> None:
         )
     # (the tokens after it were sampled over a prefix cached under the old weights: no
     # reference exists for them, which is why partial rollouts abort and resume)
-    head = Completion(c.prompt_index, c.prompt_ids, c.token_ids[:old], c.log_probs[:old],
-                      c.finish_reason, 0)  # fmt: skip
+    head = Completion(
+        c.prompt_index, c.prompt_ids, c.token_ids[:old], c.log_probs[:old], c.finish_reason, 0
+    )
     assert_log_probs(h, head, 0, False, "background: the tokens before the update")
     after = run(h, rollout, [Request("after", h.prompts()[0], greedy(8))])[0]
     if set(after.token_versions) != {7}:

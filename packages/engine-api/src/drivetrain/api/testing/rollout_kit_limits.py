@@ -25,14 +25,17 @@ from drivetrain.runtime.collector import Collector
 LENGTH = 24
 
 
-def _expect_cut(c: Completion, reference: tuple[int, ...], k: int, reason: FinishReason,
-                what: str) -> None:  # fmt: skip
+def _expect_cut(
+    c: Completion, reference: tuple[int, ...], k: int, reason: FinishReason, what: str
+) -> None:
     """``c`` is ``reference`` up to and including its token ``k``, ended with ``reason``."""
     n = len(c.token_ids)
     if c.token_ids == reference[:k]:
-        raise AssertionError(f"{what}: the request ended at the token before it ({k} tokens) "
-                             "and dropped it: the token that ends a request stays in "
-                             "token_ids")  # fmt: skip
+        raise AssertionError(
+            f"{what}: the request ended at the token before it ({k} tokens) "
+            "and dropped it: the token that ends a request stays in "
+            "token_ids"
+        )
     if n > k + 1 and c.token_ids[: k + 1] == reference[: k + 1]:
         raise AssertionError(f"{what}: the request ran past it, to {n} tokens: it is ignored")
     if c.token_ids != reference[: k + 1]:
@@ -84,11 +87,22 @@ def _seeded(h: RolloutHarness, prefix: str, **fields: object) -> list[Request]:
     beside it and whatever ends it, so each is its own undisturbed reference."""
     prompts = h.prompts()
     return [
-        Request(f"{prefix}{i}", prompts[i % len(prompts)], SamplingParams(**{  # type: ignore[arg-type]
-            "temperature": 1.0, "max_new_tokens": LENGTH, "ignore_eos": True, "seed": 1000 + i,
-            **fields}), i)
+        Request(
+            f"{prefix}{i}",
+            prompts[i % len(prompts)],
+            SamplingParams(
+                **{  # type: ignore[arg-type]
+                    "temperature": 1.0,
+                    "max_new_tokens": LENGTH,
+                    "ignore_eos": True,
+                    "seed": 1000 + i,
+                    **fields,
+                }
+            ),
+            i,
+        )
         for i in range(2 * len(prompts))
-    ]  # fmt: skip
+    ]
 
 
 def _check_stops(h: RolloutHarness, rollout: Rollout) -> None:
@@ -103,8 +117,10 @@ def _check_stops(h: RolloutHarness, rollout: Rollout) -> None:
     cuts = [(i, found) for i, ref in enumerate(refs) if (found := _first_new_text(h, ref))]
     if not cuts:
         first = h.decode(refs[0])
-        raise AssertionError(f"no seeded request's text gives a stop string to check (the "
-                             f"first: {first!r}): give prompts with other outputs")  # fmt: skip
+        raise AssertionError(
+            f"no seeded request's text gives a stop string to check (the "
+            f"first: {first!r}): give prompts with other outputs"
+        )
     for i, (k, stop) in cuts[:4]:
         c = run(h, rollout, [_seeded(h, "stop-text-", stop=(stop,))[i]])[0]
         what = f"stop string {stop!r}, completed by token {k} of seeded request {i}"
@@ -140,11 +156,16 @@ def check_sampling_filters(h: RolloutHarness) -> None:
         refs = [c.token_ids for c in run(h, rollout, requests_for(h, greedy(16), "g-"))]
         for name, filters in (("top_k=1", {"top_k": 1}), ("top_p=0.001", {"top_p": 0.001})):
             requests = [
-                Request(f"{name}-{i}", p, SamplingParams(
-                    temperature=1.0, max_new_tokens=16, ignore_eos=True, seed=50 + i, **filters),
-                    i)
+                Request(
+                    f"{name}-{i}",
+                    p,
+                    SamplingParams(
+                        temperature=1.0, max_new_tokens=16, ignore_eos=True, seed=50 + i, **filters
+                    ),
+                    i,
+                )
                 for i, p in enumerate(h.prompts())
-            ]  # fmt: skip
+            ]
             for c, ref in zip(run(h, rollout, requests), refs, strict=True):
                 if c.token_ids != ref:
                     k = next(j for j in range(len(ref)) if c.token_ids[j : j + 1] != ref[j : j + 1])
@@ -183,8 +204,10 @@ def check_refusals(h: RolloutHarness) -> None:
         except ValueError:
             pass
         else:
-            raise AssertionError(f"a {context}-token prompt plus 8 new tokens (max_model_len "
-                                 f"{context}) was accepted at submit")  # fmt: skip
+            raise AssertionError(
+                f"a {context}-token prompt plus 8 new tokens (max_model_len "
+                f"{context}) was accepted at submit"
+            )
         try:
             rollout.generate([Prompt(token_ids=too_long)], greedy(8))
         except ValueError:
@@ -211,16 +234,19 @@ def _check_unknown_weight_name(h: RolloutHarness, rollout: Rollout, before: Comp
     else:
         raise AssertionError("an update naming 'no.such.weight' was accepted")
     if rollout.weight_version != 0:
-        raise AssertionError(f"version {rollout.weight_version} after an update refused for "
-                             "an unknown weight name")  # fmt: skip
+        raise AssertionError(
+            f"version {rollout.weight_version} after an update refused for an unknown weight name"
+        )
     try:
         after = run(h, rollout, [Request("after-bad-name", prompt, greedy(8))])[0]
     except RuntimeError:  # refusing until a whole update lands is safe too
         rollout.update_weights(h.changed_weights(), version=4)
     else:
         if after.token_ids != before.token_ids or set(after.token_versions) != {0}:
-            raise AssertionError("after an update refused for an unknown weight name the "
-                                 "rollout served other weights without refusing")  # fmt: skip
+            raise AssertionError(
+                "after an update refused for an unknown weight name the "
+                "rollout served other weights without refusing"
+            )
 
 
 def _check_messages(h: RolloutHarness, rollout: Rollout) -> None:
@@ -231,13 +257,16 @@ def _check_messages(h: RolloutHarness, rollout: Rollout) -> None:
             rollout.generate([Prompt(messages=messages)], greedy(4))
         except ValueError:
             return
-        raise AssertionError("a message prompt was accepted, but the harness says the rollout "
-                             "takes token ids only (chat_prompt_ids returns None)")  # fmt: skip
+        raise AssertionError(
+            "a message prompt was accepted, but the harness says the rollout "
+            "takes token ids only (chat_prompt_ids returns None)"
+        )
     chat = rollout.generate([Prompt(messages=messages)], greedy(8))[0]
     plain = rollout.generate([Prompt(token_ids=ids)], greedy(8))[0]
     if chat.prompt_ids != ids or chat.token_ids != plain.token_ids:
-        raise AssertionError(f"a message prompt ran as {chat.prompt_ids}, not as its chat "
-                             f"template's ids {ids}")  # fmt: skip
+        raise AssertionError(
+            f"a message prompt ran as {chat.prompt_ids}, not as its chat template's ids {ids}"
+        )
 
 
 def check_pause_abort(h: RolloutHarness) -> None:
@@ -270,19 +299,25 @@ def check_pause_abort(h: RolloutHarness) -> None:
         rollout.submit(requests[-1:])
         stopped = _poll_while_paused(h, rollout, collector, started)
         if not started <= stopped:
-            raise AssertionError("pause_generation(abort=True) let running requests go on: "
-                                 f"{sorted(started - stopped)}")  # fmt: skip
+            raise AssertionError(
+                "pause_generation(abort=True) let running requests go on: "
+                f"{sorted(started - stopped)}"
+            )
         if aborted != len(stopped):
-            raise AssertionError(f"pause_generation(abort=True) returned {aborted}, but "
-                                 f"{len(stopped)} requests ended with abort")  # fmt: skip
+            raise AssertionError(
+                f"pause_generation(abort=True) returned {aborted}, but "
+                f"{len(stopped)} requests ended with abort"
+            )
         rollout.resume_generation()
         drain(rollout, collector, h)
         for r, ref in zip(requests, undisturbed, strict=False):
             c = collector.completion(r.request_id)
             cut = r.request_id in stopped
             if c.token_ids != (ref.token_ids[: len(c.token_ids)] if cut else ref.token_ids):
-                raise AssertionError(f"{r.request_id}: tokens {c.token_ids} are not "
-                                     f"{'a prefix of ' * cut}{ref.token_ids}")  # fmt: skip
+                raise AssertionError(
+                    f"{r.request_id}: tokens {c.token_ids} are not "
+                    f"{'a prefix of ' * cut}{ref.token_ids}"
+                )
             assert_log_probs(h, c, 0, False, r.request_id)
         if len(collector.completion("while-paused").token_ids) != 4:
             raise AssertionError("a request held by the pause did not run whole after resume")
@@ -290,16 +325,21 @@ def check_pause_abort(h: RolloutHarness) -> None:
     with_rollout(h, check)
 
 
-def _poll_while_paused(h: RolloutHarness, rollout: Rollout, collector: Collector,
-                       started: set[str]) -> set[str]:  # fmt: skip
+def _poll_while_paused(
+    h: RolloutHarness, rollout: Rollout, collector: Collector, started: set[str]
+) -> set[str]:
     """Poll a paused rollout until the requests seen running have ended, then 3 more times:
     nothing may come but aborted requests' last chunks. Returns the aborted requests."""
     overdue, extra, stopped = deadline(h), 3, set()
     while extra:
         overdue("the last chunks of the requests the pause aborted")
         chunks = rollout.poll(0.05)
-        ran = [c for c in chunks if c.request_id not in started and not (
-            c.finished and c.finish_reason is FinishReason.ABORT)]  # fmt: skip
+        ran = [
+            c
+            for c in chunks
+            if c.request_id not in started
+            and not (c.finished and c.finish_reason is FinishReason.ABORT)
+        ]
         if ran:
             raise AssertionError(f"a paused rollout generated {ran[0]}")
         collector.add(chunks)
@@ -330,8 +370,10 @@ def check_sleep(h: RolloutHarness) -> None:
         rollout.wake_up(("kv_cache",))
         after = run(h, rollout, [Request("after-sleep-2", prompt, greedy(12))])[0]
         if set(after.token_versions) != {2}:
-            raise AssertionError("after sleep(2), update 2 and wake_up, a request reports "
-                                 f"versions {sorted(set(after.token_versions))}")  # fmt: skip
+            raise AssertionError(
+                "after sleep(2), update 2 and wake_up, a request reports "
+                f"versions {sorted(set(after.token_versions))}"
+            )
         if after.token_ids == before.token_ids:
             raise AssertionError(
                 "after sleep(2), an update and wake_up, the rollout served the old weights: a "

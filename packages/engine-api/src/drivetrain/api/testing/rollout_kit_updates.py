@@ -24,8 +24,13 @@ def _broken(stream: Iterator[NamedTensor]) -> Iterator[NamedTensor]:
     raise ConnectionError("the weight stream broke")
 
 
-def _assert_failed(h: RolloutHarness, rollout: Rollout, update: Iterator[NamedTensor],
-                   before: Completion, torn: str) -> None:  # fmt: skip
+def _assert_failed(
+    h: RolloutHarness,
+    rollout: Rollout,
+    update: Iterator[NamedTensor],
+    before: Completion,
+    torn: str,
+) -> None:
     """``update`` (version 5) raises; afterwards the rollout serves version 0's tokens or
     refuses requests (``RuntimeError``); ``torn`` says what it did wrong otherwise."""
     try:
@@ -44,17 +49,22 @@ def _assert_failed(h: RolloutHarness, rollout: Rollout, update: Iterator[NamedTe
         raise AssertionError(f"{torn} (versions {sorted(set(again.token_versions))})")
 
 
-def _assert_whole_update(h: RolloutHarness, rollout: Rollout, update: Iterator[NamedTensor],
-                         before: Completion) -> None:  # fmt: skip
+def _assert_whole_update(
+    h: RolloutHarness, rollout: Rollout, update: Iterator[NamedTensor], before: Completion
+) -> None:
     """A whole ``update`` (version 6) after the failed one serves its weights and version."""
     rollout.update_weights(update, version=6)
     after = run(h, rollout, [Request("after", before.prompt_ids, greedy(16))])[0]
     if set(after.token_versions) != {6}:
-        raise AssertionError(f"a request after update 6 (following a failed update 5) reports "
-                             f"versions {sorted(set(after.token_versions))}")  # fmt: skip
+        raise AssertionError(
+            f"a request after update 6 (following a failed update 5) reports "
+            f"versions {sorted(set(after.token_versions))}"
+        )
     if after.token_ids == before.token_ids:
-        raise AssertionError("a whole update after a failed one did not change the greedy "
-                             "tokens: its weights were not applied")  # fmt: skip
+        raise AssertionError(
+            "a whole update after a failed one did not change the greedy "
+            "tokens: its weights were not applied"
+        )
     assert_log_probs(h, after, 0, True, "greedy after the repeated update")
 
 
@@ -68,8 +78,10 @@ def check_failed_update(h: RolloutHarness) -> None:
         before = run(h, rollout, [Request("before", h.prompts()[0], greedy(16))])[0]
         changed = h.changed_weights()
         half = iter(changed[: max(1, len(changed) // 2)])
-        torn = ("after a failed update the rollout generated from other weights than version 0 "
-                "without refusing")  # fmt: skip
+        torn = (
+            "after a failed update the rollout generated from other weights than version 0 "
+            "without refusing"
+        )
         _assert_failed(h, rollout, _broken(half), before, torn)
         _assert_whole_update(h, rollout, iter(changed), before)
 
@@ -101,8 +113,9 @@ def check_destination_update(h: RolloutHarness) -> None:
     with_rollout(h, check)
 
 
-def _through_destinations(h: RolloutHarness, rollout: Rollout, weights: Sequence[NamedTensor],
-                          written: list[str]) -> Iterator[NamedTensor]:  # fmt: skip
+def _through_destinations(
+    h: RolloutHarness, rollout: Rollout, weights: Sequence[NamedTensor], written: list[str]
+) -> Iterator[NamedTensor]:
     """The stream a transport gives ``update_weights``: each weight written into its
     destination where the rollout hands one out (named in ``written``), else yielded as is."""
     for name, value in weights:

@@ -90,10 +90,13 @@ def check_checkpoint_round_trip(h: EngineHarness) -> None:
         f"{r.got.lr!r}, {r.expected.lr!r} without the round trip"
     )
     assert_weights_close(
-        h, r.got.weights, r.expected.weights, "optimizer state not restored: with the same "
+        h,
+        r.got.weights,
+        r.expected.weights,
+        "optimizer state not restored: with the same "
         "weights, gradient and LR the update after resume differs (AdamW moments, its step "
-        "count or the LR in effect were lost)"
-    )  # fmt: skip
+        "count or the LR in effect were lost)",
+    )
 
 
 def check_rng_restored(h: EngineHarness) -> None:
@@ -145,6 +148,9 @@ def check_offload_round_trip(h: EngineHarness) -> None:
     for how, (got, want) in (("to('device')", explicit), ("train_mode()", implicit)):
         assert_close(h, got.loss, want.loss, f"loss after to('cpu') and {how}")
         assert_weights_close(
-            h, got.weights, want.weights, f"optimizer state lost in to('cpu') and {how}: the "
-            "next step differs from an engine that never moved"
-        )  # fmt: skip
+            h,
+            got.weights,
+            want.weights,
+            f"optimizer state lost in to('cpu') and {how}: the "
+            "next step differs from an engine that never moved",
+        )

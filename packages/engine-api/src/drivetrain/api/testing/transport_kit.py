@@ -78,9 +78,17 @@ class TransportHarness(abc.ABC):
 class _Receivers:
     """``RECEIVERS`` receiver processes, each writing one JSON line per sync."""
 
-    def __init__(self, h: TransportHarness, endpoint: Mapping[str, Any], topology: Topology,
-                 versions: list[int], overrides: dict[str, Any], *,
-                 die_after: int | None = None, destination: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        h: TransportHarness,
+        endpoint: Mapping[str, Any],
+        topology: Topology,
+        versions: list[int],
+        overrides: dict[str, Any],
+        *,
+        die_after: int | None = None,
+        destination: bool = False,
+    ) -> None:
         self.work = Path(tempfile.mkdtemp(prefix="dt-transport-kit-"))
         cls = type(h)
         self.outs, self.procs = [], []
@@ -157,8 +165,9 @@ def _with_sync(
         sender.finalize()
 
 
-def _assert_whole(h: TransportHarness, line: dict[str, Any], version: int, rank: int,
-                  sent: list[NamedTensor]) -> None:  # fmt: skip
+def _assert_whole(
+    h: TransportHarness, line: dict[str, Any], version: int, rank: int, sent: list[NamedTensor]
+) -> None:
     if "error" in line:
         raise AssertionError(f"receiver {rank}, version {version}: {line['error']}")
     names = [name for name, _ in sent]
@@ -169,8 +178,10 @@ def _assert_whole(h: TransportHarness, line: dict[str, Any], version: int, rank:
             f"tensors of {len(names)} (missing {missing[:3]}), or out of order"
         )
     if line["digest"] != h.digest(sent):
-        raise AssertionError(f"receiver {rank}, version {version}: the tensors differ from "
-                             "the ones sent (names, dtypes, shapes or bytes)")  # fmt: skip
+        raise AssertionError(
+            f"receiver {rank}, version {version}: the tensors differ from "
+            "the ones sent (names, dtypes, shapes or bytes)"
+        )
     if line["version"] != version or line["num_tensors"] != len(sent):
         raise AssertionError(
             f"receiver {rank}: last_stats says version {line['version']}, "
@@ -191,8 +202,10 @@ def check_two_syncs(h: TransportHarness) -> None:
         lines, codes = receivers.results(h.notice_s)
         for rank, (per_rank, code) in enumerate(zip(lines, codes, strict=True), 1):
             if code != 0 or len(per_rank) != 2:
-                raise AssertionError(f"receiver {rank} exited {code} after {len(per_rank)} "
-                                     f"syncs: {receivers.stderr(rank - 1)}")  # fmt: skip
+                raise AssertionError(
+                    f"receiver {rank} exited {code} after {len(per_rank)} "
+                    f"syncs: {receivers.stderr(rank - 1)}"
+                )
             for version, line in zip((1, 2), per_rank, strict=True):
                 _assert_whole(h, line, version, rank, h.weights(version))
 
@@ -203,8 +216,9 @@ def _assert_stats(stats: SyncStats, version: int, sent: list[NamedTensor]) -> No
     if not isinstance(stats, SyncStats) or stats.version != version:
         raise AssertionError(f"send returned {stats!r:.200}, wanted the SyncStats of {version}")
     if stats.num_tensors != len(sent):
-        raise AssertionError(f"send of version {version} reports {stats.num_tensors} tensors, "
-                             f"sent {len(sent)}")  # fmt: skip
+        raise AssertionError(
+            f"send of version {version} reports {stats.num_tensors} tensors, sent {len(sent)}"
+        )
 
 
 def check_destination(h: TransportHarness) -> None:
@@ -220,8 +234,10 @@ def check_destination(h: TransportHarness) -> None:
                 raise AssertionError(f"receiver {rank} wrote nothing: {receivers.stderr(rank - 1)}")
             _assert_whole(h, per_rank[0], 1, rank, sent)
             if per_rank[0]["own_digest"] != h.digest(sent):
-                raise AssertionError(f"receiver {rank}: the tensors it offered through into= "
-                                     "do not hold the sent weights after the sync")  # fmt: skip
+                raise AssertionError(
+                    f"receiver {rank}: the tensors it offered through into= "
+                    "do not hold the sent weights after the sync"
+                )
 
     _with_sync(h, [1], check, destination=True)
 
@@ -249,11 +265,14 @@ def check_failing_source(h: TransportHarness) -> None:
         lines, _ = receivers.results(h.notice_s)
         for rank, per_rank in enumerate(lines, 1):
             if not per_rank or "error" not in per_rank[0]:
-                raise AssertionError(f"receiver {rank} took the broken version 1 as a whole "
-                                     f"stream: {per_rank[:1]}")  # fmt: skip
+                raise AssertionError(
+                    f"receiver {rank} took the broken version 1 as a whole stream: {per_rank[:1]}"
+                )
             if len(per_rank) != 2:
-                raise AssertionError(f"receiver {rank} did not receive version 2 after the "
-                                     f"failed one: {receivers.stderr(rank - 1)}")  # fmt: skip
+                raise AssertionError(
+                    f"receiver {rank} did not receive version 2 after the "
+                    f"failed one: {receivers.stderr(rank - 1)}"
+                )
             _assert_whole(h, per_rank[1], 2, rank, sent)
 
     _with_sync(h, [1, 2], check)
@@ -276,8 +295,9 @@ def check_dead_receiver(h: TransportHarness) -> None:
             raise AssertionError("send reported success although a receiver died mid-sync")
         took = time.monotonic() - began
         if took > h.notice_s:
-            raise AssertionError(f"send noticed the dead receiver after {took:.0f} s, over "
-                                 f"notice_s {h.notice_s:.0f}")  # fmt: skip
+            raise AssertionError(
+                f"send noticed the dead receiver after {took:.0f} s, over notice_s {h.notice_s:.0f}"
+            )
         lines, codes = receivers.results(h.notice_s)
         if codes[-1] != DIED:
             raise AssertionError(f"the receiver meant to die exited {codes[-1]}")

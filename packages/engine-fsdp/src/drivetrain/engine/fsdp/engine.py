@@ -183,9 +183,15 @@ class FSDPEngine(TorchEngine):
             )
             set_packed_row(row.spans, m.sp_group, self.packed_kernel)
             raw = self.model(
-                ids[None], pos[None], tgt, None, spec.temperature, spec.entropy,
-                row.extra_src, row.extra_targets,
-            )  # fmt: skip
+                ids[None],
+                pos[None],
+                tgt,
+                None,
+                spec.temperature,
+                spec.entropy,
+                row.extra_src,
+                row.extra_targets,
+            )
             raw = {name: gather_sequence(value, m.sp_group) for name, value in raw.items()}
             return raw, row
         padded = micro.to_padded()

@@ -91,8 +91,12 @@ def save(path: str, *, step: int, engine: Any) -> CheckpointInfo:
     target, staging = begin_save(path)
     dcp.save(_state(engine), checkpoint_id=str(staging))
     cfg = engine.config
-    meta = {"engine": "megatron_fsdp", "tp": cfg.tensor_parallel,
-            "pp": cfg.pipeline_parallel, "vpp": cfg.virtual_pipeline}  # fmt: skip
+    meta = {
+        "engine": "megatron_fsdp",
+        "tp": cfg.tensor_parallel,
+        "pp": cfg.pipeline_parallel,
+        "vpp": cfg.virtual_pipeline,
+    }
     return finish_save(target, staging, step=step, engine_step=engine.step, meta=meta)
 
 

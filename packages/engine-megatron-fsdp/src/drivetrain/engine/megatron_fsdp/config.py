@@ -46,14 +46,19 @@ class MegatronFSDPConfig(MegatronConfig):
                 f"sharding_strategy={self.sharding_strategy!r} is not one of {choices}"
             )
         if not self.distributed_optimizer:
-            raise ConfigError("Megatron-FSDP always shards the optimizer: distributed_optimizer "
-                              "must stay True")  # fmt: skip
+            raise ConfigError(
+                "Megatron-FSDP always shards the optimizer: distributed_optimizer must stay True"
+            )
         for name in ("context_parallel", "expert_parallel"):
             if getattr(self, name) > 1:
-                raise ConfigError(f"{name} > 1 is not supported by the megatron_fsdp engine yet; "
-                                  "use engine megatron")  # fmt: skip
+                raise ConfigError(
+                    f"{name} > 1 is not supported by the megatron_fsdp engine yet; "
+                    "use engine megatron"
+                )
         if self.bucket_size is not None and self.bucket_size < 1:
             raise ConfigError(f"bucket_size={self.bucket_size} must be >= 1")
         if self.offload.params or self.offload.optimizer:
-            raise ConfigError("the megatron_fsdp engine has no offload yet (offload.params / "
-                              "offload.optimizer); use engine megatron")  # fmt: skip
+            raise ConfigError(
+                "the megatron_fsdp engine has no offload yet (offload.params / "
+                "offload.optimizer); use engine megatron"
+            )

@@ -42,8 +42,9 @@ def _mesh(device: torch.device) -> Any:
     dp_group, tp_group = ps.get_data_parallel_group(), ps.get_tensor_model_parallel_group()
     tp = dist.get_world_size(tp_group)
     # megatron orders ranks tp fastest: a data-parallel peer's TP group is its aligned block
-    rows = [[peer - peer % tp + j for j in range(tp)]
-            for peer in dist.get_process_group_ranks(dp_group)]  # fmt: skip
+    rows = [
+        [peer - peer % tp + j for j in range(tp)] for peer in dist.get_process_group_ranks(dp_group)
+    ]
     mine = dist.get_process_group_ranks(tp_group)
     if mine not in rows:
         raise RuntimeError(f"tensor-parallel group {mine} is not a row of the mesh {rows}")
@@ -60,8 +61,10 @@ def _strategy(cfg: MegatronFSDPConfig) -> str:
     from megatron.core import parallel_state as ps
 
     if ps.get_data_parallel_world_size() == 1 and cfg.sharding_strategy != "optim":
-        log.info("megatron_fsdp: data-parallel size 1, sharding_strategy %r runs as 'optim'",
-                 cfg.sharding_strategy)  # fmt: skip
+        log.info(
+            "megatron_fsdp: data-parallel size 1, sharding_strategy %r runs as 'optim'",
+            cfg.sharding_strategy,
+        )
         return "optim"
     return cfg.sharding_strategy
 
@@ -98,14 +101,18 @@ def wrap_chunks(
 
         cpu_compat.extend(_HOST_MODULES, _HOST_METHOD_SCOPES)
     if tcfg.num_moe_experts:
-        raise ValueError("the megatron_fsdp engine does not support mixture-of-experts models "
-                         "yet; use engine megatron")  # fmt: skip
+        raise ValueError(
+            "the megatron_fsdp engine does not support mixture-of-experts models "
+            "yet; use engine megatron"
+        )
     if tcfg.pipeline_model_parallel_size > 1 and chunks[0].share_embeddings_and_output_weights:
         # the last stage's copy of a tied embedding gets a plain (not DTensor) gradient from
         # finalize_model_grads, which megatron-core's grad norm then cannot read
-        raise ValueError("the megatron_fsdp engine cannot run tied embeddings "
-                         "(tie_word_embeddings) with pipeline_parallel > 1 yet; use engine "
-                         "megatron or pipeline_parallel=1")  # fmt: skip
+        raise ValueError(
+            "the megatron_fsdp engine cannot run tied embeddings "
+            "(tie_word_embeddings) with pipeline_parallel > 1 yet; use engine "
+            "megatron or pipeline_parallel=1"
+        )
     index = FSDPDistributedIndex(device_mesh=_mesh(device), dp_shard_dim="dp", tp_dim="tp")
     strategy = _strategy(cfg)
     units = [TransformerLayer] if strategy == "optim_grads_params" else []

@@ -43,8 +43,13 @@ class MegatronConfig(EngineConfig):
     packed_kernel: str = "auto"
 
     def __post_init__(self) -> None:
-        names = ("tensor_parallel", "pipeline_parallel", "virtual_pipeline", "context_parallel",
-                 "expert_parallel")  # fmt: skip
+        names = (
+            "tensor_parallel",
+            "pipeline_parallel",
+            "virtual_pipeline",
+            "context_parallel",
+            "expert_parallel",
+        )
         if self.expert_tensor_parallel is not None:
             names += ("expert_tensor_parallel",)
         for name in names:

@@ -166,9 +166,14 @@ def pack_row_cp(
     targets = torch.cat([row[1:], row.new_zeros(1)])
     cu = torch.tensor(list(accumulate(padded, initial=0)), dtype=torch.int32, device=device)
     params = PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
-        cu_seqlens_kv_padded=cu, max_seqlen_q=max(padded), max_seqlen_kv=max(padded),
-    )  # fmt: skip
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu,
+        cu_seqlens_kv_padded=cu,
+        max_seqlen_q=max(padded),
+        max_seqlen_kv=max(padded),
+    )
     return ContextParallelRow(
         input_ids=split(row, padded, cp, rank)[None],
         position_ids=split(positions, padded, cp, rank)[None],

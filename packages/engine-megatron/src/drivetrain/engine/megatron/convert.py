@@ -143,8 +143,11 @@ def _qkv_shard(read: _Reader, prefix: str, kind: str, s: _Shape) -> torch.Tensor
     k = read.rows(f"{prefix}.k_proj.{kind}", k0, k0 + groups * kv_rows)
     v = read.rows(f"{prefix}.v_proj.{kind}", k0, k0 + groups * kv_rows)
     tail = q.shape[1:]
-    parts = (q.view(groups, q_rows, *tail), k.view(groups, kv_rows, *tail),
-             v.view(groups, kv_rows, *tail))  # fmt: skip
+    parts = (
+        q.view(groups, q_rows, *tail),
+        k.view(groups, kv_rows, *tail),
+        v.view(groups, kv_rows, *tail),
+    )
     return torch.cat(parts, dim=1).reshape(-1, *tail)
 
 
@@ -174,9 +177,11 @@ def _layer_weights(
         out.update(moe_layer_weights(read, prefix, hf_config, s.moe, s.tp, s.tp_rank))
     else:
         out["mlp.linear_fc1.weight"] = torch.cat(
-            [read.rows(f"{mlp}.gate_proj.weight", f0, f1),
-             read.rows(f"{mlp}.up_proj.weight", f0, f1)]
-        )  # fmt: skip
+            [
+                read.rows(f"{mlp}.gate_proj.weight", f0, f1),
+                read.rows(f"{mlp}.up_proj.weight", f0, f1),
+            ]
+        )
         out["mlp.linear_fc2.weight"] = read.cols(f"{mlp}.down_proj.weight", f0, f1)
     if s.qkv_bias:
         out["self_attention.linear_qkv.bias"] = _qkv_shard(read, attn, "bias", s)
@@ -225,8 +230,9 @@ def load_hf_weights(models: list[Any], hf_dir: str, hf_config: Any, tcfg: Any) -
             if tensor is None:
                 continue
             if tensor.shape != param.shape:
-                raise ValueError(f"{name}: HF gives {tuple(tensor.shape)}, megatron has "
-                                 f"{tuple(param.shape)}")  # fmt: skip
+                raise ValueError(
+                    f"{name}: HF gives {tuple(tensor.shape)}, megatron has {tuple(param.shape)}"
+                )
             param.copy_(tensor)
         if params:
             raise ValueError(f"no HF weights for megatron parameters {sorted(params)}")
@@ -277,8 +283,9 @@ def _layer_rules(s: _Shape) -> tuple[list[_Rule], list[_Rule]]:
         ("self_attention.linear_qkv.weight", tuple(f"{n}.weight" for n in qkv), 0, _split_qkv)
     ]
     if s.qkv_bias:
-        rules.append(("self_attention.linear_qkv.bias", tuple(f"{n}.bias" for n in qkv), 0,
-                      _split_qkv))  # fmt: skip
+        rules.append(
+            ("self_attention.linear_qkv.bias", tuple(f"{n}.bias" for n in qkv), 0, _split_qkv)
+        )
     rules.append(("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), 1, _keep))
     if s.qk_norm:
         rules += [
@@ -287,10 +294,14 @@ def _layer_rules(s: _Shape) -> tuple[list[_Rule], list[_Rule]]:
         ]
     if s.moe is None:
         rules += [
-            ("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), 0,
-             _split_fc1),
+            (
+                "mlp.linear_fc1.weight",
+                ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+                0,
+                _split_fc1,
+            ),
             ("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), 1, _keep),
-        ]  # fmt: skip
+        ]
     norms: list[_Rule] = [
         ("input_layernorm.weight", ("input_layernorm.weight",), None, _keep),
         ("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), None, _keep),
@@ -302,14 +313,21 @@ def _hf_shapes(s: _Shape) -> dict[str, tuple[int, ...]]:
     """Full HF shape per layer suffix: what a non-owning pipeline stage allocates."""
     q, kv = s.heads * s.head_dim, s.groups * s.head_dim
     return {
-        "self_attn.q_proj.weight": (q, s.hidden), "self_attn.k_proj.weight": (kv, s.hidden),
-        "self_attn.v_proj.weight": (kv, s.hidden), "self_attn.q_proj.bias": (q,),
-        "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
-        "self_attn.o_proj.weight": (s.hidden, q), "self_attn.q_norm.weight": (s.head_dim,),
-        "self_attn.k_norm.weight": (s.head_dim,), "mlp.gate_proj.weight": (s.ffn, s.hidden),
-        "mlp.up_proj.weight": (s.ffn, s.hidden), "mlp.down_proj.weight": (s.hidden, s.ffn),
-        "input_layernorm.weight": (s.hidden,), "post_attention_layernorm.weight": (s.hidden,),
-    }  # fmt: skip
+        "self_attn.q_proj.weight": (q, s.hidden),
+        "self_attn.k_proj.weight": (kv, s.hidden),
+        "self_attn.v_proj.weight": (kv, s.hidden),
+        "self_attn.q_proj.bias": (q,),
+        "self_attn.k_proj.bias": (kv,),
+        "self_attn.v_proj.bias": (kv,),
+        "self_attn.o_proj.weight": (s.hidden, q),
+        "self_attn.q_norm.weight": (s.head_dim,),
+        "self_attn.k_norm.weight": (s.head_dim,),
+        "mlp.gate_proj.weight": (s.ffn, s.hidden),
+        "mlp.up_proj.weight": (s.ffn, s.hidden),
+        "mlp.down_proj.weight": (s.hidden, s.ffn),
+        "input_layernorm.weight": (s.hidden,),
+        "post_attention_layernorm.weight": (s.hidden,),
+    }
 
 
 class _Stages:
@@ -334,9 +352,13 @@ class _Stages:
         self.group = parallel_state.get_pipeline_model_parallel_group() if pp > 1 else None
 
     def share(
-        self, owner: int, tensors: list[torch.Tensor] | None, shapes: list[tuple[int, ...]],
-        dtype: torch.dtype, device: torch.device,
-    ) -> list[torch.Tensor]:  # fmt: skip
+        self,
+        owner: int,
+        tensors: list[torch.Tensor] | None,
+        shapes: list[tuple[int, ...]],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> list[torch.Tensor]:
         """The owning stage's full tensors, on every stage."""
         if self.pp == 1:
             assert tensors is not None
@@ -402,9 +424,9 @@ def export_hf_weights(
         prefix = f"decoder.layers.{local}."
         params = _Prefixed(chunks[chunk], prefix) if mine else None
 
-        def rule_items(rules: list[_Rule], params: Any = params, rank: int = rank) -> Iterator[
-            tuple[str, torch.Tensor]
-        ]:  # fmt: skip
+        def rule_items(
+            rules: list[_Rule], params: Any = params, rank: int = rank
+        ) -> Iterator[tuple[str, torch.Tensor]]:
             for suffix, hf_names, dim, to_hf in rules:
                 full = None
                 if params is not None:
@@ -416,8 +438,9 @@ def export_hf_weights(
         def share(full: Any, shapes: Any, rank: int = rank) -> list[torch.Tensor]:
             return stages.share(rank, full, shapes, dtype, device)
 
-        stream = chain(rule_items(before), iter_moe_export(moe_items, params, share),
-                       rule_items(after))  # fmt: skip
+        stream = chain(
+            rule_items(before), iter_moe_export(moe_items, params, share), rule_items(after)
+        )
         for suffix, tensor in stream:
             yield f"model.layers.{layer}.{suffix}", tensor
     last_rank = stages.pp - 1
@@ -428,9 +451,15 @@ def export_hf_weights(
 
 
 def _export_head(
-    models: list[Any], last: Mapping[str, torch.Tensor], stages: _Stages, s: _Shape,
-    hf_config: Any, dtype: torch.dtype, device: torch.device, vocab: Callable[..., torch.Tensor],
-) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    models: list[Any],
+    last: Mapping[str, torch.Tensor],
+    stages: _Stages,
+    s: _Shape,
+    hf_config: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    vocab: Callable[..., torch.Tensor],
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``lm_head.weight`` (untied), or a value head's ``score``: from the last stage."""
     last_rank = stages.pp - 1
     mine = stages.pp_rank == last_rank

@@ -85,26 +85,48 @@ _HOST_MODULES = (
 _HOST_METHOD_SCOPES = (
     # LanguageModule.setup_embeddings_and_output_layer: `weight.data.cuda()` before the
     # first/last-stage all-reduce of tied embeddings (PP > 1 with tied weights)
-    ("megatron.core.models.common.language_module.language_module", "LanguageModule",
-     "setup_embeddings_and_output_layer"),
+    (
+        "megatron.core.models.common.language_module.language_module",
+        "LanguageModule",
+        "setup_embeddings_and_output_layer",
+    ),
     # Float16OptimizerWithFloat16Params.__init__ (bf16/fp16 without the distributed optimizer):
     # param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor'] / FloatTensor
     ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params", "__init__"),
     # DistributedOptimizer.__init__ / _build_model_and_main_param_groups: the same type() checks
     ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer", "__init__"),
-    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer",
-     "_build_model_and_main_param_groups"),
+    (
+        "megatron.core.optimizer.distrib_optimizer",
+        "DistributedOptimizer",
+        "_build_model_and_main_param_groups",
+    ),
     # DistributedOptimizer.get_parameter_state_dp_zero (checkpoint): send_tensor.cuda()
-    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer",
-     "get_parameter_state_dp_zero"),
+    (
+        "megatron.core.optimizer.distrib_optimizer",
+        "DistributedOptimizer",
+        "get_parameter_state_dp_zero",
+    ),
     # clip_grad_by_total_norm_fp32: assert param.grad.type() == 'torch.cuda.FloatTensor'
     ("megatron.core.optimizer.clip_grads", None, "clip_grad_by_total_norm_fp32"),
-)  # fmt: skip
+)
 
 _FACTORIES = (
-    "tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn",
-    "zeros_like", "ones_like", "empty_like", "full_like", "randn_like", "rand_like",
-)  # fmt: skip
+    "tensor",
+    "as_tensor",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "arange",
+    "rand",
+    "randn",
+    "zeros_like",
+    "ones_like",
+    "empty_like",
+    "full_like",
+    "randn_like",
+    "rand_like",
+)
 
 _ACTIVE = False
 _SCOPED: set[tuple[str, str | None, str]] = set()  # method scopes already wrapped

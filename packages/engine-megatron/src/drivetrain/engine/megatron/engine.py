@@ -114,9 +114,11 @@ class MegatronEngine(TorchEngine):
         )
         self.tcfg = tcfg
         self.packed_kernel = engine_kernel(
-            cfg.packed_kernel, self.device.type, cfg.model.dtype,
+            cfg.packed_kernel,
+            self.device.type,
+            cfg.model.dtype,
             say=cfg.context_parallel == 1 and dist.get_rank() == 0,
-        )  # fmt: skip
+        )
         chunks = build_model(
             self.hf_config, tcfg, value_head=cfg.model.value_head, packed_kernel=self.packed_kernel
         )
@@ -244,13 +246,18 @@ class MegatronEngine(TorchEngine):
         if cfg.context_parallel > 1:
             rank = self.ps.get_context_parallel_rank()
             return [
-                (micro, pack_row_cp(
-                    flat_column(micro or empty, INPUT_IDS).to(self.device, torch.long),
-                    list((micro or empty).seq_lens), cp=cfg.context_parallel, rank=rank,
-                    multiple=multiple,
-                ))
+                (
+                    micro,
+                    pack_row_cp(
+                        flat_column(micro or empty, INPUT_IDS).to(self.device, torch.long),
+                        list((micro or empty).seq_lens),
+                        cp=cfg.context_parallel,
+                        rank=rank,
+                        multiple=multiple,
+                    ),
+                )
                 for micro in micros
-            ]  # fmt: skip
+            ]
         lengths = [None] * len(micros)
         if (
             self.tcfg.num_moe_experts

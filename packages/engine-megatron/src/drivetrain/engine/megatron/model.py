@@ -108,14 +108,23 @@ def transformer_config(
     if context_parallel > 1:
         kwargs.update(context_parallel_kwargs(on_cpu))
     if flags["moe"]:
-        kwargs.update(moe_kwargs(hf_config, flags, tensor_parallel=tensor_parallel,
-                                 sequence_parallel=sequence_parallel))  # fmt: skip
+        kwargs.update(
+            moe_kwargs(
+                hf_config,
+                flags,
+                tensor_parallel=tensor_parallel,
+                sequence_parallel=sequence_parallel,
+            )
+        )
     elif expert_parallel > 1:
-        raise ValueError(f"expert_parallel={expert_parallel} needs a mixture-of-experts model, "
-                         f"{hf_config.model_type!r} is dense")  # fmt: skip
+        raise ValueError(
+            f"expert_parallel={expert_parallel} needs a mixture-of-experts model, "
+            f"{hf_config.model_type!r} is dense"
+        )
     if recompute:  # whole layers, one at a time: the lowest-memory setting
-        kwargs.update(recompute_granularity="full", recompute_method="uniform",
-                      recompute_num_layers=1)  # fmt: skip
+        kwargs.update(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+        )
     return TransformerConfig(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
@@ -178,9 +187,11 @@ def _layer_spec(qk_norm: bool, num_experts: int | None = None) -> Any:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(
-        num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_norm,
+        num_experts=num_experts,
+        moe_grouped_gemm=False,
+        qk_layernorm=qk_norm,
         normalization="RMSNorm",
-    )  # fmt: skip
+    )
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm
     if qk_norm:

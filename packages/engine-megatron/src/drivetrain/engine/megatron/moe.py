@@ -69,9 +69,12 @@ def _define_missing_te_gemm() -> None:
 
 
 def moe_kwargs(
-    hf_config: Any, flags: dict[str, bool], *, tensor_parallel: int = 1,
+    hf_config: Any,
+    flags: dict[str, bool],
+    *,
+    tensor_parallel: int = 1,
     sequence_parallel: bool = False,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """``TransformerConfig`` fields of an HF MoE config (see the module docstring)."""
     _check_all_sparse(hf_config)
     if tensor_parallel > 1 and not sequence_parallel:
@@ -130,8 +133,14 @@ class ExpertSlot:
 # --------------------------------------------------------------------------- loading
 
 
-def _expert_rows(read: Any, prefix: str, names: tuple[str, ...], expert: int,
-                 rows: tuple[int, int], slot: ExpertSlot) -> tuple[torch.Tensor, ...]:  # fmt: skip
+def _expert_rows(
+    read: Any,
+    prefix: str,
+    names: tuple[str, ...],
+    expert: int,
+    rows: tuple[int, int],
+    slot: ExpertSlot,
+) -> tuple[torch.Tensor, ...]:
     """(gate rows, up rows, down columns) of one expert's ``rows`` range of the ffn dim."""
     r0, r1 = rows
     fused = f"{prefix}.experts.gate_up_proj"
@@ -139,12 +148,18 @@ def _expert_rows(read: Any, prefix: str, names: tuple[str, ...], expert: int,
         gate_up = read.slice(fused)
         down = read.slice(f"{prefix}.experts.down_proj")
         e = slice(expert, expert + 1)
-        return (gate_up[e, r0:r1][0], gate_up[e, slot.ffn + r0 : slot.ffn + r1][0],
-                down[e, :, r0:r1][0])  # fmt: skip
+        return (
+            gate_up[e, r0:r1][0],
+            gate_up[e, slot.ffn + r0 : slot.ffn + r1][0],
+            down[e, :, r0:r1][0],
+        )
     base = f"{prefix}.experts.{expert}"
     gate, up, down = names
-    return (read.rows(f"{base}.{gate}.weight", r0, r1), read.rows(f"{base}.{up}.weight", r0, r1),
-            read.cols(f"{base}.{down}.weight", r0, r1))  # fmt: skip
+    return (
+        read.rows(f"{base}.{gate}.weight", r0, r1),
+        read.rows(f"{base}.{up}.weight", r0, r1),
+        read.cols(f"{base}.{down}.weight", r0, r1),
+    )
 
 
 def moe_layer_weights(
@@ -167,9 +182,11 @@ def moe_layer_weights(
         s0, s1 = tp_rank * size, (tp_rank + 1) * size
         shared = f"{prefix}.shared_expert"
         out["mlp.shared_experts.linear_fc1.weight"] = torch.cat(
-            [read.rows(f"{shared}.gate_proj.weight", s0, s1),
-             read.rows(f"{shared}.up_proj.weight", s0, s1)]
-        )  # fmt: skip
+            [
+                read.rows(f"{shared}.gate_proj.weight", s0, s1),
+                read.rows(f"{shared}.up_proj.weight", s0, s1),
+            ]
+        )
         out["mlp.shared_experts.linear_fc2.weight"] = read.cols(
             f"{shared}.down_proj.weight", s0, s1
         )
@@ -216,8 +233,9 @@ def moe_export_items(hf_config: Any, slot: ExpertSlot, hidden: int, tp: int) -> 
             for e in range(slot.local):
                 weight = params[f"mlp.experts.local_experts.{e}.linear_{kind}.weight"]
                 if kind == "fc1":
-                    local.append(_gate_up(_gather(weight, 0, etp_group, slot.etp), slot.etp,
-                                          slot.ffn))  # fmt: skip
+                    local.append(
+                        _gate_up(_gather(weight, 0, etp_group, slot.etp), slot.etp, slot.ffn)
+                    )
                 else:
                     local.append(_gather(weight, 1, etp_group, slot.etp))
             return _gather(torch.stack(local), 0, ep_group, slot.ep)
@@ -225,8 +243,11 @@ def moe_export_items(hf_config: Any, slot: ExpertSlot, hidden: int, tp: int) -> 
         return produce
 
     def shared_fc1(params: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        full = _gate_up(_gather(params["mlp.shared_experts.linear_fc1.weight"], 0, tp_group, tp),
-                        tp, slot.shared_ffn)  # fmt: skip
+        full = _gate_up(
+            _gather(params["mlp.shared_experts.linear_fc1.weight"], 0, tp_group, tp),
+            tp,
+            slot.shared_ffn,
+        )
         return full.split(slot.shared_ffn)
 
     E, ffn = slot.experts, slot.ffn
@@ -242,11 +263,17 @@ def moe_export_items(hf_config: Any, slot: ExpertSlot, hidden: int, tp: int) -> 
         items += [
             ("mlp.shared_expert.gate_proj.weight", (S, hidden), lambda p: shared_fc1(p)[0]),
             ("mlp.shared_expert.up_proj.weight", (S, hidden), lambda p: shared_fc1(p)[1]),
-            ("mlp.shared_expert.down_proj.weight", (hidden, S), lambda p: _gather(
-                p["mlp.shared_experts.linear_fc2.weight"], 1, tp_group, tp)),
-            ("mlp.shared_expert_gate.weight", (1, hidden),
-             lambda p: p["mlp.shared_experts.gate_weight"]),
-        ]  # fmt: skip
+            (
+                "mlp.shared_expert.down_proj.weight",
+                (hidden, S),
+                lambda p: _gather(p["mlp.shared_experts.linear_fc2.weight"], 1, tp_group, tp),
+            ),
+            (
+                "mlp.shared_expert_gate.weight",
+                (1, hidden),
+                lambda p: p["mlp.shared_experts.gate_weight"],
+            ),
+        ]
     return items
 
 

@@ -60,8 +60,10 @@ class Offloader:
     def _model_tensors(self) -> Iterator[torch.Tensor]:
         for chunk in self.chunks:
             yield from chunk.parameters()  # views of param_data when there is one
-            for buffer in [*getattr(chunk, "buffers", []),
-                           *getattr(chunk, "expert_parallel_buffers", [])]:  # fmt: skip
+            for buffer in [
+                *getattr(chunk, "buffers", []),
+                *getattr(chunk, "expert_parallel_buffers", []),
+            ]:
                 for data in (buffer.param_data, buffer.grad_data):
                     if data is not None:
                         yield data

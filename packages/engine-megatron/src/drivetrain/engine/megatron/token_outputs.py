@@ -40,8 +40,16 @@ def vocab_parallel_outputs(
     for start in range(0, max(logits.shape[0], 1), chunk):
         args = (logits[start : start + chunk], targets[start : start + chunk])
         if grad:  # keep no fp32 chunk for backward: recompute it there
-            parts.append(checkpoint(_chunk_outputs, *args, vocab_size, temperature,
-                                    want_entropy, use_reentrant=False))  # fmt: skip
+            parts.append(
+                checkpoint(
+                    _chunk_outputs,
+                    *args,
+                    vocab_size,
+                    temperature,
+                    want_entropy,
+                    use_reentrant=False,
+                )
+            )
         else:
             parts.append(_chunk_outputs(*args, vocab_size, temperature, want_entropy))
     if len(parts) == 1:

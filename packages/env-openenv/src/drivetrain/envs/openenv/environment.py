@@ -52,9 +52,15 @@ from drivetrain.envs.openenv.protocol import (
 )
 
 OPTIONS = (
-    "url", "action_field", "action_format", "observation_field", "system_prompt", "reset",
-    "token_env", "timeout_s",
-)  # fmt: skip
+    "url",
+    "action_field",
+    "action_format",
+    "observation_field",
+    "system_prompt",
+    "reset",
+    "token_env",
+    "timeout_s",
+)
 #: Fields every OpenEnv observation has, none of them for the policy to read.
 OBSERVATION_BASE = ("done", "reward", "metadata")
 
@@ -181,9 +187,9 @@ class OpenEnvEnvironment(Environment):
         self.system = str(self.options.get("system_prompt") or "")
         schema = fetch_schema(self.base, self.headers(), self.timeout_s)
         asked = self.options.get("action_field")
-        self.action_field = None if self.format == "json" else choose_action_field(
-            schema["action"], asked
-        )  # fmt: skip
+        self.action_field = (
+            None if self.format == "json" else choose_action_field(schema["action"], asked)
+        )
         self.observation_field = choose_observation_field(
             schema.get("observation") or {}, self.options.get("observation_field")
         )

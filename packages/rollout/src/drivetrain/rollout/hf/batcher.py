@@ -121,13 +121,15 @@ class ContinuousBatcher:
         params = [row.request.params for row in rows]
         device = logits.device
         greedy = torch.tensor([p.greedy for p in params], device=device)
-        temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params],
-                                   device=device)  # fmt: skip
+        temperature = torch.tensor(
+            [p.temperature if not p.greedy else 1.0 for p in params], device=device
+        )
         scores = logits / temperature[:, None]
         if any(p.top_k > 0 and not p.greedy for p in params):
             vocab = scores.shape[-1]
-            k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params],
-                             device=device)  # fmt: skip
+            k = torch.tensor(
+                [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=device
+            )
             kth = scores.sort(-1, descending=True).values.gather(1, (k - 1)[:, None])
             scores = scores.masked_fill((scores < kth) & ~greedy[:, None], float("-inf"))
         if any(p.top_p < 1 and not p.greedy for p in params):
@@ -147,8 +149,9 @@ class ContinuousBatcher:
         picked = log_probs.gather(1, tokens[:, None])[:, 0]
         return tokens.tolist(), picked.tolist()
 
-    def _emit(self, rows: list[_Row], tokens: list[int], log_probs: list[float],
-              events: list[TokenEvent]) -> None:  # fmt: skip
+    def _emit(
+        self, rows: list[_Row], tokens: list[int], log_probs: list[float], events: list[TokenEvent]
+    ) -> None:
         for row, token, log_prob in zip(rows, tokens, log_probs, strict=True):
             reason = row.finish_after(token, self.decode)
             events.append(TokenEvent(row.request.request_id, [token], [log_prob], reason))
@@ -182,9 +185,14 @@ class ContinuousBatcher:
         # which a sliding-window layer's own bookkeeping would not follow; a sliding window
         # still applies through the model's attention mask
         cache = DynamicCache()
-        out = self.model(input_ids=ids, attention_mask=mask,
-                         position_ids=(mask.cumsum(-1) - 1).clamp(min=0), past_key_values=cache,
-                         use_cache=True, logits_to_keep=1)  # fmt: skip
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         select = torch.tensor(group, device=self.device)
         tokens, log_probs = self._sample(out.logits[:, -1].float().index_select(0, select), rows)
         self._emit(rows, tokens, log_probs, events)
@@ -198,8 +206,14 @@ class ContinuousBatcher:
         next_tokens = torch.tensor([tokens[i] for i in live], device=self.device)
         self._append([rows[i] for i in live], cache, mask, mask.sum(-1), next_tokens)
 
-    def _append(self, rows: list[_Row], cache: DynamicCache, mask: torch.Tensor,
-                positions: torch.Tensor, next_tokens: torch.Tensor) -> None:  # fmt: skip
+    def _append(
+        self,
+        rows: list[_Row],
+        cache: DynamicCache,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        next_tokens: torch.Tensor,
+    ) -> None:
         if self.cache is None:
             self.cache, self.mask, self.rows = cache, mask, rows
             self.positions, self.next_tokens = positions, next_tokens
@@ -207,8 +221,9 @@ class ContinuousBatcher:
         width = max(self.mask.shape[1], mask.shape[1])
         for old, new in zip(self.cache.layers, cache.layers, strict=True):
             old.keys = torch.cat([_left_pad(old.keys, width, 2), _left_pad(new.keys, width, 2)])
-            old.values = torch.cat([_left_pad(old.values, width, 2),
-                                    _left_pad(new.values, width, 2)])  # fmt: skip
+            old.values = torch.cat(
+                [_left_pad(old.values, width, 2), _left_pad(new.values, width, 2)]
+            )
         self.mask = torch.cat([_left_pad(self.mask, width, 1), _left_pad(mask, width, 1)])
         self.positions = torch.cat([self.positions, positions])
         self.next_tokens = torch.cat([self.next_tokens, next_tokens])
@@ -216,9 +231,13 @@ class ContinuousBatcher:
 
     def _decode(self, events: list[TokenEvent]) -> None:
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.rows), 1)], 1)
-        out = self.model(input_ids=self.next_tokens[:, None], attention_mask=self.mask,
-                         position_ids=self.positions[:, None], past_key_values=self.cache,
-                         use_cache=True)  # fmt: skip
+        out = self.model(
+            input_ids=self.next_tokens[:, None],
+            attention_mask=self.mask,
+            position_ids=self.positions[:, None],
+            past_key_values=self.cache,
+            use_cache=True,
+        )
         self.positions = self.positions + 1
         tokens, log_probs = self._sample(out.logits[:, -1].float(), self.rows)
         self._emit(self.rows, tokens, log_probs, events)

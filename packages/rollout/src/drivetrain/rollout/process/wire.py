@@ -42,10 +42,22 @@ def _declared_config(name: str) -> type | None:
 
 
 CODEC = Codec(
-    (Prompt, SamplingParams, Completion, Request, Chunk, SyncStats, Topology, LoraConfig,
-     RolloutConfig, WeightSyncConfig, BackendConfig, FinishReason),
+    (
+        Prompt,
+        SamplingParams,
+        Completion,
+        Request,
+        Chunk,
+        SyncStats,
+        Topology,
+        LoraConfig,
+        RolloutConfig,
+        WeightSyncConfig,
+        BackendConfig,
+        FinishReason,
+    ),
     resolve=_declared_config,
-)  # fmt: skip
+)
 
 
 def encode(message: Any) -> bytes:

@@ -125,8 +125,10 @@ class _DroppedConnections:
         more = f" (and {unsaid} more since the last such line)" if unsaid else ""
         log.warning(
             "agent endpoint: dropped a connection from %s: %s%s",
-            client, f"{type(exc).__name__}: {exc}" if exc else "closed", more,
-        )  # fmt: skip
+            client,
+            f"{type(exc).__name__}: {exc}" if exc else "closed",
+            more,
+        )
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -155,11 +155,17 @@ def ensure_preference_pairs(assets: AdditionAssets, train_size: int = 4000) -> t
     held_out = {row["messages"][0]["content"] for row in test}
     for path, rows in (
         (paths[0], preference_rows(train_size, seed=3, exclude=held_out)),
-        (paths[1], [
-            {"prompt": r["messages"][0]["content"], **_pair_answers(r["messages"][1]["content"], i)}
-            for i, r in enumerate(test)
-        ]),
-    ):  # fmt: skip
+        (
+            paths[1],
+            [
+                {
+                    "prompt": r["messages"][0]["content"],
+                    **_pair_answers(r["messages"][1]["content"], i),
+                }
+                for i, r in enumerate(test)
+            ],
+        ),
+    ):
         staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         _write_jsonl(staging, rows)
         os.replace(staging, path)

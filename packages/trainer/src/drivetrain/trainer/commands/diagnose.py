@@ -65,9 +65,13 @@ def mismatch(
                 for text in (prompt or DEFAULT_PROMPTS)
             ]
             found = diagnose(
-                trainer, sampler, prompts, dtype=dtype, tolerance=tolerance,
+                trainer,
+                sampler,
+                prompts,
+                dtype=dtype,
+                tolerance=tolerance,
                 pad_token_id=tokenizer.pad_token_id or 0,
-            )  # fmt: skip
+            )
         finally:
             sampler.shutdown()
             trainer.close()

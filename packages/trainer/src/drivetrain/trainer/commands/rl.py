@@ -77,9 +77,11 @@ class RLCommand(JobCommand["RLJob", "PreparedRL", "RLResult"]):
 
     def plugins(self, job: RLJob) -> list[tuple[Registry, str]]:
         return [
-            (registry.engines, job.engine), (registry.engines, job.critic_engine),
-            (registry.rollouts, job.rollout), (registry.ckpt_engines, job.transport),
-        ]  # fmt: skip
+            (registry.engines, job.engine),
+            (registry.engines, job.critic_engine),
+            (registry.rollouts, job.rollout),
+            (registry.ckpt_engines, job.transport),
+        ]
 
     def fit(self, prepared: PreparedRL, *, resume: str, overwrite: bool) -> RLResult:
         from drivetrain.trainer.rl.trainer import RLTrainer
@@ -94,10 +96,14 @@ class RLCommand(JobCommand["RLJob", "PreparedRL", "RLResult"]):
                 placement.close()
 
         result = run_job(
-            launched, prepared.setup.config.run, writer=True,
-            config_yaml=prepared.job.to_yaml(), resume=resume, overwrite=overwrite,
+            launched,
+            prepared.setup.config.run,
+            writer=True,
+            config_yaml=prepared.job.to_yaml(),
+            resume=resume,
+            overwrite=overwrite,
             console=console,
-        )  # fmt: skip
+        )
         assert result is not None  # the controller writes
         return result
 

@@ -158,7 +158,11 @@ def run_dpo(
 
     factory = functools.partial(PreferenceWorker, role_specs(prepared))
     return run_job(
-        on_workers(factory, c.workers, trainer), c.run, writer=writes_files(c.workers),
-        config_yaml=job.to_yaml(), resume=resume, overwrite=overwrite,
+        on_workers(factory, c.workers, trainer),
+        c.run,
+        writer=writes_files(c.workers),
+        config_yaml=job.to_yaml(),
+        resume=resume,
+        overwrite=overwrite,
         console=console or plain_console(),
-    )  # fmt: skip
+    )

@@ -71,11 +71,18 @@ class DPOTrainer(Job[DPOResult]):
             "total_steps": total,
         }
         self.spec = LoopSpec(
-            name="dpo", total=total, steps_knob=steps_knob(config.run), run=config.run,
-            logging=config.logging, state=state, identity=state, validate_before=True,
-            validation_label="held-out pairs", agree=launched_by_torchrun(),
+            name="dpo",
+            total=total,
+            steps_knob=steps_knob(config.run),
+            run=config.run,
+            logging=config.logging,
+            state=state,
+            identity=state,
+            validate_before=True,
+            validation_label="held-out pairs",
+            agree=launched_by_torchrun(),
             writer=group.is_writer,
-        )  # fmt: skip
+        )
         self.train_loss: dict[int, float] = {}  # 1-based step -> loss
 
     def batch(self, pairs: Sequence[Pair], step: int | None = None) -> Any:
@@ -109,8 +116,12 @@ class DPOTrainer(Job[DPOResult]):
         return {f"val/{name}": value / pairs for name, value in sums.items()}
 
     def describe(self, metrics: Mapping[str, float]) -> str:
-        keys = ("val/loss", "val/preference_accuracy", "val/rewards/accuracies",
-                "val/rewards/margins")  # fmt: skip
+        keys = (
+            "val/loss",
+            "val/preference_accuracy",
+            "val/rewards/accuracies",
+            "val/rewards/margins",
+        )
         return ", ".join(f"{k.removeprefix('val/')} {metrics[k]:.3f}" for k in keys if k in metrics)
 
     def record(self, done: int, metrics: Mapping[str, float]) -> None:
@@ -127,6 +138,11 @@ class DPOTrainer(Job[DPOResult]):
 
     def result(self, outcome: Outcome) -> DPOResult:
         return DPOResult(
-            outcome.output_dir, outcome.final_step, self.train_loss, outcome.val_before,
-            outcome.val_after, outcome.hf_dir, outcome.seconds,
-        )  # fmt: skip
+            outcome.output_dir,
+            outcome.final_step,
+            self.train_loss,
+            outcome.val_before,
+            outcome.val_after,
+            outcome.hf_dir,
+            outcome.seconds,
+        )

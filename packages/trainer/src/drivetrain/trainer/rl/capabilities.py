@@ -92,7 +92,10 @@ def fit_plugins(c: RLConfig, job_default: RLConfig, plugins: RLPlugins, placemen
         require("rollout", backend, "sleep", f"{shown} on {device}")
     if plugins.transport is not None:
         check_device(
-            "ckpt-engine", plugins.transport, "weight_sync.device", c.weight_sync.device,
+            "ckpt-engine",
+            plugins.transport,
+            "weight_sync.device",
+            c.weight_sync.device,
             remote=remote,
-        )  # fmt: skip
+        )
     return c

@@ -62,8 +62,11 @@ class ActorLoss:
     #: the batch columns it reads beside the engine's own, where the batch has them: what an
     #: update sends
     reads: ClassVar[tuple[str, ...]] = (
-        OLD_LOG_PROBS, ADVANTAGES, REF_LOG_PROBS, ROLLOUT_LOG_PROBS,
-    )  # fmt: skip
+        OLD_LOG_PROBS,
+        ADVANTAGES,
+        REF_LOG_PROBS,
+        ROLLOUT_LOG_PROBS,
+    )
 
     @property
     def outputs(self) -> OutputSpec:
@@ -99,9 +102,12 @@ class ActorLoss:
         if self.correction != "none":  # per-token weights, no gradient through them
             gap = CorrectionInputs(old, mb[ROLLOUT_LOG_PROBS].to(old.dtype), mask, mb.seq_lens)
             weights, corrected = correct(
-                self.correction, gap, self.correction_config,
-                global_tokens=ctx.global_tokens, global_sequences=ctx.global_sequences,
-            )  # fmt: skip
+                self.correction,
+                gap,
+                self.correction_config,
+                global_tokens=ctx.global_tokens,
+                global_sequences=ctx.global_sequences,
+            )
             per_token = per_token * weights.to(per_token.dtype)
             metrics.update(corrected)
         policy = agg(per_token)

@@ -240,9 +240,13 @@ def _ray_placement(spec: PlacementSpec, factory: Any) -> Placement:
         ]
         pool = RolloutPool(handles)
         weights = connect_weights(
-            group, pool, spec.transport, sync_config, colocated=colocated,
+            group,
+            pool,
+            spec.transport,
+            sync_config,
+            colocated=colocated,
             adapter=takes_adapters(spec.rollout_config),
-        )  # fmt: skip
+        )
         return Placement(spec.mode, group, pool, weights, started_ray=started)
     except BaseException:
         for handle in handles:

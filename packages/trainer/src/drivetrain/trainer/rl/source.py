@@ -91,9 +91,11 @@ class SourceContext:
             scores, parts = self.scorer(completions, prompts)
         groups = split_groups(prompts, completions, scores, parts)
         return Drawn(
-            completions, completions_batch(completions, self.pad_token_id), scores,
+            completions,
+            completions_batch(completions, self.pad_token_id),
+            scores,
             {**reward_stats(scores, parts), **generation_stats(groups)},
-        )  # fmt: skip
+        )
 
     def step_prompts(self, step: int) -> list[Any]:
         return [self.train[i] for i in self.sampler.indices(step)]

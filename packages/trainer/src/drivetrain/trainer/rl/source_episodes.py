@@ -26,16 +26,27 @@ class Episodes(Source):
         self.runner: EpisodeRunner | AgentRunner
         if c.agent.command:
             self.runner = AgentRunner(
-                pool.rollouts, tokenizer, setup.parser, shlex.split(c.agent.command),
-                context.scorer.agent_reward, setup.limits, timeout_s=c.agent.timeout_s,
-                host=c.agent.host, port=c.agent.port,
-            )  # fmt: skip
+                pool.rollouts,
+                tokenizer,
+                setup.parser,
+                shlex.split(c.agent.command),
+                context.scorer.agent_reward,
+                setup.limits,
+                timeout_s=c.agent.timeout_s,
+                host=c.agent.host,
+                port=c.agent.port,
+            )
         else:
             assert setup.environment is not None
             self.runner = EpisodeRunner(
-                pool.rollouts, setup.environment, setup.parser, setup.chat, setup.limits,
-                env_threads=c.episode.env_threads, step_timeout_s=c.episode.step_timeout_s,
-            )  # fmt: skip
+                pool.rollouts,
+                setup.environment,
+                setup.parser,
+                setup.chat,
+                setup.limits,
+                env_threads=c.episode.env_threads,
+                step_timeout_s=c.episode.step_timeout_s,
+            )
 
     def draw(self, step: int, timer: PhaseTimer) -> Drawn:
         c = self.context
@@ -45,10 +56,13 @@ class Episodes(Source):
         completions, scores = episode_samples(played)
         groups = split_groups(prompts, completions, scores, {})
         return Drawn(
-            completions, completions_batch(completions, c.pad_token_id), scores,
+            completions,
+            completions_batch(completions, c.pad_token_id),
+            scores,
             {**reward_stats(scores, {}), **generation_stats(groups)},
-            source_metrics=episode_metrics(played), played=played,
-        )  # fmt: skip
+            source_metrics=episode_metrics(played),
+            played=played,
+        )
 
     def validate(self, params: SamplingParams) -> dict[str, float]:
         """One greedy episode per validation task: the mean reward and the episode metrics."""

@@ -19,14 +19,22 @@ def choose_source(context: SourceContext, episodes: EpisodeSetup | None, out: Pa
         return Episodes(context, episodes)
     if alg.mode == "one_step_off":  # one version behind, every step's weights pushed
         return GenerationAhead(
-            context, out, ordered=True, max_staleness=alg.staleness, sync_every=1,
+            context,
+            out,
+            ordered=True,
+            max_staleness=alg.staleness,
+            sync_every=1,
             resume_partial=False,
-        )  # fmt: skip
+        )
     if alg.mode == "async":
         return GenerationAhead(
-            context, out, ordered=False, max_staleness=alg.staleness,
-            sync_every=alg.ahead.sync_every, resume_partial=alg.ahead.partial_rollouts == "resume",
-        )  # fmt: skip
+            context,
+            out,
+            ordered=False,
+            max_staleness=alg.staleness,
+            sync_every=alg.ahead.sync_every,
+            resume_partial=alg.ahead.partial_rollouts == "resume",
+        )
     if alg.dapo.dynamic_sampling:
         return DynamicSampling(context)
     return Source(context)

@@ -180,10 +180,14 @@ class Advantages(Stage):
             rewards = rewards - self.config.teacher.coef * reverse_kl
             step.metrics["distill/reverse_kl"] = masked_mean(reverse_kl, mask)
         inputs = AdvantageInputs(
-            token_rewards=rewards, mask=mask, group_ids=group_ids(batch),
-            values=batch.columns.get(OLD_VALUES), gamma=alg.gamma, lam=alg.lam,
+            token_rewards=rewards,
+            mask=mask,
+            group_ids=group_ids(batch),
+            values=batch.columns.get(OLD_VALUES),
+            gamma=alg.gamma,
+            lam=alg.lam,
             norm_by_std=alg.norm_by_std,
-        )  # fmt: skip
+        )
         adv, returns = ESTIMATORS.get(alg.advantage)(inputs)
         step.metrics["advantages/abs_mean"] = masked_mean(adv.abs(), mask)
         step.batch = batch.with_columns(advantages=adv.float(), returns=returns.float())

@@ -54,9 +54,11 @@ class RLSetup:
     episodes: EpisodeSetup | None = None  # env=<name>: multi-turn episodes
 
 
-REWARD_CURVE = Curve("reward_curve.png",
-                     (("reward/mean", "train reward"), ("val/reward", "validation reward")),
-                     "reward")  # fmt: skip
+REWARD_CURVE = Curve(
+    "reward_curve.png",
+    (("reward/mean", "train reward"), ("val/reward", "validation reward")),
+    "reward",
+)
 
 
 @dataclass
@@ -85,25 +87,46 @@ class RLTrainer(Job[RLResult]):
         self.console = console or plain_console()
         self.out = Path(c.run.output_dir)
         context = SourceContext(
-            c, setup.train, setup.val, setup.tokenizer, setup.pad_token_id, self.pool,
-            self.weights, PromptSampler(len(setup.train), c.run.prompts_per_step, c.seed),
+            c,
+            setup.train,
+            setup.val,
+            setup.tokenizer,
+            setup.pad_token_id,
+            self.pool,
+            self.weights,
+            PromptSampler(len(setup.train), c.run.prompts_per_step, c.seed),
             SampleScorer(c, setup.tokenizer),
-        )  # fmt: skip
+        )
         self.source = choose_source(context, setup.episodes, self.out)
         reference = setup.reference
         self.on_policy = on_policy(c, reference.enabled, setup.teacher)
         self.stages = build_stages(
-            c, self.group, on_policy=self.on_policy, reference=reference,
-            teacher=setup.teacher, reward_model=setup.reward_model, critic=setup.critic,
-        )  # fmt: skip
+            c,
+            self.group,
+            on_policy=self.on_policy,
+            reference=reference,
+            teacher=setup.teacher,
+            reward_model=setup.reward_model,
+            critic=setup.critic,
+        )
         self.updates = build_updates(c, on_policy=self.on_policy, critic=setup.critic)
         self.trainable = (ACTOR, CRITIC) if setup.critic else (ACTOR,)
         self.spec = LoopSpec(
-            name="rl", total=c.run.steps, steps_knob="run.steps", run=c.run, logging=c.logging,
-            state=setup.state, identity=setup.state, headline="reward/mean", metric_word="reward",
-            tokens_per_s="perf/tokens_per_s", curve=REWARD_CURVE, validate_before=True,
-            validation_label="validation", max_seconds=c.run.max_seconds,
-        )  # fmt: skip
+            name="rl",
+            total=c.run.steps,
+            steps_knob="run.steps",
+            run=c.run,
+            logging=c.logging,
+            state=setup.state,
+            identity=setup.state,
+            headline="reward/mean",
+            metric_word="reward",
+            tokens_per_s="perf/tokens_per_s",
+            curve=REWARD_CURVE,
+            validate_before=True,
+            validation_label="validation",
+            max_seconds=c.run.max_seconds,
+        )
         self.kept = RLResult(self.out, final_step=0)  # what record() keeps of each step
         threshold = c.run.log_prob_alarm or log_prob_tolerance(c.actor.model.dtype, c.rollout.dtype)
         self.alarm = LogProbAlarm(threshold, self.console.print)
@@ -144,15 +167,17 @@ class RLTrainer(Job[RLResult]):
         metrics = {**batch.reward_metrics, **batch.metrics}
         for update in reversed(self.updates):  # the actor's first
             metrics.update(update.metrics(trained[update.role]))
-        metrics.update({
-            "response/length_mean": float(lengths.mean()),
-            "response/length_max": float(lengths.max()),
-            "response/clip_ratio": clip_ratio(drawn.completions, lengths, max_new),
-            "perf/tokens_per_s": float(batch.batch.num_tokens) / sum(seconds.values()),
-            **{f"time/{k}_s": v for k, v in seconds.items()},
-            **(report.metrics() if report is not None else {}),
-            **drawn.source_metrics,
-        })  # fmt: skip
+        metrics.update(
+            {
+                "response/length_mean": float(lengths.mean()),
+                "response/length_max": float(lengths.max()),
+                "response/clip_ratio": clip_ratio(drawn.completions, lengths, max_new),
+                "perf/tokens_per_s": float(batch.batch.num_tokens) / sum(seconds.values()),
+                **{f"time/{k}_s": v for k, v in seconds.items()},
+                **(report.metrics() if report is not None else {}),
+                **drawn.source_metrics,
+            }
+        )
         if "generate" in seconds:  # ahead of training, generation overlaps the rest
             generated = float(lengths.sum())
             metrics["perf/generate_tokens_per_s"] = generated / max(seconds["generate"], 1e-9)
@@ -212,7 +237,11 @@ class RLTrainer(Job[RLResult]):
 
     def result(self, outcome: Outcome) -> RLResult:
         return dataclasses.replace(
-            self.kept, final_step=outcome.final_step, val_before=outcome.val_before,
-            val_after=outcome.val_after, hf_dir=outcome.hf_dir, seconds=outcome.seconds,
+            self.kept,
+            final_step=outcome.final_step,
+            val_before=outcome.val_before,
+            val_after=outcome.val_after,
+            hf_dir=outcome.hf_dir,
+            seconds=outcome.seconds,
             loop_seconds=outcome.loop_seconds,
-        )  # fmt: skip
+        )

@@ -48,9 +48,11 @@ class Update:
     def metrics(self, stats: StepStats) -> dict[str, float]:
         if self.role == ACTOR:  # the loss the run's progress and summary read
             return {
-                "actor/grad_norm": stats.grad_norm, "actor/loss": stats.loss,
-                "actor/lr": stats.lr, **stats.metrics,
-            }  # fmt: skip
+                "actor/grad_norm": stats.grad_norm,
+                "actor/loss": stats.loss,
+                "actor/lr": stats.lr,
+                **stats.metrics,
+            }
         return {**stats.metrics, f"{self.role}/grad_norm": stats.grad_norm}
 
 

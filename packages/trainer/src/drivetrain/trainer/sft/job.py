@@ -154,13 +154,20 @@ def run_sft(
 
     def trainer(group: WorkerGroup) -> SFTTrainer:
         return SFTTrainer(
-            config, engine_name=job.engine_name, group=group, data=prepared.data,
+            config,
+            engine_name=job.engine_name,
+            group=group,
+            data=prepared.data,
             pad_token_id=prepared.pad_token_id,
-        )  # fmt: skip
+        )
 
     factory = functools.partial(EngineWorker, job.engine_name, engine_config_for_run(prepared))
     return run_job(
-        on_workers(factory, config.workers, trainer), config.run,
-        writer=writes_files(config.workers), config_yaml=job.to_yaml(), resume=resume,
-        overwrite=overwrite, console=console or plain_console(),
-    )  # fmt: skip
+        on_workers(factory, config.workers, trainer),
+        config.run,
+        writer=writes_files(config.workers),
+        config_yaml=job.to_yaml(),
+        resume=resume,
+        overwrite=overwrite,
+        console=console or plain_console(),
+    )

@@ -55,12 +55,21 @@ class SFTTrainer(Job[SFTResult]):
         total = total_steps(config, self.plan)
         identity = {"engine": engine_name, "model_path": config.engine.model.path}
         self.spec = LoopSpec(
-            name="sft", total=total, steps_knob=steps_knob(config.run), run=config.run,
-            logging=config.logging, identity=identity,
-            state={**identity, "seed": config.seed, "batch_size": config.run.batch_size,
-                   "total_steps": total},
-            agree=launched_by_torchrun(), writer=group.is_writer,
-        )  # fmt: skip
+            name="sft",
+            total=total,
+            steps_knob=steps_knob(config.run),
+            run=config.run,
+            logging=config.logging,
+            identity=identity,
+            state={
+                **identity,
+                "seed": config.seed,
+                "batch_size": config.run.batch_size,
+                "total_steps": total,
+            },
+            agree=launched_by_torchrun(),
+            writer=group.is_writer,
+        )
         self.train_loss: dict[int, float] = {}  # 1-based step -> loss
 
     # ---- steps --------------------------------------------------------------------------
@@ -108,6 +117,9 @@ class SFTTrainer(Job[SFTResult]):
 
     def result(self, outcome: Outcome) -> SFTResult:
         return SFTResult(
-            outcome.output_dir, outcome.final_step, self.train_loss,
-            val_loss=outcome.val_after.get("val/loss"), hf_dir=outcome.hf_dir,
-        )  # fmt: skip
+            outcome.output_dir,
+            outcome.final_step,
+            self.train_loss,
+            val_loss=outcome.val_after.get("val/loss"),
+            hf_dir=outcome.hf_dir,
+        )
