@@ -19,7 +19,7 @@ from drivetrain.ckpt import buckets
 from drivetrain.ckpt.config import ColocatedConfig
 from drivetrain.rollout.config import HFRolloutConfig
 from drivetrain.runtime.weight_ledger import WeightLedger
-from drivetrain.trainer.sync_manager import WeightSyncManager, connect_transport, engine_sender
+from drivetrain.trainer.rl.sync_manager import WeightSyncManager, connect_transport, engine_sender
 from rollout_support import build_model
 
 pytestmark = pytest.mark.timeout(300)

@@ -23,7 +23,7 @@ from drivetrain.api.config import WeightSyncConfig
 from drivetrain.api.registry import ckpt_engines, rollouts
 from drivetrain.ckpt.buckets import digest_of
 from drivetrain.rollout.config import HFRolloutConfig, VLLMRolloutConfig
-from drivetrain.trainer.sync_manager import WeightSyncManager, connect_transport, engine_sender
+from drivetrain.trainer.rl.sync_manager import WeightSyncManager, connect_transport, engine_sender
 from rollout_support import fsdp_engine, log_prob_gap, train_step
 
 TRANSPORTS = ("broadcast", "colocated", "disk")

@@ -4,7 +4,7 @@ from drivetrain.api import ConfigError, Prompt, SamplingParams
 from drivetrain.api.registry import rollouts
 from drivetrain.rollout.config import HFRolloutConfig, VLLMRolloutConfig
 from drivetrain.rollout.errors import BackendNotInstalledError
-from drivetrain.rollout.frontends import load_backend_class
+from drivetrain.rollout.factories import load_backend_class
 
 
 def test_registry_lists_the_three_backends_with_capabilities():

@@ -16,7 +16,7 @@ from drivetrain.api.rollout import FinishReason, SamplingParams
 from drivetrain.api.testing.fake_rollout import processed_log_probs
 from drivetrain.rollout.config import SGLangRolloutConfig
 from drivetrain.rollout.errors import BackendNotInstalledError
-from drivetrain.rollout.frontends import load_backend_class
+from drivetrain.rollout.factories import load_backend_class
 from drivetrain.rollout.sglang import requests
 from drivetrain.rollout.sglang.requests import (
     TopKTopPFilter,

@@ -10,7 +10,7 @@ from drivetrain.api.registry import ckpt_engines
 from drivetrain.api.testing import FakeRollout, FakeRolloutConfig, fake_model
 from drivetrain.api.weight_sync import WeightSyncError
 from drivetrain.runtime.weight_receiver import WeightReceiver
-from drivetrain.trainer.sync_manager import WeightSyncManager, connect_transport
+from drivetrain.trainer.rl.sync_manager import WeightSyncManager, connect_transport
 
 
 def reused_buffer_export(weights):

@@ -9,13 +9,13 @@ import inspect
 import textwrap
 from pathlib import Path
 
-from drivetrain.trainer.rl import losses, trainer
+from drivetrain.trainer.rl import trainer, update_losses
 from drivetrain.trainer.rl.batch_ops import ENGINE_COLUMNS
-from drivetrain.trainer.rl.losses import ActorLoss, CriticLoss
+from drivetrain.trainer.rl.update_losses import ActorLoss, CriticLoss
 
 RL = Path(trainer.__file__).parent
 #: where ``algorithm.mode`` may be compared: choosing the source, and refusing in config
-MODE_READERS = {"sources.py", "config.py", "job.py"}
+MODE_READERS = {"source_choice.py", "config.py", "job.py"}
 
 
 def test_the_step_is_at_most_40_lines():
@@ -41,7 +41,7 @@ def _mode_comparisons(path: Path) -> list[int]:
 def test_the_mode_is_compared_only_where_the_source_is_chosen():
     readers = {p.name: lines for p in RL.glob("*.py") if (lines := _mode_comparisons(p))}
     assert set(readers) <= MODE_READERS, readers
-    assert "sources.py" in readers  # the check sees the comparisons it allows
+    assert "source_choice.py" in readers  # the check sees the comparisons it allows
 
 
 def _batch_reads(fn: object) -> set[str]:
@@ -55,7 +55,7 @@ def _batch_reads(fn: object) -> set[str]:
             getattr(c, "id", "") == "mb" for c in node.comparators
         ):
             names.add(node.left)
-    return {getattr(losses, n.id) for n in names if isinstance(n, ast.Name)}
+    return {getattr(update_losses, n.id) for n in names if isinstance(n, ast.Name)}
 
 
 def test_an_update_sends_exactly_the_columns_its_loss_reads():

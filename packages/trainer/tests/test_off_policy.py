@@ -11,13 +11,13 @@ import torch
 
 from drivetrain.api import Batch, LossContext
 from drivetrain.api.errors import ConfigError
-from drivetrain.trainer.rl.losses import ActorLoss
 from drivetrain.trainer.rl.off_policy import (
     CORRECTIONS,
     CorrectionConfig,
     CorrectionInputs,
     correct,
 )
+from drivetrain.trainer.rl.update_losses import ActorLoss
 
 LN = math.log
 # two sequences: a prompt token (masked) then three response tokens; the second has a pad

@@ -13,17 +13,11 @@ from drivetrain.api.errors import ConfigError
 from drivetrain.trainer.config_loader import load_config
 from drivetrain.trainer.rl.advantages import ADVANTAGES, AdvantageInputs
 from drivetrain.trainer.rl.config import RLConfig
-from drivetrain.trainer.rl.dapo import (
-    SampledGroup,
-    dynamic_sample,
-    filter_truncated,
-    join_groups,
-    overlong_penalty,
-    split_groups,
-)
+from drivetrain.trainer.rl.dapo import dynamic_sample, filter_truncated, overlong_penalty
 from drivetrain.trainer.rl.job import preset_files, preset_names
 from drivetrain.trainer.rl.policy_losses import POLICY_LOSSES, ClipConfig, PolicyLossInputs
 from drivetrain.trainer.rl.prompts import PromptSampler
+from drivetrain.trainer.rl.sample_groups import SampledGroup, join_groups, split_groups
 
 
 def test_cispo_clips_the_detached_weight_and_keeps_every_gradient() -> None:

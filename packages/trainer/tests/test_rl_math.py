@@ -12,8 +12,8 @@ from drivetrain.api.batch import Layout
 from drivetrain.trainer.rl.advantages import ADVANTAGES, AdvantageInputs
 from drivetrain.trainer.rl.aggregation import aggregate
 from drivetrain.trainer.rl.kl import KLConfig, kl_penalty
-from drivetrain.trainer.rl.losses import ActorLoss, CriticLoss, state_values
 from drivetrain.trainer.rl.policy_losses import POLICY_LOSSES, ClipConfig, PolicyLossInputs
+from drivetrain.trainer.rl.update_losses import ActorLoss, CriticLoss, state_values
 
 
 def test_grpo_group_advantages() -> None:

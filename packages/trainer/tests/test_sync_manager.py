@@ -13,7 +13,7 @@ from drivetrain.api.testing import FakeEngine, FakeEngineConfig, FakeRollout, Fa
 from drivetrain.api.testing.fake_transport import FakeTransportConfig
 from drivetrain.api.weight_sync import WeightSyncError
 from drivetrain.runtime.weight_receiver import WeightReceiver
-from drivetrain.trainer.sync_manager import WeightSyncManager, connect_transport, engine_sender
+from drivetrain.trainer.rl.sync_manager import WeightSyncManager, connect_transport, engine_sender
 
 
 class RecordingRollout(FakeRollout):

@@ -114,7 +114,7 @@ def create(backend: str, path: Path, *, find_links: list[str], python: str) -> P
     # drivetrain's own packages without dependencies: the backend's pins stay as installed
     subprocess.run([*install, "--no-deps", *drivetrain_requirements()], check=True)
     probe = (
-        f"import {recipe.check}, drivetrain.rollout.frontends; print({recipe.check}.__version__)"
+        f"import {recipe.check}, drivetrain.rollout.factories; print({recipe.check}.__version__)"
     )
     version = subprocess.run(
         [str(interpreter), "-c", probe], check=True, capture_output=True, text=True

@@ -6,7 +6,7 @@ API = ">=0.1,<0.2"
 
 HF = PluginSpec(
     name="hf",
-    factory="drivetrain.rollout.frontends:HFFrontend",
+    factory="drivetrain.rollout.factories:HFRolloutFactory",
     config="drivetrain.rollout.config:HFRolloutConfig",
     api=API,
     capabilities=frozenset({"sleep", "separate_process", "device:cpu", "device:cuda"}),
@@ -16,7 +16,7 @@ HF = PluginSpec(
 
 VLLM = PluginSpec(
     name="vllm",
-    factory="drivetrain.rollout.frontends:VLLMFrontend",
+    factory="drivetrain.rollout.factories:VLLMRolloutFactory",
     config="drivetrain.rollout.config:VLLMRolloutConfig",
     api=API,
     capabilities=frozenset(
@@ -31,7 +31,7 @@ VLLM = PluginSpec(
 
 SGLANG = PluginSpec(
     name="sglang",
-    factory="drivetrain.rollout.frontends:SGLangFrontend",
+    factory="drivetrain.rollout.factories:SGLangRolloutFactory",
     config="drivetrain.rollout.config:SGLangRolloutConfig",
     api=API,
     capabilities=frozenset({"sleep", "tensor_parallel", "separate_process", "device:cuda"}),

@@ -4,7 +4,7 @@ The sender hands each tensor of the engine's export stream to every receiver as 
 no bucket) and waits until each receiver has asked for the next one, so a tensor that is a view
 of the engine's buffers is still valid while a rollout applies it. It is a transport like the
 others, so the trainer drives every placement through one sync sequence
-(:mod:`drivetrain.trainer.sync_manager`); a receiver that fails or stops reading makes the sender
+(:mod:`drivetrain.trainer.rl.sync_manager`); a receiver that fails or stops reading makes the sender
 raise :class:`WeightSyncError` within the deadline, and a failing export aborts the receivers.
 """
 

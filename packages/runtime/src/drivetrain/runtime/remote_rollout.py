@@ -54,9 +54,12 @@ class Channel(Protocol):
         """``host.call(method, *args)`` on the far side; ``wait_s``: seconds the call may
         take beyond the channel's own timeout (a poll that waits)."""
 
-    def send_weights(self, weights: Iterable[NamedTensor], version: int) -> None:
-        """``rollout.update_weights`` on the far side with this stream, or
-        ``NotImplementedError`` where weights only arrive through a transport."""
+    def send_weights_inline(self, weights: Iterable[NamedTensor], version: int) -> None:
+        """``rollout.update_weights`` on the far side with this stream, the tensors inline on
+        the channel: the path of a caller that holds the rollout without a transport
+        (``drivetrain diagnose``, the rollout kit). A training run never takes it (its weights
+        arrive through the weight-sync transport, ``weights_receive``); a channel without it
+        raises ``NotImplementedError``."""
 
     def close(self) -> None:
         """After ``shutdown``: release the process or actor."""
@@ -174,7 +177,7 @@ class RemoteRollout(Rollout):
         return bool(self.channel.call("background_generation", bool(enabled)))
 
     def update_weights(self, weights: Iterable[NamedTensor], *, version: int) -> None:
-        self.channel.send_weights(weights, version)
+        self.channel.send_weights_inline(weights, version)
 
     @property
     def weight_version(self) -> int:

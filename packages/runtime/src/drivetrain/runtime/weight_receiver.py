@@ -1,8 +1,9 @@
 """The receiving end of the weight path: one rollout joined to a weight-sync transport.
 
 It lives in the process that holds the rollout's weights and belongs to the sync side (the
-:class:`~drivetrain.trainer.sync_manager.WeightSyncManager` keeps one per rollout; a server process
-or Ray actor hosting a rollout keeps one next to it, see :mod:`drivetrain.runtime.remote_rollout`).
+:class:`~drivetrain.trainer.rl.sync_manager.WeightSyncManager` keeps one per rollout; a server
+process or Ray actor hosting a rollout keeps one next to it, see
+:mod:`drivetrain.runtime.remote_rollout`).
 Every sync is one call chain::
 
     transport.receive(into=rollout.weight_destination)  ->  rollout.update_weights(stream)

@@ -4,7 +4,7 @@
 (:class:`~drivetrain.runtime.remote_rollout.RemoteRollout`) over a :class:`ServerProcess` channel.
 The server (:mod:`server`) is started with the given interpreter in its own session (so its
 children, e.g. vLLM's workers, go down with it), connects back over an authenticated loopback
-connection (:mod:`listener`; messages are JSON, :mod:`wire`), and builds the backend there.
+connection (:mod:`listener`; messages are JSON, :mod:`messages`), and builds the backend there.
 Every call waits on the reply *and* on the process: a server that dies raises
 :class:`RolloutProcessError` with the tail of its log instead of hanging.
 """
@@ -29,7 +29,7 @@ from drivetrain.api.config import RolloutConfig
 from drivetrain.api.engine import NamedTensor
 from drivetrain.rollout.config import BackendConfig
 from drivetrain.rollout.errors import ProtocolError, RolloutProcessError
-from drivetrain.rollout.process import wire
+from drivetrain.rollout.process import messages
 from drivetrain.rollout.process.listener import AuthenticatedListener
 from drivetrain.rollout.process.protocol import ADDRESS_ENV, AUTHKEY_ENV, remote_error
 from drivetrain.rollout.weights import tensor_to_bytes
@@ -152,7 +152,7 @@ class ServerProcess:
                 self._finalizer()
                 raise self._died(f"did not answer within {timeout:.0f} s")
         try:
-            reply = wire.receive(self.conn)
+            reply = messages.receive(self.conn)
         except (EOFError, ConnectionResetError):
             raise self._died("closed the connection") from None
         except ProtocolError as exc:  # e.g. an older drivetrain-rollout there, which pickled
@@ -174,7 +174,7 @@ class ServerProcess:
             if self.process.poll() is not None:
                 raise self._died("is not running")
             try:
-                wire.send(self.conn, (method, args))
+                messages.send(self.conn, (method, args))
             except (BrokenPipeError, ConnectionResetError) as exc:
                 raise self._died(f"dropped the connection ({exc})") from exc
             return self._reply(self.request_timeout_s if timeout is None else timeout)
@@ -184,7 +184,7 @@ class ServerProcess:
         limit = SHUTDOWN_TIMEOUT_S if method == "shutdown" else self.request_timeout_s
         return self._call(method, args, timeout=limit + wait_s)
 
-    def send_weights(self, weights: Iterable[NamedTensor], version: int) -> None:
+    def send_weights_inline(self, weights: Iterable[NamedTensor], version: int) -> None:
         """Streams tensors as bytes; the server hands them to the rollout only once the
         stream ended cleanly, so a failing stream leaves the old weights in use (a bad name
         or shape may still leave a rollout that applies as it goes torn, see
@@ -193,21 +193,21 @@ class ServerProcess:
             self._stream_weights(weights, version)
 
     def _stream_weights(self, weights: Iterable[NamedTensor], version: int) -> None:
-        wire.send(self.conn, ("update_weights", (version,)))
+        messages.send(self.conn, ("update_weights", (version,)))
         try:
             for name, tensor in weights:
                 meta, data = tensor_to_bytes(tensor)
-                wire.send(self.conn, ("tensor", name, meta))
+                messages.send(self.conn, ("tensor", name, meta))
                 self.conn.send_bytes(data)
         except (BrokenPipeError, ConnectionResetError) as exc:  # the server is gone
             raise self._died(f"dropped the weight stream ({exc})") from exc
         except BaseException:
             if self.process.poll() is None:
-                wire.send(self.conn, ("abort",))
+                messages.send(self.conn, ("abort",))
                 with contextlib.suppress(Exception):
                     self._reply(self.request_timeout_s)
             raise
-        wire.send(self.conn, ("end",))
+        messages.send(self.conn, ("end",))
         self._reply(self.request_timeout_s)
 
     def close(self) -> None:

@@ -15,8 +15,8 @@ from typing import Any
 
 from drivetrain.api.rollout import Rollout
 from drivetrain.rollout.errors import ProtocolError
-from drivetrain.rollout.frontends import IMPLEMENTATIONS, load_backend_class
-from drivetrain.rollout.process import wire
+from drivetrain.rollout.factories import IMPLEMENTATIONS, load_backend_class
+from drivetrain.rollout.process import messages
 from drivetrain.rollout.process.protocol import ADDRESS_ENV, AUTHKEY_ENV, send_at_once
 from drivetrain.rollout.weights import tensor_from_bytes
 from drivetrain.runtime.heap import settle_heap
@@ -41,7 +41,7 @@ def _receive_weights(conn: Connection, rollout: Rollout, version: int) -> None:
     failure: Exception | None = None
     while True:
         try:
-            match wire.receive(conn):
+            match messages.receive(conn):
                 case ("tensor", str(name), dict(meta)):
                     data = conn.recv_bytes()
                     if failure is None:
@@ -75,7 +75,7 @@ def serve(conn: Connection) -> None:
             break
         try:
             result: Any = None
-            match wire.decode(data):
+            match messages.decode(data):
                 case (str(method), tuple(args)):
                     pass
                 case request:
@@ -92,11 +92,11 @@ def serve(conn: Connection) -> None:
             else:
                 result = host.call(method, *args)
                 if method == "shutdown":
-                    wire.send(conn, ("ok", None))
+                    messages.send(conn, ("ok", None))
                     break
-            wire.send(conn, ("ok", result))
+            messages.send(conn, ("ok", result))
         except Exception as exc:
-            wire.send(conn, ("error", type(exc).__name__, str(exc), traceback.format_exc()))
+            messages.send(conn, ("error", type(exc).__name__, str(exc), traceback.format_exc()))
 
 
 def main() -> None:

@@ -27,10 +27,11 @@ from drivetrain.runtime.remote_rollout import RemoteRollout
 from drivetrain.trainer.job_config import WorkersConfig
 from drivetrain.trainer.rl.config import PlacementConfig
 from drivetrain.trainer.rl.rollout_pool import RayChannel, RolloutActor, RolloutPool
-from drivetrain.trainer.sync_manager import WeightSyncManager, connect_rollouts
+from drivetrain.trainer.rl.sync_manager import WeightSyncManager, connect_rollouts
+from drivetrain.trainer.rl.sync_worker import SyncingWorker
 from drivetrain.trainer.workers.group import LocalWorkerGroup, WorkerGroup
 from drivetrain.trainer.workers.ray_runtime import driver_env, ensure_ray, wait_all
-from drivetrain.trainer.workers.role_worker import RoleSpec, RoleWorker
+from drivetrain.trainer.workers.role_worker import RoleSpec
 
 DEFAULT_TRANSPORT = {"colocated": "colocated", "separate": "broadcast"}
 
@@ -94,13 +95,13 @@ def connect_weights(
     """Join the actor's rank 0 and every rollout into the placement's transport once; the
     returned manager (the weight path's one owner) runs every sync over it. ``adapter``: the
     rollouts take LoRA adapters (a LoRA actor sends its adapter alone)."""
-    endpoint = group.run_all(RoleWorker.sync_prepare, transport, config, adapter)
+    endpoint = group.run_all(SyncingWorker.sync_prepare, transport, config, adapter)
 
     def sender(topology: Topology, endpoint: Any) -> None:
-        group.run_all(RoleWorker.sync_connect, topology, endpoint)
+        group.run_all(SyncingWorker.sync_connect, topology, endpoint)
 
     receivers = connect_rollouts(sender, endpoint, transport, config, pool.rollouts)
-    send = functools.partial(group.run_all, RoleWorker.sync_send)
+    send = functools.partial(group.run_all, SyncingWorker.sync_send)
     return WeightSyncManager(send, pool.rollouts, receivers, colocated=colocated)
 
 
@@ -146,7 +147,7 @@ class PlacementSpec:
 
 
 def build_placement(spec: PlacementSpec) -> Placement:
-    factory = functools.partial(RoleWorker, spec.roles, spec.plugins)
+    factory = functools.partial(SyncingWorker, spec.roles, spec.plugins)
     if spec.mode != "inprocess":
         return _ray_placement(spec, factory)
     group: WorkerGroup = LocalWorkerGroup(factory)

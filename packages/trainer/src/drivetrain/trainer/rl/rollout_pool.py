@@ -46,7 +46,7 @@ class RayChannel:
         timeout = None if self.timeout_s is None else self.timeout_s + wait_s
         return wait_all(self.actor.call.remote(method, *args), timeout, f"rollout {method}")
 
-    def send_weights(self, weights: Iterable[NamedTensor], version: int) -> None:
+    def send_weights_inline(self, weights: Iterable[NamedTensor], version: int) -> None:
         raise NotImplementedError("a Ray rollout receives weights through a transport")
 
     def close(self) -> None:

@@ -9,9 +9,10 @@ from typing import Any
 import torch
 
 from drivetrain.trainer.rl.config import RLConfig
-from drivetrain.trainer.rl.dapo import SHAPING, overlong_penalty
+from drivetrain.trainer.rl.dapo import overlong_penalty
 from drivetrain.trainer.rl.prompts import RLPrompt
 from drivetrain.trainer.rl.rewards import RewardScorer
+from drivetrain.trainer.rl.sample_groups import SHAPING
 
 
 class SampleScorer:

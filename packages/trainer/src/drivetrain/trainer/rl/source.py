@@ -1,5 +1,5 @@
 """Where a step's samples come from: a :class:`Source`, chosen once when the run starts
-(``rl/sources.py``). The loop asks it for each step's scored samples and lets it own what the
+(``rl/source_choice.py``). The loop asks it for each step's scored samples and lets it own what the
 weights do around the update; here the sync ones, generating each step's groups when the step
 asks (DAPO's dynamic sampling on top of it)."""
 
@@ -18,18 +18,18 @@ import torch
 from drivetrain.api import Batch, Prompt, SamplingParams
 from drivetrain.trainer.rl.batch_ops import completions_batch
 from drivetrain.trainer.rl.config import RLConfig
-from drivetrain.trainer.rl.dapo import (
+from drivetrain.trainer.rl.dapo import dynamic_sample
+from drivetrain.trainer.rl.prompts import PromptSampler, RLPrompt
+from drivetrain.trainer.rl.rollout_pool import RolloutPool
+from drivetrain.trainer.rl.sample_groups import (
     SampledGroup,
-    dynamic_sample,
     generation_stats,
     join_groups,
     split_groups,
 )
-from drivetrain.trainer.rl.prompts import PromptSampler, RLPrompt
-from drivetrain.trainer.rl.rollout_pool import RolloutPool
 from drivetrain.trainer.rl.scoring import SampleScorer
 from drivetrain.trainer.rl.step_metrics import reward_stats
-from drivetrain.trainer.sync_manager import SyncReport, WeightSyncManager
+from drivetrain.trainer.rl.sync_manager import SyncReport, WeightSyncManager
 
 
 class PhaseTimer:

@@ -20,7 +20,7 @@ from drivetrain.trainer.rl.batch_ops import (
 )
 from drivetrain.trainer.rl.group_stream import GroupStream
 from drivetrain.trainer.rl.source import Drawn, PhaseTimer, Source, SourceContext
-from drivetrain.trainer.sync_manager import SyncReport
+from drivetrain.trainer.rl.sync_manager import SyncReport
 
 #: one line per step, ``{"step", "trainer_version", "versions": [[first, last]]}`` (each trained
 #: sample's weight versions over its response tokens)

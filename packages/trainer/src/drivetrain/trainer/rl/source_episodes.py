@@ -11,8 +11,8 @@ from drivetrain.trainer.agentic.agent_runner import AgentRunner
 from drivetrain.trainer.agentic.episodes import EpisodeRunner
 from drivetrain.trainer.agentic.samples import episode_metrics, episode_samples
 from drivetrain.trainer.rl.batch_ops import completions_batch
-from drivetrain.trainer.rl.dapo import generation_stats, split_groups
 from drivetrain.trainer.rl.episode_setup import EpisodeSetup
+from drivetrain.trainer.rl.sample_groups import generation_stats, split_groups
 from drivetrain.trainer.rl.source import Drawn, PhaseTimer, Source, SourceContext
 from drivetrain.trainer.rl.step_metrics import reward_stats
 

@@ -35,7 +35,7 @@ from drivetrain.trainer.rl.batch_ops import (
 from drivetrain.trainer.rl.config import RLConfig
 from drivetrain.trainer.rl.dapo import filter_truncated
 from drivetrain.trainer.rl.kl import kl_penalty
-from drivetrain.trainer.rl.losses import OLD_VALUES, CriticLoss, state_values
+from drivetrain.trainer.rl.update_losses import OLD_VALUES, CriticLoss, state_values
 from drivetrain.trainer.workers.group import WorkerGroup
 from drivetrain.trainer.workers.role_worker import ACTOR, CRITIC, REWARD_MODEL, TEACHER
 

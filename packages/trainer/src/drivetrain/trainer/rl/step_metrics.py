@@ -10,7 +10,7 @@ import torch
 
 from drivetrain.api import FinishReason
 from drivetrain.api.loss import MAX_SUFFIX
-from drivetrain.trainer.rl.dapo import SHAPING
+from drivetrain.trainer.rl.sample_groups import SHAPING
 from drivetrain.trainer.trajectory import Trajectory
 from drivetrain.trainer.workers.engine_worker import StepStats
 

@@ -27,12 +27,12 @@ from drivetrain.trainer.rl.placement import Placement
 from drivetrain.trainer.rl.prompts import PromptSampler
 from drivetrain.trainer.rl.scoring import SampleScorer
 from drivetrain.trainer.rl.source import Drawn, PhaseTimer, SourceContext
-from drivetrain.trainer.rl.sources import choose_source
+from drivetrain.trainer.rl.source_choice import choose_source
 from drivetrain.trainer.rl.stages import StepBatch, build_stages
 from drivetrain.trainer.rl.step_metrics import clip_ratio, fmt
+from drivetrain.trainer.rl.sync_manager import SyncReport
 from drivetrain.trainer.rl.updates import build_updates, on_policy
 from drivetrain.trainer.run_loop import Job, LoopSpec, Outcome
-from drivetrain.trainer.sync_manager import SyncReport
 from drivetrain.trainer.workers.engine_worker import StepStats
 from drivetrain.trainer.workers.role_worker import ACTOR, CRITIC, RoleWorker
 

@@ -11,8 +11,8 @@ from typing import Any
 from drivetrain.api import Batch
 from drivetrain.trainer.rl.batch_ops import engine_view
 from drivetrain.trainer.rl.config import RLConfig, updates_per_step
-from drivetrain.trainer.rl.losses import ActorLoss, CriticLoss
 from drivetrain.trainer.rl.step_metrics import mean_stats
+from drivetrain.trainer.rl.update_losses import ActorLoss, CriticLoss
 from drivetrain.trainer.workers.engine_worker import StepStats
 from drivetrain.trainer.workers.group import WorkerGroup
 from drivetrain.trainer.workers.role_worker import ACTOR, CRITIC, RoleWorker

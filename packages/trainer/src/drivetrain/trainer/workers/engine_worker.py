@@ -16,7 +16,7 @@ from typing import Any
 from drivetrain.api import Batch, EngineConfig, LossFn, OutputSpec, ParallelInfo, registry
 from drivetrain.api.columns import LOG_PROBS, LOSS_MASK
 from drivetrain.trainer.hf_export import write_hf_model
-from drivetrain.trainer.losses import get_loss
+from drivetrain.trainer.named_losses import get_loss
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class EngineWorker:
         return self.engine.parallel.shard_of(batch)
 
     def train_step(self, shard: Batch, loss: str | LossFn) -> StepStats:
-        """One optimizer step. ``loss``: a name in :mod:`drivetrain.trainer.losses`, or a loss
+        """One optimizer step. ``loss``: a name in :mod:`drivetrain.trainer.named_losses`, or a loss
         object (picklable, for Ray) whose ``outputs`` attribute says what it needs."""
         engine = self.engine
         loss_fn = get_loss(loss) if isinstance(loss, str) else loss

@@ -1,11 +1,11 @@
-"""One rank of the RL job: the engines of every training-side role on this rank, and the
-operations the controller runs on them by name.
+"""One rank of a job with roles (RL, DPO): the engines of every training-side role on this
+rank, and the operations the controller runs on them by name.
 
 Roles share the rank's process and torch.distributed world (verl's colocated roles): the actor
 (trained), the reference (frozen), the critic (trained, value head), the reward model
 (frozen, value head) and the distillation teacher (frozen). Each may use another engine
-backend. Rank 0 also holds the sending end of the weight-sync transport; the other ranks take
-part in the export's collectives.
+backend. The RL job's ranks also send the actor's weights to the rollouts
+(:class:`drivetrain.trainer.rl.sync_worker.SyncingWorker`); DPO's do not.
 """
 
 from __future__ import annotations
@@ -15,12 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from drivetrain.api import Batch, EngineConfig, LossFn, OutputSpec, ParallelInfo, registry
-from drivetrain.api.config import WeightSyncConfig
-from drivetrain.api.weight_sync import SyncStats, Topology, TransportRole, WeightTransport
-from drivetrain.runtime.weight_ledger import WeightLedger
+from drivetrain.api import Batch, EngineConfig, LossFn, OutputSpec, ParallelInfo
 from drivetrain.trainer.named_registry import import_plugins
-from drivetrain.trainer.sync_manager import engine_sender
 from drivetrain.trainer.workers.engine_worker import EngineWorker, StepStats
 
 ACTOR, REFERENCE, CRITIC, REWARD_MODEL = "actor", "reference", "critic", "reward_model"
@@ -39,9 +35,6 @@ class RoleWorker:
         if ACTOR not in roles:
             raise ValueError("an RL worker needs the actor role")
         self.roles = {name: EngineWorker(s.engine, s.config) for name, s in roles.items()}
-        self._sender: WeightTransport | None = None
-        self._ledger: WeightLedger | None = None  # what the rollouts hold (rank 0)
-        self._adapter_sync = False  # the rollouts take the actor's LoRA adapter alone
 
     def initialize(self) -> ParallelInfo:
         infos = {name: worker.initialize() for name, worker in self.roles.items()}
@@ -92,39 +85,6 @@ class RoleWorker:
     def export_hf(self, path: str) -> None:
         self.roles[ACTOR].export_hf(path)
 
-    def export_weights(self) -> Any:
-        """The actor's weight stream (what rank 0's transport sends): its LoRA adapter alone
-        when the rollouts take adapters, else the (merged) weights."""
-        return self.roles[ACTOR].engine.export_weights(adapter_only=self._adapter_sync)
-
-    # ---- weight sync (rank 0 sends; the others join the export's collectives) -----------
-    def sync_prepare(
-        self, transport: str, config: WeightSyncConfig, adapter: bool = False
-    ) -> Mapping[str, Any] | None:
-        """``adapter``: the rollouts take LoRA adapters; a LoRA actor then sends its adapter
-        alone (every rank: exporting runs collectives)."""
-        self._adapter_sync = adapter and self.roles[ACTOR].engine.adapter_config() is not None
-        if self.rank != 0:
-            return None
-        self.sync_close()
-        self._sender = registry.ckpt_engines.load(transport)(config)
-        keeps = config.delta or config.provenance
-        self._ledger = WeightLedger(delta=config.delta) if keeps else None
-        return self._sender.prepare()
-
-    def sync_connect(self, topology: Topology, endpoint: Mapping[str, Any]) -> None:
-        if self._sender is not None:
-            self._sender.connect(TransportRole.SENDER, 0, topology, endpoint)
-
-    def sync_send(self, version: int, base: int | None = None) -> SyncStats | None:
-        return engine_sender(self.export_weights, self._sender, self._ledger)(version, base)
-
-    def sync_close(self) -> None:
-        if self._sender is not None:
-            sender, self._sender = self._sender, None
-            sender.finalize()
-
     def close(self) -> None:
-        self.sync_close()
         for worker in self.roles.values():
             worker.close()

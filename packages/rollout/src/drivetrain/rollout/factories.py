@@ -1,7 +1,8 @@
-"""What the registry hands out: constructing ``HFFrontend(config)`` (``rollouts.load("hf")``)
-returns the backend's own rollout in this process (``drivetrain.rollout.hf.rollout.HFRollout``),
-or, when ``config.python`` is set, the remote-rollout proxy to a server process running it in
-that environment. Nothing stays between the caller and either.
+"""What the registry hands out: rollout factories. ``HFRolloutFactory(config)``
+(``rollouts.load("hf")``) makes the backend's own rollout in this process
+(``drivetrain.rollout.hf.rollout.HFRollout``), or, when ``config.python`` is set, the
+remote-rollout proxy to a server process running it in that environment. Nothing stays between
+the caller and either.
 
 Importing this module imports no backend library, so ``drivetrain rollouts`` lists ``vllm`` and
 ``sglang`` even in an environment that only reaches them through a server process.
@@ -55,7 +56,7 @@ def load_backend_class(backend: str) -> type[Rollout]:
     return getattr(importlib.import_module(module_name), attribute)
 
 
-class RolloutFrontend(Rollout):
+class RolloutFactory(Rollout):
     """A factory in the shape of a :class:`Rollout` subclass (what the registry requires):
     ``cls(config)`` is the backend's rollout or its remote proxy, never an instance of
     ``cls``."""
@@ -72,16 +73,16 @@ class RolloutFrontend(Rollout):
         return load_backend_class(cls.backend)(config)
 
 
-class HFFrontend(RolloutFrontend):
+class HFRolloutFactory(RolloutFactory):
     backend = "hf"
     config_class = HFRolloutConfig
 
 
-class VLLMFrontend(RolloutFrontend):
+class VLLMRolloutFactory(RolloutFactory):
     backend = "vllm"
     config_class = VLLMRolloutConfig
 
 
-class SGLangFrontend(RolloutFrontend):
+class SGLangRolloutFactory(RolloutFactory):
     backend = "sglang"
     config_class = SGLangRolloutConfig

@@ -18,7 +18,7 @@ from drivetrain.api import Prompt, SamplingParams
 from drivetrain.api.testing import FakeRollout, FakeRolloutConfig
 from drivetrain.rollout.config import BackendConfig
 from drivetrain.rollout.errors import ProtocolError, RolloutProcessError
-from drivetrain.rollout.process import wire
+from drivetrain.rollout.process import messages
 from drivetrain.rollout.process.client import start_server_rollout
 from drivetrain.rollout.process.protocol import ADDRESS_ENV, AUTHKEY_ENV
 
@@ -68,7 +68,7 @@ def test_every_message_kind_round_trips_as_json():
     from drivetrain.api.weight_sync import SyncStats, Topology
     from drivetrain.rollout.config import HFRolloutConfig
 
-    messages = [
+    kinds = [
         ("start", ("hf", HFRolloutConfig(model_path="/m", env=("A=1",)))),
         ("start", ("fake", CONFIG)),  # a plugin's own config class, declared in its spec
         ("generate", ([Prompt(messages=({"role": "user", "content": "hi"},))], SamplingParams())),
@@ -79,10 +79,10 @@ def test_every_message_kind_round_trips_as_json():
         ("ok", LoraConfig(rank=8)),
         ("tensor", "w", {"shape": (2, 3), "dtype": "bfloat16"}),
     ]
-    for message in messages:
-        data = wire.encode(message)
+    for message in kinds:
+        data = messages.encode(message)
         assert data.startswith(b"{") or data.startswith(b"[")
-        assert wire.decode(data) == message
+        assert messages.decode(data) == message
 
 
 @pytest.mark.parametrize(
@@ -99,12 +99,12 @@ def test_every_message_kind_round_trips_as_json():
 )
 def test_anything_else_is_a_protocol_error(data, why):
     with pytest.raises(ProtocolError, match=why):
-        wire.decode(data)
+        messages.decode(data)
 
 
 def test_only_plain_data_is_sent():
     with pytest.raises(TypeError, match="plain data only, not PosixPath"):
-        wire.encode(("generate", (Path("/x"),)))
+        messages.encode(("generate", (Path("/x"),)))
 
 
 def test_a_transport_config_declared_by_a_plugin_reaches_the_server():
@@ -145,9 +145,9 @@ def raw_server():
 
 
 def _ask(conn: Connection, message: tuple) -> tuple:
-    wire.send(conn, message)
+    messages.send(conn, message)
     assert conn.poll(60), f"no reply to {message[0]}"
-    return wire.receive(conn)
+    return messages.receive(conn)
 
 
 def test_the_server_refuses_a_pickled_request_without_running_it(raw_server, tmp_path):
@@ -156,7 +156,7 @@ def test_the_server_refuses_a_pickled_request_without_running_it(raw_server, tmp
     assert raw_server.poll(60), "no reply to a pickled request"
     reply = raw_server.recv_bytes()
     assert not marker.exists(), "the server unpickled the request (and ran its code)"
-    status, name, message, _ = wire.decode(reply)
+    status, name, message, _ = messages.decode(reply)
     assert (status, name) == ("error", "ProtocolError")
     assert "not a drivetrain wire message" in message
     # The server keeps serving well-formed requests after refusing one.
@@ -165,10 +165,10 @@ def test_the_server_refuses_a_pickled_request_without_running_it(raw_server, tmp
 
 def test_a_bad_tensor_header_fails_the_update_and_the_stream_stays_in_step(raw_server):
     assert _ask(raw_server, ("start", ("fake", CONFIG)))[0] == "ok"
-    wire.send(raw_server, ("update_weights", (1,)))
-    wire.send(raw_server, ("tensor", "w", {"shape": (2,), "dtype": "load"}))
+    messages.send(raw_server, ("update_weights", (1,)))
+    messages.send(raw_server, ("tensor", "w", {"shape": (2,), "dtype": "load"}))
     raw_server.send_bytes(bytes(8))
-    wire.send(raw_server, ("tensor", "w", {"shape": (2,), "dtype": "float32"}))
+    messages.send(raw_server, ("tensor", "w", {"shape": (2,), "dtype": "float32"}))
     raw_server.send_bytes(bytes(8))
     reply = _ask(raw_server, ("end",))
     assert reply[:3] == ("error", "ValueError", "'load' is not a torch dtype")
