@@ -40,9 +40,9 @@ from timing import Ratio, add_arguments, interleaved, print_result, rates, round
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from drivetrain.api import Batch, MicroBatchConfig, ModelConfig, OptimConfig
-from drivetrain.api.testing import token_mean_nll
 from drivetrain.engine.fsdp.config import FSDPConfig
 from drivetrain.engine.fsdp.engine import FSDP2Engine
+from drivetrain.testing import token_mean_nll
 
 VOCAB = 16384
 #: the engine's row layout: SDPA over [rows, tokens] with a padding mask, no packing

@@ -67,9 +67,9 @@ def model_rows(model: torch.nn.Module) -> dict[str, float]:
 
 def lora_rows(model_dir: Path) -> dict[str, float]:
     from drivetrain.api import Batch, LoraConfig, ModelConfig, OptimConfig
-    from drivetrain.api.testing import token_mean_nll
     from drivetrain.engine.fsdp.config import FSDPConfig
     from drivetrain.engine.fsdp.engine import FSDP2Engine
+    from drivetrain.testing import token_mean_nll
 
     lora = LoraConfig(rank=8, alpha=16, target_modules=("q_proj", "k_proj", "v_proj", "o_proj"))
     config = FSDPConfig(

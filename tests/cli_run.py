@@ -1,7 +1,7 @@
 """Run ``drivetrain`` jobs as users do, ``python -m drivetrain.trainer ARGS`` in a process of
 their own, without paying its imports each time: the process is forked from a Python that has
 imported torch, transformers, the fsdp engine and the hf rollout already
-(``drivetrain.engine_core.zygote``). A tiny SFT job took 13.4 s, 10 of them importing.
+(``drivetrain.testing.torch_engines.zygote``). A tiny SFT job took 13.4 s, 10 of them importing.
 ``DRIVETRAIN_ZYGOTE=0`` starts fresh processes instead. Jobs under torchrun, Ray's processes,
 venvs of their own and signal drills start fresh ones whatever this says."""
 
@@ -12,7 +12,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from drivetrain.engine_core import zygote_client
+from drivetrain.testing.torch_engines import zygote_client
 
 #: what a job imports anyway (those installed): forked children start with them
 CLI_PRELOAD = (

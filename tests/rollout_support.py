@@ -27,9 +27,9 @@ from drivetrain.api import (
 from drivetrain.api.registry import engines
 from drivetrain.api.requests import Request
 from drivetrain.api.rollout import Rollout
-from drivetrain.api.testing import token_mean_nll
-from drivetrain.api.testing.rollout_kit import RolloutHarness, abort_after
 from drivetrain.runtime.collector import Collector
+from drivetrain.testing import token_mean_nll
+from drivetrain.testing.rollout_kit import RolloutHarness, abort_after
 from drivetrain.trainer.builtin.tiny_model import build_tiny_chat_model
 from drivetrain.trainer.hf_export import write_hf_model
 from drivetrain.trainer.rollout_batch import completions_to_batch

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from drivetrain.api import MicroBatchConfig, ModelConfig
-from drivetrain.api.testing import token_mean_nll
+from drivetrain.testing import token_mean_nll
 
 MEGATRON_TESTS = Path(__file__).resolve().parents[1] / "packages" / "engine-megatron" / "tests"
 sys.path.insert(0, str(MEGATRON_TESTS))

@@ -25,7 +25,9 @@ def test_a_generated_environment_installs_alone_and_passes_its_kit(tmp_path, ven
     assert made.returncode == 0, made.stderr
     package = tmp_path / "acme-words"
     venv = venv_factory("new-plugin")
-    venv.install(PACKAGES / "engine-api", PACKAGES / "runtime", f"{package}[test]")
+    venv.install(
+        PACKAGES / "engine-api", PACKAGES / "runtime", PACKAGES / "testing", f"{package}[test]"
+    )
     kit = venv.run("-m", "pytest", "-q", "-p", "no:cacheprovider", str(package / "tests"))
     assert "6 passed" in kit.stdout, kit.stdout[-3000:]
     found = venv.run("-c", "from drivetrain.api import registry; "

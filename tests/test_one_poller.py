@@ -10,10 +10,10 @@ PACKAGES = Path(__file__).resolve().parents[1] / "packages"
 #: the one poller, and the rollout kit (its plumbing and checks) that tests ``poll`` itself
 ALLOWED = {
     "runtime/rollout_service.py",
-    "api/testing/rollout_harness.py",
-    "api/testing/rollout_kit.py",
-    "api/testing/rollout_kit_limits.py",
-    "api/testing/rollout_kit_background.py",
+    "testing/src/drivetrain/testing/rollout_harness.py",
+    "testing/src/drivetrain/testing/rollout_kit.py",
+    "testing/src/drivetrain/testing/rollout_kit_limits.py",
+    "testing/src/drivetrain/testing/rollout_kit_background.py",
 }
 
 

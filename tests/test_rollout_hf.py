@@ -10,12 +10,12 @@ import torch
 
 from drivetrain.api import FinishReason, Prompt, SamplingParams
 from drivetrain.api.registry import rollouts
-from drivetrain.api.testing.rollout_kit import (
+from drivetrain.rollout.config import HFRolloutConfig
+from drivetrain.rollout.errors import RolloutProcessError
+from drivetrain.testing.rollout_kit import (
     RolloutConformance,
     run_rollout_conformance,
 )
-from drivetrain.rollout.config import HFRolloutConfig
-from drivetrain.rollout.errors import RolloutProcessError
 from rollout_support import (
     CHAT_PROMPTS,
     KeptRollout,
@@ -206,7 +206,7 @@ class TestHFRolloutSmallBatch(TestHFRollout):
 def test_the_kit_catches_destinations_handed_out_unmarked(model_dir):
     """A rollout that hands transports its parameters without marking the update changed
     serves a mix of two versions after a broken stream: the kit names it."""
-    from drivetrain.api.testing.rollout_kit import ROLLOUT_CHECKS
+    from drivetrain.testing.rollout_kit import ROLLOUT_CHECKS
 
     class Unmarked(type(hf(model_dir))):
         def weight_destination(self, name, shape, dtype):

@@ -11,9 +11,9 @@ import torch
 
 from drivetrain.api import SamplingParams
 from drivetrain.api.requests import Request
-from drivetrain.api.testing.rollout_kit import RolloutConformance
 from drivetrain.rollout.config import SGLangRolloutConfig
 from drivetrain.runtime.rollout_service import generate_with_requests
+from drivetrain.testing.rollout_kit import RolloutConformance
 from rollout_support import (
     KeptRollout,
     TransformersRolloutHarness,

@@ -9,8 +9,8 @@ import torch
 
 from drivetrain.api import FinishReason, Prompt, SamplingParams
 from drivetrain.api.registry import rollouts
-from drivetrain.api.testing.rollout_kit import RolloutConformance
 from drivetrain.rollout.config import HFRolloutConfig, VLLMRolloutConfig
+from drivetrain.testing.rollout_kit import RolloutConformance
 from episode_support import play_and_check
 from rollout_support import (
     CHAT_PROMPTS,

@@ -25,6 +25,7 @@ def env(venv_factory):
     venv.install(
         PACKAGES / "engine-api",
         PACKAGES / "runtime",
+        PACKAGES / "testing",  # the environment kit the test runs there
         PACKAGES / "trainer",
         PACKAGES / "engine-core",
         PACKAGES / "engine-fsdp",
@@ -104,7 +105,7 @@ print("TOOLS", [t["function"]["name"] for t in env.tools()], env_class.__module_
 KIT = """
 import json
 from drivetrain.api.environment import AssistantTurn, ToolCall
-from drivetrain.api.testing.environment_kit import EnvironmentHarness, run_environment_conformance
+from drivetrain.testing.environment_kit import EnvironmentHarness, run_environment_conformance
 from acme_env.environment import LookupEnvironment
 
 class Harness(EnvironmentHarness):

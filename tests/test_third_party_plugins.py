@@ -50,7 +50,7 @@ SPEC = PluginSpec(
 
 ENGINE = """
 {preamble}
-from drivetrain.api.testing import FakeEngine
+from drivetrain.testing import FakeEngine
 
 
 class AcmeEngine(FakeEngine):
@@ -113,6 +113,7 @@ def env(venv_factory, tmp_path_factory):
     venv.install(
         PACKAGES / "engine-api",
         PACKAGES / "runtime",
+        PACKAGES / "testing",  # the acme engine is the kit's FakeEngine
         PACKAGES / "trainer",
         make_project(root, "acme-engine", "acme"),
         make_project(root, "broken-engine", "broken", preamble="import megatron.core"),

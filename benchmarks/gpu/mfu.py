@@ -42,7 +42,7 @@ from engine_fsdp import make_batch
 from flops import matmul_peak, training_flops
 
 from drivetrain.api import Batch, MicroBatchConfig, ModelConfig, OptimConfig
-from drivetrain.api.testing import token_mean_nll
+from drivetrain.testing import token_mean_nll
 
 GPU_SHAPE = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                  num_attention_heads=16, num_key_value_heads=8, vocab_size=32000)  # fmt: skip

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from drivetrain.api.testing.transport_kit import (
+from drivetrain.api.weight_sync import WeightSyncError
+from drivetrain.testing.transport_kit import (
     TRANSPORT_CHECKS,
     TransportConformance,
 )
-from drivetrain.api.weight_sync import WeightSyncError
 from transport_harness import BroadcastHarness, ColocatedHarness, DiskHarness
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]

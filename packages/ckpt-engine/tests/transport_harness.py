@@ -9,8 +9,8 @@ import torch
 
 from drivetrain.api.config import WeightSyncConfig
 from drivetrain.api.registry import ckpt_engines
-from drivetrain.api.testing.transport_kit import TransportHarness
 from drivetrain.ckpt.buckets import digest_of
+from drivetrain.testing.transport_kit import TransportHarness
 from weights_for_tests import make_weights
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.int64: "int64",

@@ -1,7 +1,7 @@
 """engine-api is the contracts and their kits (issue 40): the machinery that serves them lives
 in drivetrain-runtime or where it is used, so the api every plugin pins stays small enough to
-read. Its modules outside ``testing/`` stay within 2,510 lines (2,500 until
-``Rollout.background_generation`` joined the contract)."""
+read. Its modules stay within 2,510 lines (2,500 until ``Rollout.background_generation``
+joined the contract); the kits are drivetrain-testing's."""
 
 from pathlib import Path
 
@@ -13,9 +13,15 @@ BUDGET = 2_510
 def test_the_api_outside_its_kits_stays_within_its_budget():
     root = Path(drivetrain.api.__file__).parent
     sizes = {
-        p.relative_to(root).as_posix(): len(p.read_text().splitlines())
-        for p in root.rglob("*.py")
-        if "testing" not in p.relative_to(root).parts
+        p.relative_to(root).as_posix(): len(p.read_text().splitlines()) for p in root.rglob("*.py")
     }
     assert sum(sizes.values()) <= BUDGET, sorted(sizes.items(), key=lambda kv: -kv[1])[:5]
     assert len(sizes) >= 15  # the walk found the package
+
+
+def test_the_kits_live_in_their_own_distribution():
+    """The conformance kits, fakes and the pytest plugin are drivetrain-testing's: installing
+    the contracts changes no pytest run and brings no test double."""
+    root = Path(drivetrain.api.__file__).parent
+    assert not (root / "testing").exists()
+    assert not (root / "pytest_plugin.py").exists()

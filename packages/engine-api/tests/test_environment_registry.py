@@ -10,7 +10,7 @@ from drivetrain.api import PluginError
 from drivetrain.api import registry as reg
 from drivetrain.api.environment import AssistantTurn, Environment, StepResult, ToolCall
 from drivetrain.api.registry import Status
-from drivetrain.api.testing.environments import EchoEnvironment, echo_task
+from drivetrain.testing.environments import EchoEnvironment, echo_task
 
 SPEC = """
 from drivetrain.api import PluginSpec
@@ -143,7 +143,7 @@ def test_a_factory_that_is_no_environment_is_invalid(install):
 
 
 def test_an_engine_registered_as_an_environment_is_invalid(install):
-    install("confused-env", "confused", environment="from drivetrain.api.testing import "
+    install("confused-env", "confused", environment="from drivetrain.testing import "
             "FakeEngine as Env\n")  # fmt: skip
     with pytest.raises(PluginError, match="not a subclass of drivetrain.api.environment"):
         reg.environments.load("confused")

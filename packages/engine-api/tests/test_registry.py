@@ -18,7 +18,7 @@ SPEC = PluginSpec(
 )
 """
 GOOD_ENGINE = """
-from drivetrain.api.testing import FakeEngine
+from drivetrain.testing import FakeEngine
 class Engine(FakeEngine):
     pass
 """
@@ -222,7 +222,7 @@ def test_fake_plugins_are_hidden_from_users(monkeypatch):
     finally:
         monkeypatch.undo()
         reg.refresh_all()
-    assert reg.is_test_double("drivetrain.api.testing.plugins:FAKE_ENGINE")
+    assert reg.is_test_double("drivetrain.testing.plugins:FAKE_ENGINE")
     assert not reg.is_test_double("acme_testing_engine.plugin:SPEC")
 
 
@@ -255,7 +255,7 @@ def test_group_qualified_allow_list_leaves_other_groups_alone(install, monkeypat
 
 def test_config_class_is_read_without_the_factory():
     from drivetrain.api import EngineConfig
-    from drivetrain.api.testing import FakeEngineConfig
+    from drivetrain.testing import FakeEngineConfig
 
     reg.refresh_all()
     assert reg.engines.load_config_class("fake", EngineConfig) is FakeEngineConfig

@@ -13,8 +13,8 @@ from drivetrain.engine_core import (
     loss_free_batch,
     to_layout,
 )
-from drivetrain.engine_core.testing import launch_ranks
 from drivetrain.runtime.micro_batching import loss_totals, plan_micro_batches
+from drivetrain.testing.torch_engines.ranks import launch_ranks
 
 HERE = Path(__file__).parent
 

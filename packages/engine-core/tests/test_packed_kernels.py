@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from drivetrain.engine_core import packed_kernels
-from drivetrain.engine_core.kernel_testing import ReferenceKernel
 from drivetrain.engine_core.packed_attention import Span, attend_spans, plain_spans
 from drivetrain.engine_core.packed_kernels import (
     attend_varlen,
@@ -23,6 +22,7 @@ from drivetrain.engine_core.packed_kernels import (
     installed_kernels,
     varlen_layout,
 )
+from drivetrain.testing.torch_engines.kernels import ReferenceKernel
 
 
 @pytest.fixture

@@ -10,8 +10,8 @@ import torch.distributed as dist
 
 from drivetrain.api import Batch, BatchError, MicroBatchConfig
 from drivetrain.engine_core import TorchCollectives
-from drivetrain.engine_core.testing import write_result
 from drivetrain.runtime.micro_batching import loss_totals, plan_micro_batches
+from drivetrain.testing.torch_engines.ranks import write_result
 
 
 def batch(lengths: list[int]) -> Batch:

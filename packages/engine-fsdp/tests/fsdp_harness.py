@@ -16,11 +16,11 @@ from drivetrain.api import (
     OffloadConfig,
     OptimConfig,
 )
-from drivetrain.api.testing.model_dirs import hf_variant
 from drivetrain.engine.fsdp.config import FSDPConfig
 from drivetrain.engine.fsdp.engine import FSDP1Engine, FSDP2Engine
 from drivetrain.engine.fsdp.plugin import FSDP2
-from drivetrain.engine_core.kit_harness import TorchHarness
+from drivetrain.testing.model_dirs import hf_variant
+from drivetrain.testing.torch_engines.kit_harness import TorchHarness
 
 ENGINES = {"fsdp2": FSDP2Engine, "fsdp": FSDP1Engine}
 VOCAB = 64

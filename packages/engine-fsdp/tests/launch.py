@@ -1,14 +1,15 @@
-"""Run a worker script here on N ranks with engine-core's launcher; each rank's JSON report."""
+"""Run a worker script on N ranks (drivetrain-testing's launch_ranks); each rank's report."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from drivetrain.engine_core.testing import launch_ranks, write_result
+from drivetrain.testing.torch_engines.ranks import launch_ranks, write_result
 
 HERE = Path(__file__).parent
-#: what every worker imports: its ranks fork from a process that has (engine_core.testing)
+#: what every worker imports: its ranks fork from a process that has
+#: (drivetrain.testing.torch_engines.ranks)
 PRELOAD = ("drivetrain.engine.fsdp.engine",)
 __all__ = ["launch", "write_result"]
 

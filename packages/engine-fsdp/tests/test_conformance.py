@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from drivetrain.api.testing import EngineConformance
-from drivetrain.api.testing.conformance import ENGINE_CHECKS
+from drivetrain.testing import EngineConformance
+from drivetrain.testing.conformance import ENGINE_CHECKS
 from fsdp_harness import FSDPHarness, build_tiny_model, single_thread
 from launch import launch
 

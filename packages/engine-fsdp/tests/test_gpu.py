@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from drivetrain.api import MicroBatchConfig, OutputSpec
-from drivetrain.api.testing import run_conformance, token_mean_nll
-from drivetrain.engine_core.kit_harness import padded_batch
+from drivetrain.testing import run_conformance, token_mean_nll
+from drivetrain.testing.torch_engines.kit_harness import padded_batch
 from fsdp_harness import FSDPHarness, build_tiny_model
 from test_parity import make_data
 

@@ -6,8 +6,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from drivetrain.api import ConfigError, EngineStateError, MicroBatchConfig, OutputSpec
-from drivetrain.api.testing import token_mean_nll
-from drivetrain.engine_core.kit_harness import padded_batch
+from drivetrain.testing import token_mean_nll
+from drivetrain.testing.torch_engines.kit_harness import padded_batch
 from fsdp_harness import FSDPHarness, build_tiny_model, single_thread
 from test_parity import make_data
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from drivetrain.api import MicroBatchConfig
-from drivetrain.api.testing.optim_checks import check_lr_schedule
 from drivetrain.engine.fsdp.engine import FSDP2Engine
+from drivetrain.testing.optim_checks import check_lr_schedule
 from fsdp_harness import FSDPHarness, build_tiny_model
 
 BF16 = {"model": {"dtype": "bfloat16"}}

@@ -1,6 +1,6 @@
 """The fsdp engine's packed attention through a variable-length kernel: one call per layer
 whatever the number of documents (with the CPU reference kernel of
-``drivetrain.engine_core.kernel_testing``, whose contract the CUDA kernels share), and a
+``drivetrain.testing.torch_engines.kernels``, whose contract the CUDA kernels share), and a
 kernel that cannot run here refused in one line."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 from drivetrain.api import ConfigError, MicroBatchConfig
 from drivetrain.engine.fsdp.attention import NAME, set_packed_row
 from drivetrain.engine_core import packed_kernels
-from drivetrain.engine_core.kernel_testing import ReferenceKernel
 from drivetrain.engine_core.packed_attention import plain_spans
+from drivetrain.testing.torch_engines.kernels import ReferenceKernel
 from fsdp_harness import FSDPHarness, build_tiny_model
 
 

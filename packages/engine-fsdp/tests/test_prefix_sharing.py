@@ -7,9 +7,9 @@ import torch
 
 from drivetrain.api import Batch
 from drivetrain.api.columns import SHARED_PREFIX_LEN
-from drivetrain.api.testing.conformance import shared_prefix_data
 from drivetrain.engine.fsdp.packing import outputs_per_token, pack
 from drivetrain.engine.fsdp.prefix_sharing import prefix_groups
+from drivetrain.testing.conformance import shared_prefix_data
 
 
 def _batch() -> tuple[Batch, list[list[int]]]:

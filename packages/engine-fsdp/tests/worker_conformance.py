@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from drivetrain.api.testing import run_conformance
+from drivetrain.testing import run_conformance
 from fsdp_harness import FSDPHarness, single_thread
 from launch import write_result
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from drivetrain.api import MicroBatchConfig
-from drivetrain.api.testing import token_mean_nll
-from drivetrain.engine_core.kit_harness import padded_batch
+from drivetrain.testing import token_mean_nll
+from drivetrain.testing.torch_engines.kit_harness import padded_batch
 from fsdp_harness import FSDPHarness, single_thread
 from launch import write_result
 

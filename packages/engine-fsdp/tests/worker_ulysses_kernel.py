@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from drivetrain.engine.fsdp.attention import _repeat_kv, set_packed_row, varlen_attention
 from drivetrain.engine_core import packed_kernels
-from drivetrain.engine_core.kernel_testing import ReferenceKernel
 from drivetrain.engine_core.packed_attention import Span, attend_spans, plain_spans
+from drivetrain.testing.torch_engines.kernels import ReferenceKernel
 from fsdp_harness import single_thread
 from launch import write_result
 

@@ -9,11 +9,11 @@ from typing import Any
 import torch
 
 from drivetrain.api import MicroBatchConfig, ModelConfig, OffloadConfig, OptimConfig
-from drivetrain.api.testing.model_dirs import hf_variant
 from drivetrain.engine.megatron.config import MegatronConfig
 from drivetrain.engine.megatron.engine import MegatronEngine
 from drivetrain.engine.megatron.plugin import MEGATRON
-from drivetrain.engine_core.kit_harness import TorchHarness
+from drivetrain.testing.model_dirs import hf_variant
+from drivetrain.testing.torch_engines.kit_harness import TorchHarness
 
 VOCAB = 64
 

@@ -1,4 +1,4 @@
-"""Start a worker script on N local ranks with engine-core's launcher (torchrun's environment,
+"""Start a worker script on N local ranks with launch_ranks (torchrun's environment,
 one torch thread, own sessions, a deadline). Workers here write ``rank{r}.pt`` (their reports
 hold tensors); it is read back weights-only."""
 
@@ -10,10 +10,11 @@ from typing import Any
 
 import torch
 
-from drivetrain.engine_core.testing import launch_ranks
+from drivetrain.testing.torch_engines.ranks import launch_ranks
 
 HERE = Path(__file__).parent
-#: what every worker imports: its ranks fork from a process that has (engine_core.testing)
+#: what every worker imports: its ranks fork from a process that has
+#: (drivetrain.testing.torch_engines.ranks)
 PRELOAD = ("drivetrain.engine.megatron.engine",)
 
 

@@ -2,7 +2,7 @@
 micro-batch of 1, 10 or 100 documents, no tensor the size of a ``[T, T]`` score matrix (the
 first H100 run ran out of memory on one: heads x T^2 x 4 bytes), and log-probs equal to the
 grouped SDPA path. One rank; the variable-length kernel is the CPU reference of the same
-contract as the CUDA ones (``drivetrain.engine_core.kernel_testing``)."""
+contract as the CUDA ones (``drivetrain.testing.torch_engines.kernels``)."""
 
 import pytest
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from drivetrain.api.testing.conformance import ENGINE_CHECKS
+from drivetrain.testing.conformance import ENGINE_CHECKS
 from megatron_harness import build_tiny_model
 from megatron_launch import launch
 

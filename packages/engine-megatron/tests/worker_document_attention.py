@@ -1,8 +1,9 @@
-"""Worker (one rank): a packed micro-batch of 1, 10 and 100 documents through the megatron
-engine with a variable-length kernel (the CPU reference of ``engine_core.kernel_testing``,
-registered here): kernel calls per forward, the largest tensor of the forward, and log-probs
-against the grouped SDPA path. Then one training step with the log-prob path in chunks of 7
-tokens (checkpointed) and in one piece: loss and gradient norm.
+"""Worker (one rank): a packed micro-batch of 1, 10 and 100 documents through the megatron engine
+with a variable-length kernel (the CPU reference of
+``drivetrain.testing.torch_engines.kernels``, registered here): kernel calls per forward, the
+largest tensor of the forward, and log-probs against the grouped SDPA path. Then one training
+step with the log-prob path in chunks of 7 tokens (checkpointed) and in one piece: loss and
+gradient norm.
 
 argv: OUT_DIR MODEL_DIR.
 """
@@ -16,7 +17,7 @@ from torch.utils._pytree import tree_leaves
 
 from drivetrain.api import MicroBatchConfig, OutputSpec
 from drivetrain.engine_core import packed_kernels
-from drivetrain.engine_core.kernel_testing import ReferenceKernel
+from drivetrain.testing.torch_engines.kernels import ReferenceKernel
 from megatron_harness import MegatronHarness
 from megatron_launch import single_thread, write_result
 
@@ -73,8 +74,8 @@ def main(out_dir: str, model_dir: str) -> None:
 
 def train_step(model_dir: str, chunk_tokens: int | None) -> list[float]:
     """Loss and gradient norm of one step; ``chunk_tokens`` per log-prob chunk (None: one)."""
-    from drivetrain.api.testing import token_mean_nll
     from drivetrain.engine.megatron import token_outputs
+    from drivetrain.testing import token_mean_nll
     from parity_data import training_batch
 
     harness = MegatronHarness(model_dir)

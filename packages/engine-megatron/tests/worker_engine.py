@@ -13,7 +13,7 @@ import sys
 import torch
 
 from drivetrain.api import MicroBatchConfig
-from drivetrain.api.testing import run_conformance, token_mean_nll
+from drivetrain.testing import run_conformance, token_mean_nll
 from megatron_harness import MegatronHarness
 from megatron_launch import single_thread, write_result
 from parity_data import training_batch

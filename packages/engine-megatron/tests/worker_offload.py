@@ -12,7 +12,7 @@ import sys
 import torch
 
 from drivetrain.api import MicroBatchConfig, OffloadConfig
-from drivetrain.api.testing import token_mean_nll
+from drivetrain.testing import token_mean_nll
 from megatron_harness import MegatronHarness
 from megatron_launch import single_thread, write_result
 from parity_data import training_batch

@@ -11,10 +11,10 @@ import time
 import pytest
 
 from drivetrain.api import PluginError, Prompt, SamplingParams
-from drivetrain.api.testing import FakeRollout, FakeRolloutConfig
 from drivetrain.rollout.config import BackendConfig
 from drivetrain.rollout.errors import RolloutProcessError
 from drivetrain.rollout.process.client import start_server_rollout
+from drivetrain.testing import FakeRollout, FakeRolloutConfig
 
 pytestmark = pytest.mark.timeout(120)
 

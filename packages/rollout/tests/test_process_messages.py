@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 from drivetrain.api import Prompt, SamplingParams
-from drivetrain.api.testing import FakeRollout, FakeRolloutConfig
 from drivetrain.rollout.config import BackendConfig
 from drivetrain.rollout.errors import ProtocolError, RolloutProcessError
 from drivetrain.rollout.process import messages
 from drivetrain.rollout.process.client import start_server_rollout
 from drivetrain.rollout.process.protocol import ADDRESS_ENV, AUTHKEY_ENV
+from drivetrain.testing import FakeRollout, FakeRolloutConfig
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(120)]
 
@@ -64,9 +64,9 @@ def _accept(listener: Listener, process: subprocess.Popen, timeout_s: float) -> 
 def test_every_message_kind_round_trips_as_json():
     from drivetrain.api import Completion, FinishReason
     from drivetrain.api.config import LoraConfig
-    from drivetrain.api.testing.fake_transport import FakeTransportConfig
     from drivetrain.api.weight_sync import SyncStats, Topology
     from drivetrain.rollout.config import HFRolloutConfig
+    from drivetrain.testing.fake_transport import FakeTransportConfig
 
     kinds = [
         ("start", ("hf", HFRolloutConfig(model_path="/m", env=("A=1",)))),
@@ -108,8 +108,8 @@ def test_only_plain_data_is_sent():
 
 
 def test_a_transport_config_declared_by_a_plugin_reaches_the_server():
-    from drivetrain.api.testing.fake_transport import FakeTransportConfig
     from drivetrain.api.weight_sync import Topology
+    from drivetrain.testing.fake_transport import FakeTransportConfig
 
     remote = start_server_rollout("fake", CONFIG, BackendConfig(python=sys.executable))
     try:

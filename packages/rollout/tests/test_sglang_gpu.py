@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from drivetrain.api.rollout import FinishReason, Prompt, SamplingParams
-from drivetrain.api.testing.fake_rollout import processed_log_probs
 from drivetrain.rollout.config import SGLangRolloutConfig
+from drivetrain.testing.fake_rollout import processed_log_probs
 
 pytestmark = [
     pytest.mark.gpu,

@@ -13,7 +13,6 @@ import torch
 from drivetrain.api.config import LoraConfig
 from drivetrain.api.requests import Request
 from drivetrain.api.rollout import FinishReason, SamplingParams
-from drivetrain.api.testing.fake_rollout import processed_log_probs
 from drivetrain.rollout.config import SGLangRolloutConfig
 from drivetrain.rollout.errors import BackendNotInstalledError
 from drivetrain.rollout.factories import load_backend_class
@@ -36,6 +35,7 @@ from drivetrain.rollout.sglang.rollout import (
     engine_arguments,
     require_sglang_version,
 )
+from drivetrain.testing.fake_rollout import processed_log_probs
 
 
 # ---- sampling params ----------------------------------------------------------------------
@@ -213,7 +213,7 @@ def test_memory_tags_per_sleep_level():
 )
 def test_filtered_logits_give_the_processed_distribution(params):
     # SGLang divides the processor's logits by the temperature and softmaxes: that must be
-    # the contract's processed distribution (the reference in drivetrain.api.testing)
+    # the contract's processed distribution (the reference in drivetrain.testing)
     torch.manual_seed(0)
     logits = torch.randn(3, 16) * 3
     rows = [dict(sampling_params_dict(params, 1)["custom_params"], __req__=object())] * 3

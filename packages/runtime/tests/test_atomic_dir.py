@@ -4,9 +4,9 @@ import contextlib
 
 import pytest
 
-from drivetrain.api.testing.crash import Crashed, crash_at
 from drivetrain.runtime import atomic_dir
 from drivetrain.runtime.atomic_dir import publish, staging_path
+from drivetrain.testing.crash import Crashed, crash_at
 
 
 def _write(directory, text):

@@ -10,8 +10,8 @@ import pytest
 
 from drivetrain.api import FinishReason, Prompt, SamplingParams
 from drivetrain.api.requests import Request
-from drivetrain.api.testing.fake_rollout import FakeRollout, FakeRolloutConfig
 from drivetrain.runtime.remote_rollout import RolloutHost
+from drivetrain.testing.fake_rollout import FakeRollout, FakeRolloutConfig
 
 pytestmark = pytest.mark.timeout(60)
 PARAMS = SamplingParams(max_new_tokens=12, ignore_eos=True)

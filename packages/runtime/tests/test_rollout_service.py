@@ -13,8 +13,8 @@ import pytest
 
 from drivetrain.api import FinishReason, Prompt, SamplingParams
 from drivetrain.api.requests import Request
-from drivetrain.api.testing.fake_rollout import FakeRollout, FakeRolloutConfig
 from drivetrain.runtime.rollout_service import RolloutService, ServiceClosed
+from drivetrain.testing.fake_rollout import FakeRollout, FakeRolloutConfig
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -2,7 +2,7 @@
 calculator calls of the task's steps, then the answer."""
 
 from drivetrain.api.environment import AssistantTurn, ToolCall
-from drivetrain.api.testing.environment_kit import EnvironmentConformance, EnvironmentHarness
+from drivetrain.testing.environment_kit import EnvironmentConformance, EnvironmentHarness
 from drivetrain.trainer.builtin.calculator import CalculatorEnvironment
 
 

@@ -87,7 +87,7 @@ def test_listing_reads_metadata_and_specs_only(command):
 
 def test_listing_with_check_imports_each_plugin():
     out, _ = _listing("engines", "--check", test_plugins=True)
-    assert "drivetrain.api.testing.fake_engine" in out.rpartition("IMPORTED")[2]
+    assert "drivetrain.testing.fake_engine" in out.rpartition("IMPORTED")[2]
     assert "│ fake " in out
 
 

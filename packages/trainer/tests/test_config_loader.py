@@ -1,7 +1,7 @@
 import pytest
 
 from drivetrain.api import ConfigError, EngineConfig, MicroBatchConfig
-from drivetrain.api.testing import FakeEngineConfig
+from drivetrain.testing import FakeEngineConfig
 from drivetrain.trainer.config_loader import load_config, to_yaml
 
 

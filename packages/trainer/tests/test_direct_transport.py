@@ -7,9 +7,9 @@ import pytest
 
 from drivetrain.api import Prompt, SamplingParams, WeightSyncConfig
 from drivetrain.api.registry import ckpt_engines
-from drivetrain.api.testing import FakeRollout, FakeRolloutConfig, fake_model
 from drivetrain.api.weight_sync import WeightSyncError
 from drivetrain.runtime.weight_receiver import WeightReceiver
+from drivetrain.testing import FakeRollout, FakeRolloutConfig, fake_model
 from drivetrain.trainer.rl.sync_manager import WeightSyncManager, connect_transport
 
 

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from drivetrain.api import FinishReason, Prompt, SamplingParams
-from drivetrain.api.testing import fake_model
-from drivetrain.api.testing.fake_rollout import FakeRollout, FakeRolloutConfig
+from drivetrain.testing import fake_model
+from drivetrain.testing.fake_rollout import FakeRollout, FakeRolloutConfig
 from drivetrain.trainer.rl.batch_ops import stream_stats
 from drivetrain.trainer.rl.group_stream import GenerationError, GroupStream
 

@@ -9,10 +9,10 @@ import pytest
 
 from drivetrain.api import Prompt, SamplingParams
 from drivetrain.api.registry import ckpt_engines
-from drivetrain.api.testing import FakeEngine, FakeEngineConfig, FakeRollout, FakeRolloutConfig
-from drivetrain.api.testing.fake_transport import FakeTransportConfig
 from drivetrain.api.weight_sync import WeightSyncError
 from drivetrain.runtime.weight_receiver import WeightReceiver
+from drivetrain.testing import FakeEngine, FakeEngineConfig, FakeRollout, FakeRolloutConfig
+from drivetrain.testing.fake_transport import FakeTransportConfig
 from drivetrain.trainer.rl.sync_manager import WeightSyncManager, connect_transport, engine_sender
 
 

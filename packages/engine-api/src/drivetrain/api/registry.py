@@ -15,7 +15,7 @@ or group-qualified names (``engines:fsdp2``, ``environments:calculator``); a lea
 denies instead (``-megatron``); ``none`` denies everything. With any allowed name listed, only
 listed plugins load. Test doubles (an entry point whose spec lives in a ``testing`` module,
 like the ``fake`` engine or the ``echo`` environment) are found only when
-``DRIVETRAIN_TEST_PLUGINS=1`` (drivetrain-engine-api's pytest plugin sets it). Results are
+``DRIVETRAIN_TEST_PLUGINS=1`` (drivetrain-testing's pytest plugin sets it). Results are
 cached per process, so loading is idempotent and cheap to repeat in every worker (Ray actors
 included).
 """

@@ -1,0 +1,114 @@
+"""The environment kit against the echo test environment, and against environments that
+break the contract in one way each (the kit must name each)."""
+
+import random
+import re
+
+import pytest
+
+from drivetrain.api.environment import AssistantTurn, StepResult
+from drivetrain.testing.environment_kit import (
+    EnvironmentConformance,
+    EnvironmentHarness,
+    run_environment_conformance,
+)
+from drivetrain.testing.environments import EchoEnvironment, EchoEpisode
+
+
+class EchoHarness(EnvironmentHarness):
+    def __init__(self, environment_class: type[EchoEnvironment] = EchoEnvironment) -> None:
+        self.environment_class = environment_class
+
+    def make_environment(self, options=None):
+        return self.environment_class(options)
+
+    def solution(self, task):
+        """Echo the answer once, then say it."""
+        from drivetrain.api.environment import ToolCall
+
+        answer = str(task["answer"])
+        call = ToolCall("echo", {"text": answer}, "c0")
+        return [AssistantTurn(0, "", "", (call,)), AssistantTurn(1, answer, answer)]
+
+    def bad_options(self):
+        return [{"turns": 0}, {"turns": "three"}]
+
+
+class TestEchoEnvironment(EnvironmentConformance):
+    def harness(self):
+        return EchoHarness()
+
+
+class LaxOptions(EchoEnvironment):
+    """Ignores options it does not know."""
+
+    def __init__(self, options=None):
+        super().__init__({k: v for k, v in (options or {}).items() if k == "turns"})
+
+
+class UnseededTasks(EchoEnvironment):
+    def tasks(self, split, count, seed):
+        return [{"prompt": f"say {n}", "answer": str(n)} for n in random.sample(range(100), count)]
+
+
+class CountsAcrossEpisodes(EchoEnvironment):
+    """Tool turns are counted on the environment, not the episode."""
+
+    shared = {"tool_turns": 0}
+
+    def episode(self, task):
+        episode = super().episode(task)
+        shared = self.shared
+
+        class Leaky(EchoEpisode):
+            def step(self, turn):
+                result = super().step(turn)
+                if turn.tool_calls:
+                    shared["tool_turns"] += 1
+                    return StepResult(result.observations, result.reward + shared["tool_turns"],
+                                      result.done, result.info)  # fmt: skip
+                return result
+
+        leaky = Leaky(episode.task, episode.tools, episode.turns)
+        return leaky
+
+
+class TrustsTools(EchoEnvironment):
+    """Calls the tool function directly: an unknown tool or bad arguments raise."""
+
+    def episode(self, task):
+        class Trusting(EchoEpisode):
+            def step(self, turn):
+                if turn.tool_calls:
+                    call = turn.tool_calls[0]
+                    text = self.tools[call.name].function(**call.arguments)
+                    return StepResult(({"role": "tool", "content": text},))
+                return super().step(turn)
+
+        return Trusting(task, self._tools, self.turns)
+
+
+class TextInfo(EchoEnvironment):
+    def episode(self, task):
+        class Texty(EchoEpisode):
+            def step(self, turn):
+                result = super().step(turn)
+                return StepResult(result.observations, result.reward, result.done,
+                                  {**result.info, "verdict": "ok"})  # fmt: skip
+
+        return Texty(task, self._tools, self.turns)
+
+
+PLANTED = [
+    (LaxOptions, "options", r"options \{'no_such_option': 1\} were accepted"),
+    (UnseededTasks, "tools_and_tasks", "differ from call to call: seed them"),
+    (CountsAcrossEpisodes, "episodes_independent", "playing the same tasks again gave other"),
+    (TrustsTools, "untrusted_turns", "step raised KeyError for a call of an unknown tool"),
+    (TextInfo, "solution", r"info\['verdict'\] is 'ok', not a number"),
+]
+
+
+@pytest.mark.parametrize(("broken", "check", "message"), PLANTED)
+def test_the_kit_names_a_broken_environment(broken, check, message):
+    errors = {r.name: r.error for r in run_environment_conformance(EchoHarness(broken))}
+    assert errors[check] is not None and re.search(message, errors[check]), errors
