@@ -28,13 +28,13 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
 
 from drivetrain.api import Completion, FinishReason, Rollout
 from drivetrain.api.requests import Chunk, Request
 from drivetrain.runtime.collector import Collector
+from drivetrain.runtime.rollout_commands import Abort, Command, Continue, Submit, fail, settle
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class RolloutService:
         #: guards the commands, the hold and the stop; a replica's sequences and collector
         #: are touched only by its poller (or, while every poller is held, the holder)
         self._cond = threading.Condition()
-        self._commands: list[list[tuple[Any, ...]]] = [[] for _ in replicas]
+        self._commands: list[list[Command]] = [[] for _ in replicas]
         self._sequences: list[dict[str, _Sequence]] = [{} for _ in replicas]
         self._collectors = [Collector() for _ in replicas]
         #: ids of requests failed with their rollout's poll: their late chunks are dropped
@@ -118,8 +118,8 @@ class RolloutService:
         with self._cond:
             refused = self._failure
             if refused is None:
-                command = ("submit", list(requests), list(futures), resume_aborted)
-                self._commands[replica].append(command)  # copies: the caller keeps its lists
+                command = Submit(tuple(requests), tuple(futures), resume_aborted)
+                self._commands[replica].append(command)
                 self._cond.notify_all()
         if refused is not None:  # outside the lock: a future's callbacks may submit again
             closed = ServiceClosed(f"the rollout service {self.name} stopped: {refused}")
@@ -131,7 +131,7 @@ class RolloutService:
         """End ``request_id`` (its future gets what it generated so far, never continued)."""
         with self._cond:
             for commands in self._commands:
-                commands.append(("abort", request_id))
+                commands.append(Abort(request_id))
             self._cond.notify_all()
 
     def pump(self, rounds: int = 1, poll_s: float = 0.0) -> int:
@@ -197,7 +197,7 @@ class RolloutService:
                 self._settle_queued(replica, commands, closed)
             self._stop_background()
             for sequences in self._sequences:
-                _fail([s.future for s in list(sequences.values())], closed)
+                fail([s.future for s in list(sequences.values())], closed)
                 sequences.clear()
 
     def _stop_background(self) -> None:
@@ -239,7 +239,7 @@ class RolloutService:
             else:
                 backoff = 0.0 if got else min(max(2 * backoff, IDLE_POLL_S), BACKOFF_S)
 
-    def _crashed(self, replica: int, commands: list[tuple[Any, ...]], exc: BaseException) -> None:
+    def _crashed(self, replica: int, commands: list[Command], exc: BaseException) -> None:
         """This replica's poller failed (a bug): its requests are aborted and every waiter
         of it fails; later submits are refused."""
         log.exception("the rollout service %s failed", self.name)
@@ -251,11 +251,11 @@ class RolloutService:
         sequences = self._sequences[replica]
         with contextlib.suppress(Exception):
             self.rollouts[replica].abort([s.request_id for s in sequences.values() if s.request_id])
-        _fail([s.future for s in sequences.values()], error)
+        fail([s.future for s in sequences.values()], error)
         sequences.clear()
         self._settle_queued(replica, commands, error)  # submits taken or queued: failed too
 
-    def _next_commands(self, replica: int, backoff: float) -> list[tuple[Any, ...]] | None:
+    def _next_commands(self, replica: int, backoff: float) -> list[Command] | None:
         """Under the lock: wait until this replica has commands, or something runs and the
         backoff is over (never while held); its commands, or None to stop."""
         deadline = time.monotonic() + backoff
@@ -274,18 +274,18 @@ class RolloutService:
         commands, self._commands[replica] = self._commands[replica], []
         return commands
 
-    def _turn(self, replica: int, commands: list[tuple[Any, ...]], poll_s: float) -> int:
+    def _turn(self, replica: int, commands: list[Command], poll_s: float) -> int:
         """Carry out ``commands`` on ``replica``, then poll it if something of ours runs. Runs
         of submits and continuations go as one call: a server process stepping between the
         calls it serves steps once per call (an update's continuations: hundreds)."""
-        starts: list[tuple[Any, ...]] = []
+        starts: list[Submit | Continue] = []
         for command in commands:
-            if command[0] in ("submit", "continue"):
+            if not isinstance(command, Abort):
                 starts.append(command)
                 continue
             self._start(replica, starts)
             starts = []
-            sequence = self._sequences[replica].get(command[1])  # an abort
+            sequence = self._sequences[replica].get(command.request_id)
             if sequence is not None:
                 sequence.resume = False
                 if sequence.request_id is not None:
@@ -293,25 +293,27 @@ class RolloutService:
         self._start(replica, starts)
         return self._poll(replica, poll_s) if self._running(replica) else 0
 
-    def _start(self, replica: int, starts: list[tuple[Any, ...]]) -> None:
+    def _start(self, replica: int, starts: list[Submit | Continue]) -> None:
         if len(starts) > 1 and self._start_together(replica, starts):
             return
         for command in starts:
-            if command[0] == "submit":
-                self._submit(replica, *command[1:])
+            if isinstance(command, Submit):
+                self._submit(replica, command)
             else:
-                self._continue(replica, *command[1:])
+                self._continue(replica, command)
 
-    def _start_together(self, replica: int, starts: list[tuple[Any, ...]]) -> bool:
+    def _start_together(self, replica: int, starts: list[Submit | Continue]) -> bool:
         """Submits and continuations in one ``submit`` call. False, with nothing started or
         tracked, where any is refused (a rollout refuses a submit whole): one call each then,
         so that only the refused ones fail."""
         collector, sequences = self._collectors[replica], self._sequences[replica]
-        starts = [c for c in starts if c[0] == "submit" or c[1] in sequences]  # in their order
-        requests = [r for c in starts for r in (c[1] if c[0] == "submit" else [c[2]])]
+        starts = [c for c in starts if isinstance(c, Submit) or c.key in sequences]  # in order
+        requests = [
+            r for c in starts for r in (c.requests if isinstance(c, Submit) else [c.request])
+        ]
         tracked: list[Request] = []
         try:
-            for request in (r for c in starts if c[0] == "submit" for r in c[1]):
+            for request in (r for c in starts if isinstance(c, Submit) for r in c.requests):
                 collector.track(request)
                 tracked.append(request)
             self.rollouts[replica].submit(requests)
@@ -320,24 +322,21 @@ class RolloutService:
                 collector.forget(request.request_id)
             return False
         for command in starts:
-            if command[0] == "continue":
-                self._continued(replica, *command[1:])
+            if isinstance(command, Continue):
+                self._continued(replica, command)
                 continue
-            for request, future in zip(command[1], command[2], strict=True):
-                sequences[request.request_id] = _Sequence(future, request.request_id, command[3])
+            for request, future in zip(command.requests, command.futures, strict=True):
+                sequences[request.request_id] = _Sequence(
+                    future, request.request_id, command.resume_aborted
+                )
         return True
 
     def _running(self, replica: int) -> bool:
         """Something of this service runs on ``replica`` (read by its poller, or the holder)."""
         return any(s.request_id for s in self._sequences[replica].values())
 
-    def _submit(
-        self,
-        replica: int,
-        requests: list[Request],
-        futures: list[Future[Completion]],
-        resume: bool,
-    ) -> None:
+    def _submit(self, replica: int, command: Submit) -> None:
+        requests, futures = command.requests, command.futures
         collector = self._collectors[replica]
         tracked: list[Request] = []
         try:
@@ -348,31 +347,31 @@ class RolloutService:
         except Exception as exc:  # a refused request (too long...): its waiters' error
             for request in tracked:
                 collector.forget(request.request_id)
-            _fail(futures, exc)
+            fail(futures, exc)
             return
         for request, future in zip(requests, futures, strict=True):
             self._sequences[replica][request.request_id] = _Sequence(
-                future, request.request_id, resume
+                future, request.request_id, command.resume_aborted
             )
 
-    def _continue(self, replica: int, key: str, continuation: Request) -> None:
-        sequence = self._sequences[replica].get(key)
+    def _continue(self, replica: int, command: Continue) -> None:
+        sequence = self._sequences[replica].get(command.key)
         if sequence is None:  # failed meanwhile (its rollout's poll raised)
             return
         try:
-            self.rollouts[replica].submit([continuation])
+            self.rollouts[replica].submit([command.request])
         except Exception as exc:  # the rollout refused it: the sequence ends with the error
-            del self._sequences[replica][key]
-            self._collectors[replica].forget(key)
-            _fail([sequence.future], exc)
+            del self._sequences[replica][command.key]
+            self._collectors[replica].forget(command.key)
+            fail([sequence.future], exc)
             return
-        self._continued(replica, key, continuation)
+        self._continued(replica, command)
 
-    def _continued(self, replica: int, key: str, continuation: Request) -> None:
-        sequence = self._sequences[replica][key]
-        sequence.request_id = continuation.request_id
+    def _continued(self, replica: int, command: Continue) -> None:
+        sequence = self._sequences[replica][command.key]
+        sequence.request_id = command.request.request_id
         if not sequence.resume:  # abort() came while it waited: it ends at once
-            self._abort(replica, [continuation.request_id])
+            self._abort(replica, [command.request.request_id])
 
     def _abort(self, replica: int, request_ids: list[str]) -> None:
         try:
@@ -394,10 +393,10 @@ class RolloutService:
             continuation = self._continuation(replica, key) if sequence.resume else None
             if continuation is not None:  # submitted once polling goes on (after a pause)
                 with self._cond:
-                    self._commands[replica].append(("continue", key, continuation))
+                    self._commands[replica].append(Continue(key, continuation))
                 continue
             del sequences[key]
-            _settle(sequence.future, collector.pop(key))
+            settle(sequence.future, collector.pop(key))
         return len(chunks)
 
     def _replica_failed(self, replica: int, exc: Exception) -> None:
@@ -410,7 +409,7 @@ class RolloutService:
         with contextlib.suppress(Exception):
             self.rollouts[replica].abort(running)
             self._known(replica, self.rollouts[replica].poll(0.0))
-        _fail([s.future for s in sequences.values()], exc)
+        fail([s.future for s in sequences.values()], exc)
         sequences.clear()
         self._collectors[replica] = Collector()
 
@@ -439,20 +438,18 @@ class RolloutService:
         except ValueError:  # no token budget left: it is finished
             return None
 
-    def _settle_queued(
-        self, replica: int, commands: list[tuple[Any, ...]], exc: BaseException
-    ) -> None:
+    def _settle_queued(self, replica: int, commands: list[Command], exc: BaseException) -> None:
         """Commands that will never run: submits fail with ``exc``; a sequence whose
         continuation never started gets what it generated."""
         for command in commands:
-            if command[0] == "submit":
-                _fail(command[2], exc)
-            elif command[0] == "continue":
-                sequence = self._sequences[replica].pop(command[1], None)
+            if isinstance(command, Submit):
+                fail(command.futures, exc)
+            elif isinstance(command, Continue):
+                sequence = self._sequences[replica].pop(command.key, None)
                 if sequence is not None:
                     collector = self._collectors[replica]
-                    collector.abandon(command[2].request_id)
-                    _settle(sequence.future, collector.pop(command[1]))
+                    collector.abandon(command.request.request_id)
+                    settle(sequence.future, collector.pop(command.key))
 
     def _drain(self, *, strict: bool = True) -> None:
         """Abort every running request and collect its last chunks (the pollers are held or
@@ -475,17 +472,6 @@ class RolloutService:
                     log.error("%s", error)
                     break
                 self._poll(replica, POLL_S)
-
-
-def _fail(futures: Sequence[Future[Completion]], exc: BaseException) -> None:
-    for future in futures:
-        with contextlib.suppress(InvalidStateError):  # done, or cancelled by its caller
-            future.set_exception(exc)
-
-
-def _settle(future: Future[Completion], completion: Completion) -> None:
-    with contextlib.suppress(InvalidStateError):  # cancelled by its caller
-        future.set_result(completion)
 
 
 def generate_with_requests(rollout: Rollout, requests: Sequence[Request]) -> list[Completion]:
