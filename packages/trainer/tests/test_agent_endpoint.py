@@ -286,7 +286,7 @@ def test_the_key_guards_every_route_and_errors_are_openai_shaped(recording, toke
     ) as server:
         assert server.host == "127.0.0.1" and server.base_url.startswith("http://127.0.0.1:")
         assert len(server.api_key) >= 40
-        session = server.open_session(0, 0, 0, TASKS[0], LIMITS, PARAMS)
+        session = server.open_session(0, 0, 0, TASKS[0], LIMITS, PARAMS, replica=0)
         chat = f"/sessions/{session.sid}/v1/chat/completions"
         body = {"messages": [{"role": "user", "content": "What is 2*3?"}]}
         for key in (None, "wrong", server.api_key + "x", ""):
@@ -328,7 +328,7 @@ def test_the_key_guards_every_route_and_errors_are_openai_shaped(recording, toke
 def test_limits_refuse_a_turn_and_mark_the_truncation(recording, tokenizer):
     limits = EpisodeLimits(max_turns=2, turn_tokens=5, episode_tokens=0, context=64)
     with ChatServer([recording], partial(ChatTokens, tokenizer), AlwaysCalls()) as server:
-        session = server.open_session(0, 0, 0, TASKS[0], limits, PARAMS)
+        session = server.open_session(0, 0, 0, TASKS[0], limits, PARAMS, replica=0)
         chat, key = f"/sessions/{session.sid}/v1/chat/completions", server.api_key
         messages = [{"role": "user", "content": "What is 2*3?"}]
         for _ in range(2):
@@ -350,7 +350,9 @@ def test_a_message_that_cannot_fit_is_refused_before_it_is_tokenised(recording, 
     whole under a lock every session shared. Now the character bound refuses it at once, and
     another session's turn is served meanwhile."""
     with ChatServer([recording], partial(ChatTokens, tokenizer), AlwaysCalls()) as server:
-        big, small = (server.open_session(i, 0, i, TASKS[0], LIMITS, PARAMS) for i in (0, 1))
+        big, small = (
+            server.open_session(i, 0, i, TASKS[0], LIMITS, PARAMS, replica=0) for i in (0, 1)
+        )
         huge = {"messages": [{"role": "user", "content": "7*6 " * 1_950_000}]}
         served = {}
 
@@ -407,7 +409,7 @@ def test_a_deadline_or_close_aborts_the_request_in_flight(tokenizer):
     server = ChatServer(
         [stuck], partial(ChatTokens, tokenizer), AlwaysCalls(), request_timeout_s=0.5
     )
-    session = server.open_session(0, 0, 0, TASKS[0], LIMITS, PARAMS)
+    session = server.open_session(0, 0, 0, TASKS[0], LIMITS, PARAMS, replica=0)
     chat = f"/sessions/{session.sid}/v1/chat/completions"
     body = {"messages": [{"role": "user", "content": "What is 2*3?"}]}
     status, reply = call(server, "POST", chat, body, key=server.api_key)
@@ -540,7 +542,7 @@ def test_dropped_connections_are_a_line_at_most_not_a_traceback_each(recording, 
     lines) into the trainer's log. Each here sends a request's headers and part of its body,
     then resets the connection."""
     with ChatServer([recording], partial(ChatTokens, tokenizer), AlwaysCalls()) as server:
-        session = server.open_session(0, 0, 0, TASKS[0], LIMITS, PARAMS)
+        session = server.open_session(0, 0, 0, TASKS[0], LIMITS, PARAMS, replica=0)
         head = (
             f"POST /sessions/{session.sid}/v1/chat/completions HTTP/1.1\r\n"
             f"Authorization: Bearer {server.api_key}\r\nContent-Length: 100000\r\n\r\n"

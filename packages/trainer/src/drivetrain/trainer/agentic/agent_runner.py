@@ -39,6 +39,7 @@ from typing import Any
 from drivetrain.api import Rollout, SamplingParams
 from drivetrain.api.environment import Task
 from drivetrain.api.errors import DrivetrainError
+from drivetrain.runtime.replicas import replica_slots
 from drivetrain.trainer.agentic.chat_tokens import ChatTokens
 from drivetrain.trainer.agentic.endpoint import ChatServer
 from drivetrain.trainer.agentic.episodes import EpisodeLimits, PlayedEpisode
@@ -132,9 +133,12 @@ class AgentRunner:
         if not tasks:
             return []
         server = self.start()
+        slots = replica_slots(len(tasks) * n, server.replicas)
         sessions = [
-            server.open_session(k, k // n, k % n, tasks[k // n], self.limits, params)
-            for k in range(len(tasks) * n)
+            server.open_session(
+                k, k // n, k % n, tasks[k // n], self.limits, params, replica=slot.replica
+            )
+            for k, slot in enumerate(slots)
         ]
         try:
             with tempfile.TemporaryDirectory(prefix="drivetrain-agent-") as tmp:

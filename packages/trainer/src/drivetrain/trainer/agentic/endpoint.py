@@ -261,13 +261,15 @@ class ChatServer:
         task_data: Task,
         limits: EpisodeLimits,
         params: SamplingParams,
+        *,
+        replica: int,
     ) -> Session:
-        """A new session: episode ``number`` of a play (generated on replica ``number %
-        replicas``), sample ``sample`` of task ``task``."""
+        """A new session: episode ``number`` of a play, sample ``sample`` of task ``task``,
+        generated on ``replica`` (the play's choice: ``runtime.replicas.replica_slots``)."""
+        if not 0 <= replica < self.replicas:
+            raise ValueError(f"replica {replica} of {self.replicas}")
         sid = secrets.token_hex(8)
-        session = Session(
-            sid, number, task, sample, number % self.replicas, task_data, limits, params
-        )
+        session = Session(sid, number, task, sample, replica, task_data, limits, params)
         with self._sessions_lock:
             self._sessions[sid] = session
         return session

@@ -4,9 +4,9 @@ Every episode is a chain of requests: turn ``t``'s prompt is the first prompt pl
 token sampled or observed so far, so the rollout continues exactly the token ids the trainer
 will train on. Requests of all episodes share the rollouts (continuous batching): an episode
 whose turn finished is parsed, stepped by its environment in a worker thread (tools may be
-slow) and resubmitted, while the others keep generating. Episode ``k`` stays on replica
-``k % replicas`` (its growing prompt shares a prefix there) and is seeded per turn from the
-step's seed, so a run is reproducible.
+slow) and resubmitted, while the others keep generating. Episode ``k`` stays on one replica
+(``runtime.replicas.replica_slots``: its growing prompt shares a prefix there) and is seeded
+per turn from the step's seed, whatever its replica, so a run is reproducible.
 
 The trainer ends an episode early at ``max_turns`` turns, when the next turn would have no
 room (the episode's token budget or the context), and gives the environment a last word
@@ -24,6 +24,7 @@ from typing import Any
 from drivetrain.api import Completion, FinishReason, Rollout, SamplingParams
 from drivetrain.api.environment import Environment, Episode, StepResult, Task
 from drivetrain.api.requests import Request, sample_seed
+from drivetrain.runtime.replicas import replica_slots
 from drivetrain.runtime.rollout_service import RolloutService
 from drivetrain.trainer.agentic.chat_tokens import ChatTokens
 from drivetrain.trainer.agentic.growing import GrowingTrajectory
@@ -153,9 +154,9 @@ class _Play:
         name: str,
     ) -> None:
         self.runner, self.tasks, self.params, self.name = runner, tasks, params, name
-        replicas = len(runner.rollouts)
+        slots = replica_slots(len(tasks) * n, len(runner.rollouts))
         self.live = [
-            _Live(number=k, task=k // n, replica=k % replicas) for k in range(len(tasks) * n)
+            _Live(number=k, task=k // n, replica=slot.replica) for k, slot in enumerate(slots)
         ]
         self.generating: dict[Future[Completion], _Live] = {}  # each episode's running turn
         self.stepping: dict[Future[Any], tuple[_Live, Callable[[_Live, Any], None]]] = {}

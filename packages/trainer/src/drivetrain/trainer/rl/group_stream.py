@@ -35,8 +35,8 @@ from functools import partial
 
 from drivetrain.api import Completion, Rollout, SamplingParams
 from drivetrain.api.errors import ConfigError
-from drivetrain.api.partition import chunk_sizes
 from drivetrain.api.requests import Request, sample_seed
+from drivetrain.runtime.replicas import replica_slots
 from drivetrain.runtime.rollout_service import RolloutService, ServiceClosed
 
 
@@ -161,9 +161,7 @@ class GroupStream:
         self._pending: dict[int, _Pending] = {}
         #: per place in a step: its replica and the replica's first place (the sync loop's
         #: split of a step's prompts over the replicas)
-        sizes = chunk_sizes(per_step, min(len(self.rollouts), per_step))
-        firsts = [sum(sizes[:i]) for i in range(len(sizes))]
-        self._replica_of = [(i, firsts[i]) for i, size in enumerate(sizes) for _ in range(size)]
+        self._replica_of = replica_slots(per_step, len(self.rollouts))
         self._ready: dict[int, Group] = {}
         self._failure: BaseException | None = None
         self._cond = threading.Condition()
@@ -211,7 +209,7 @@ class GroupStream:
         prompt = self.prompts(step)[within]
         params = self.params(step)
         # the replica and sample numbers the sync loop's generate call gives this prompt
-        index, first = self._replica_of[within]
+        index, first = self._replica_of[within].replica, self._replica_of[within].first
         self._pending[position] = _Pending(prompt, [None] * params.n)
         prompt_ids = tuple(self.prompt_ids(prompt))
         requests = []

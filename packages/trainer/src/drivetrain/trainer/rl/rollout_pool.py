@@ -15,8 +15,8 @@ from typing import Any
 from drivetrain.api import Completion, Prompt, Rollout, SamplingParams, registry
 from drivetrain.api.config import RolloutConfig
 from drivetrain.api.engine import NamedTensor
-from drivetrain.api.partition import chunk_sizes
 from drivetrain.runtime.remote_rollout import RolloutHost
+from drivetrain.runtime.replicas import replica_slots
 from drivetrain.trainer.workers.ray_runtime import wait_all
 
 
@@ -63,12 +63,15 @@ class RolloutPool:
         self._threads = ThreadPoolExecutor(len(self.rollouts), thread_name_prefix="rollout")
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
-        sizes = chunk_sizes(len(prompts), min(len(self.rollouts), len(prompts)))
-        jobs, start = [], 0
-        for rollout, size in zip(self.rollouts, sizes, strict=False):
-            chunk = list(prompts[start : start + size])
-            jobs.append((start, self._threads.submit(rollout.generate, chunk, params)))
-            start += size
+        chunks: dict[int, list[Prompt]] = {}
+        for slot, prompt in zip(
+            replica_slots(len(prompts), len(self.rollouts)), prompts, strict=True
+        ):
+            chunks.setdefault(slot.first, []).append(prompt)
+        jobs = [
+            (first, self._threads.submit(self.rollouts[replica].generate, chunk, params))
+            for replica, (first, chunk) in enumerate(chunks.items())
+        ]
         out: list[Completion] = []
         for offset, job in jobs:
             out.extend(
