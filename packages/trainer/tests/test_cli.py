@@ -37,7 +37,7 @@ def test_plugin_tables(monkeypatch):
         assert title in result.output
     engines = runner.invoke(app, ["engines", "--check"]).output
     fake_row = next(line for line in engines.splitlines() if "│ fake" in line)
-    assert "drivetrain-engine-api 0.1.0" in fake_row and fake_row.rstrip(" │").endswith("ok")
+    assert "drivetrain-testing 0.1.0" in fake_row and fake_row.rstrip(" │").endswith("ok")
     assert "each plugin's code imported" in engines
 
 

@@ -25,10 +25,15 @@ from drivetrain.runtime.heap import settled_heap
 from drivetrain.trainer.checkpoints import Checkpoint, CheckpointManager
 from drivetrain.trainer.metrics import LOSS_CURVE, Curve, MetricsLogger
 from drivetrain.trainer.progress import TrainingProgress
-from drivetrain.trainer.run_dir import adopt_checkpoint, check_steps_left, start_point
+from drivetrain.trainer.run_dir import adopt_checkpoint, check_steps_left, start_point, steps_knob
 from drivetrain.trainer.run_lock import owning
 from drivetrain.trainer.stopping import Position, run_signals, stop_here
-from drivetrain.trainer.workers.group import WorkerFactory, WorkerGroup
+from drivetrain.trainer.workers.group import (
+    SavesState,
+    WorkerFactory,
+    WorkerGroup,
+    launched_by_torchrun,
+)
 from drivetrain.trainer.workers.launch import make_worker_group
 
 R = TypeVar("R")
@@ -56,12 +61,31 @@ class LoopSpec:
     writer: bool = True  # this process writes the run's files
 
 
+def supervised_spec(
+    name: str, total: int, config: Any, group: WorkerGroup, **rest: Any
+) -> LoopSpec:
+    """SFT's and DPO's spec: ``total`` steps set by ``run.max_steps`` or ``run.epochs``, the
+    loop on every torchrun rank (they agree on a stop), files from the group's writer."""
+    return LoopSpec(
+        name=name,
+        total=total,
+        steps_knob=steps_knob(config.run),
+        run=config.run,
+        logging=config.logging,
+        agree=launched_by_torchrun(),
+        writer=group.is_writer,
+        **rest,
+    )
+
+
 @dataclass
 class Outcome:
     """What the loop did; each job turns it into its own result."""
 
     output_dir: Path
     final_step: int
+    #: each step's headline metric (``LoopSpec.headline``), by 1-based step
+    headlines: dict[int, float] = field(default_factory=dict)
     val_before: dict[str, float] = field(default_factory=dict)
     val_after: dict[str, float] = field(default_factory=dict)
     hf_dir: Path | None = None
@@ -115,6 +139,22 @@ class Job(abc.ABC, Generic[R]):
 
     def close(self) -> None:
         """After the run, also a failed one."""
+
+
+class WorkerJob(Job[R]):
+    """A job whose engines live in a worker group (every job here): each rank saves, loads
+    and exports what it trains."""
+
+    group: WorkerGroup
+
+    def load(self, engine_path: str) -> int:
+        return self.group.run_all(SavesState.load_checkpoint, engine_path)
+
+    def save(self, engine_path: str, step: int) -> None:
+        self.group.run_all(SavesState.save_checkpoint, engine_path, step)
+
+    def export(self, hf_dir: str) -> None:
+        self.group.run_all(SavesState.export_hf, hf_dir)
 
 
 class Checkpointer:
@@ -285,7 +325,7 @@ def _steps(
             if logger is not None:
                 logger.log(done, metrics)
             job.record(done, metrics)
-            outcome.final_step = done
+            outcome.headlines[done], outcome.final_step = metrics[spec.headline], done
             progress.update(
                 loss=metrics[spec.headline],
                 tokens_per_s=metrics[spec.tokens_per_s],

@@ -20,10 +20,8 @@ from drivetrain.trainer.dpo.data import Pair, pair_batch
 from drivetrain.trainer.dpo.loss import PreferenceLoss
 from drivetrain.trainer.dpo.worker import PreferenceWorker
 from drivetrain.trainer.reference import Reference
-from drivetrain.trainer.run_dir import steps_knob
-from drivetrain.trainer.run_loop import Job, LoopSpec, Outcome
-from drivetrain.trainer.workers.group import WorkerGroup, launched_by_torchrun
-from drivetrain.trainer.workers.role_worker import ACTOR
+from drivetrain.trainer.run_loop import Outcome, WorkerJob, supervised_spec
+from drivetrain.trainer.workers.group import WorkerGroup
 
 
 @dataclass(frozen=True)
@@ -48,7 +46,7 @@ def total_steps(config: DPOConfig, plan: StepPlan) -> int:
     return config.run.max_steps or config.run.epochs * plan.steps_per_epoch
 
 
-class DPOTrainer(Job[DPOResult]):
+class DPOTrainer(WorkerJob[DPOResult]):
     def __init__(
         self, config: DPOConfig, *, engine_name: str, group: WorkerGroup, data: PreferenceData
     ) -> None:
@@ -70,20 +68,16 @@ class DPOTrainer(Job[DPOResult]):
             "batch_size": config.run.batch_size,
             "total_steps": total,
         }
-        self.spec = LoopSpec(
-            name="dpo",
-            total=total,
-            steps_knob=steps_knob(config.run),
-            run=config.run,
-            logging=config.logging,
+        self.spec = supervised_spec(
+            "dpo",
+            total,
+            config,
+            group,
             state=state,
             identity=state,
             validate_before=True,
             validation_label="held-out pairs",
-            agree=launched_by_torchrun(),
-            writer=group.is_writer,
         )
-        self.train_loss: dict[int, float] = {}  # 1-based step -> loss
 
     def batch(self, pairs: Sequence[Pair], step: int | None = None) -> Any:
         return pair_batch(
@@ -124,23 +118,11 @@ class DPOTrainer(Job[DPOResult]):
         )
         return ", ".join(f"{k.removeprefix('val/')} {metrics[k]:.3f}" for k in keys if k in metrics)
 
-    def record(self, done: int, metrics: Mapping[str, float]) -> None:
-        self.train_loss[done] = metrics["train/loss"]
-
-    def load(self, engine_path: str) -> int:
-        return self.group.run_all(PreferenceWorker.load_checkpoint, engine_path, (ACTOR,))
-
-    def save(self, engine_path: str, step: int) -> None:
-        self.group.run_all(PreferenceWorker.save_checkpoint, engine_path, step, (ACTOR,))
-
-    def export(self, hf_dir: str) -> None:
-        self.group.run_all(PreferenceWorker.export_hf, hf_dir)
-
     def result(self, outcome: Outcome) -> DPOResult:
         return DPOResult(
             outcome.output_dir,
             outcome.final_step,
-            self.train_loss,
+            outcome.headlines,
             outcome.val_before,
             outcome.val_after,
             outcome.hf_dir,

@@ -32,9 +32,8 @@ from drivetrain.trainer.rl.stages import StepBatch, build_stages
 from drivetrain.trainer.rl.step_metrics import clip_ratio, fmt
 from drivetrain.trainer.rl.sync_manager import SyncReport
 from drivetrain.trainer.rl.updates import build_updates, on_policy
-from drivetrain.trainer.run_loop import Job, LoopSpec, Outcome
+from drivetrain.trainer.run_loop import LoopSpec, Outcome, WorkerJob
 from drivetrain.trainer.workers.engine_worker import StepStats
-from drivetrain.trainer.workers.role_worker import ACTOR, CRITIC, RoleWorker
 
 
 @dataclass(frozen=True)
@@ -79,7 +78,7 @@ class RLResult:
     weight_digests: dict[int, str] = field(default_factory=dict)  # with weight_sync.verify
 
 
-class RLTrainer(Job[RLResult]):
+class RLTrainer(WorkerJob[RLResult]):
     def __init__(self, setup: RLSetup, placement: Placement, console: Console | None = None):
         self.setup, self.placement = setup, placement
         self.config = c = setup.config
@@ -110,7 +109,6 @@ class RLTrainer(Job[RLResult]):
             critic=setup.critic,
         )
         self.updates = build_updates(c, on_policy=self.on_policy, critic=setup.critic)
-        self.trainable = (ACTOR, CRITIC) if setup.critic else (ACTOR,)
         self.spec = LoopSpec(
             name="rl",
             total=c.run.steps,
@@ -206,20 +204,13 @@ class RLTrainer(Job[RLResult]):
         return fmt(metrics)
 
     def load(self, engine_path: str) -> int:
-        step = self.group.run_all(RoleWorker.load_checkpoint, engine_path, self.trainable)
+        step = super().load(engine_path)
         self.weights.sync(step)  # the rollouts generate with the checkpoint's weights
         return step
-
-    def save(self, engine_path: str, step: int) -> None:
-        self.group.run_all(RoleWorker.save_checkpoint, engine_path, step, self.trainable)
-
-    def export(self, hf_dir: str) -> None:
-        self.group.run_all(RoleWorker.export_hf, hf_dir)
 
     def record(self, done: int, metrics: Mapping[str, float]) -> None:
         """What the end-of-run summary keeps of step ``done``."""
         kept = self.kept
-        kept.rewards[done] = metrics["reward/mean"]
         if "reward/task" in metrics:
             kept.task_rewards[done] = metrics["reward/task"]
         digest = self.weights.reports[-1].sent.digest if self.weights.reports else None
@@ -239,6 +230,7 @@ class RLTrainer(Job[RLResult]):
         return dataclasses.replace(
             self.kept,
             final_step=outcome.final_step,
+            rewards=outcome.headlines,
             val_before=outcome.val_before,
             val_after=outcome.val_after,
             hf_dir=outcome.hf_dir,

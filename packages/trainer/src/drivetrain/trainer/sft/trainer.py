@@ -9,17 +9,15 @@ a checkpoint replays exactly the batches an uninterrupted run would have seen.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from drivetrain.trainer.data.batching import StepPlan, eval_batches, make_batch
-from drivetrain.trainer.run_dir import steps_knob
-from drivetrain.trainer.run_loop import Job, LoopSpec, Outcome
+from drivetrain.trainer.run_loop import Outcome, WorkerJob, supervised_spec
 from drivetrain.trainer.sft.config import SFTConfig
 from drivetrain.trainer.sft.dataset import SFTData
 from drivetrain.trainer.workers.engine_worker import EngineWorker, StepStats
-from drivetrain.trainer.workers.group import WorkerGroup, launched_by_torchrun
+from drivetrain.trainer.workers.group import WorkerGroup
 
 
 def total_steps(config: SFTConfig, plan: StepPlan) -> int:
@@ -35,7 +33,7 @@ class SFTResult:
     hf_dir: Path | None = None
 
 
-class SFTTrainer(Job[SFTResult]):
+class SFTTrainer(WorkerJob[SFTResult]):
     def __init__(
         self,
         config: SFTConfig,
@@ -54,23 +52,10 @@ class SFTTrainer(Job[SFTResult]):
         )
         total = total_steps(config, self.plan)
         identity = {"engine": engine_name, "model_path": config.engine.model.path}
-        self.spec = LoopSpec(
-            name="sft",
-            total=total,
-            steps_knob=steps_knob(config.run),
-            run=config.run,
-            logging=config.logging,
-            identity=identity,
-            state={
-                **identity,
-                "seed": config.seed,
-                "batch_size": config.run.batch_size,
-                "total_steps": total,
-            },
-            agree=launched_by_torchrun(),
-            writer=group.is_writer,
+        state = {**identity, "seed": config.seed, "batch_size": config.run.batch_size}
+        self.spec = supervised_spec(
+            "sft", total, config, group, identity=identity, state={**state, "total_steps": total}
         )
-        self.train_loss: dict[int, float] = {}  # 1-based step -> loss
 
     # ---- steps --------------------------------------------------------------------------
     def train_step(self, step: int) -> tuple[StepStats, int]:
@@ -102,24 +87,11 @@ class SFTTrainer(Job[SFTResult]):
             nll, tokens = nll + chunk_nll, tokens + chunk_tokens
         return {"val/loss": nll / max(tokens, 1)}
 
-    def record(self, done: int, metrics: Mapping[str, float]) -> None:
-        self.train_loss[done] = metrics["train/loss"]
-
-    # ---- state --------------------------------------------------------------------------
-    def load(self, engine_path: str) -> int:
-        return self.group.run_all(EngineWorker.load_checkpoint, engine_path)
-
-    def save(self, engine_path: str, step: int) -> None:
-        self.group.run_all(EngineWorker.save_checkpoint, engine_path, step)
-
-    def export(self, hf_dir: str) -> None:
-        self.group.run_all(EngineWorker.export_hf, hf_dir)
-
     def result(self, outcome: Outcome) -> SFTResult:
         return SFTResult(
             outcome.output_dir,
             outcome.final_step,
-            self.train_loss,
+            outcome.headlines,
             val_loss=outcome.val_after.get("val/loss"),
             hf_dir=outcome.hf_dir,
         )

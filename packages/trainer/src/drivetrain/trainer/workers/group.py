@@ -30,13 +30,26 @@ from __future__ import annotations
 import abc
 import os
 from collections.abc import Callable
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 from drivetrain.api import Batch, ParallelInfo
 
 WorkerFactory = Callable[[], Any]
 P = ParamSpec("P")
 R = TypeVar("R")
+
+
+class SavesState(Protocol):
+    """What every worker offers for a job's checkpoints and export (an ``EngineWorker``, a
+    ``RoleWorker``: each rank saves, loads and exports what it trains)."""
+
+    def save_checkpoint(self, path: str, step: int) -> None: ...
+
+    def load_checkpoint(self, path: str) -> int: ...
+
+    def export_hf(self, path: str) -> None: ...
+
+
 #: A worker method as the controller names it: ``RoleWorker.save_checkpoint``.
 WorkerCall = Callable[Concatenate[Any, P], R]
 #: A worker method taking the rank's data-parallel shard first: ``RoleWorker.train``.

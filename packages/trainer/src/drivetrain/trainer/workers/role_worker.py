@@ -72,12 +72,18 @@ class RoleWorker:
         return self.roles[role].train_step(shard, loss)
 
     # ---- checkpoints and export ---------------------------------------------------------
-    def save_checkpoint(self, path: str, step: int, roles: tuple[str, ...]) -> None:
-        for role in roles:
+    @property
+    def trained(self) -> tuple[str, ...]:
+        """The roles a checkpoint holds: the actor, and the critic where there is one (the
+        reference, reward model and teacher are frozen)."""
+        return tuple(role for role in (ACTOR, CRITIC) if role in self.roles)
+
+    def save_checkpoint(self, path: str, step: int) -> None:
+        for role in self.trained:
             self.roles[role].save_checkpoint(f"{path}/{role}", step)
 
-    def load_checkpoint(self, path: str, roles: tuple[str, ...]) -> int:
-        steps = {self.roles[role].load_checkpoint(f"{path}/{role}") for role in roles}
+    def load_checkpoint(self, path: str) -> int:
+        steps = {self.roles[role].load_checkpoint(f"{path}/{role}") for role in self.trained}
         if len(steps) != 1:
             raise ValueError(f"the roles' checkpoints under {path} disagree on the step: {steps}")
         return steps.pop()
