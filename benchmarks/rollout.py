@@ -43,7 +43,7 @@ from drivetrain.api.registry import rollouts
 from drivetrain.api.requests import Request
 from drivetrain.api.rollout import SamplingParams
 from drivetrain.rollout.config import HFRolloutConfig, VLLMRolloutConfig
-from drivetrain.runtime.rollout_service import generate_with_requests
+from drivetrain.runtime.request_poller import generate_with_requests
 from drivetrain.trainer.builtin import addition
 from drivetrain.trainer.builtin.addition_sft import ensure_sft_model
 from drivetrain.trainer.builtin.char_tokenizer import build_char_tokenizer

@@ -12,6 +12,7 @@ import torch
 from drivetrain.api import SamplingParams
 from drivetrain.api.columns import INPUT_IDS, LOSS_MASK, ROLLOUT_LOG_PROBS
 from drivetrain.api.environment import AssistantTurn, Environment, Episode, StepResult, Task
+from drivetrain.runtime.rollout_service import RolloutService
 from drivetrain.trainer.agentic.chat_tokens import ChatTokens
 from drivetrain.trainer.agentic.episodes import EpisodeLimits, EpisodeRunner
 from drivetrain.trainer.agentic.tool_parsers import tool_parser
@@ -93,7 +94,7 @@ def play_and_check(rollout, model_dir, tasks: int, n: int, *, mean_gap: float, m
     recording = Recording(rollout)
     chat = ChatTokens(tokenizer, TOOLS)
     runner = EpisodeRunner(
-        [recording], ThreeTurns(), tool_parser("hermes"), chat,
+        RolloutService([recording], threads=False), ThreeTurns(), tool_parser("hermes"), chat,
         EpisodeLimits(max_turns=5, turn_tokens=12, episode_tokens=0, context=256),
     )  # fmt: skip
     params = SamplingParams(temperature=0.8, max_new_tokens=12, seed=3)

@@ -12,6 +12,7 @@ from drivetrain.api import SamplingParams
 from drivetrain.api.columns import LOSS_MASK
 from drivetrain.api.registry import rollouts
 from drivetrain.rollout.config import HFRolloutConfig
+from drivetrain.runtime.rollout_service import RolloutService
 from drivetrain.trainer.agentic.chat_tokens import ChatTokens
 from drivetrain.trainer.agentic.episodes import EpisodeLimits, EpisodeRunner
 from drivetrain.trainer.agentic.samples import episode_metrics, turn_rewards
@@ -55,14 +56,14 @@ def test_limits_end_episodes_with_their_reason(model_dir):
     chat = ChatTokens(tokenizer, TOOLS)
     params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=1)
     few_turns = EpisodeRunner(
-        [hf], ThreeTurns(), tool_parser("hermes"), chat,
+        RolloutService([hf], threads=False), ThreeTurns(), tool_parser("hermes"), chat,
         EpisodeLimits(max_turns=2, turn_tokens=8, episode_tokens=0, context=256),
     )  # fmt: skip
     played = few_turns.play([{"k": 1}], 3, params)
     assert all(e.truncation == "max_turns" and e.turns == 2 for e in played)
     assert all(e.turn_rewards == (0.25, 0.25) for e in played)
     short = EpisodeRunner(
-        [hf], ThreeTurns(), tool_parser("hermes"), chat,
+        RolloutService([hf], threads=False), ThreeTurns(), tool_parser("hermes"), chat,
         EpisodeLimits(max_turns=5, turn_tokens=8, episode_tokens=20, context=256),
     )  # fmt: skip
     played = short.play([{"k": 2}], 3, params)
@@ -107,15 +108,17 @@ def test_a_hanging_environment_fails_the_play_and_frees_the_rollout(model_dir):
     params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=2)
     release = threading.Event()
     try:
+        service = RolloutService([hf], threads=False)
         hanging = EpisodeRunner(
-            [hf], Hanging(release), tool_parser("hermes"), chat, limits,
-            step_timeout_s=0.5,
-        )  # fmt: skip
+            service, Hanging(release), tool_parser("hermes"), chat, limits, step_timeout_s=0.5
+        )
         began = time.monotonic()
         with pytest.raises(EpisodeError, match="did not answer .* within 0.5 s"):
             hanging.play([{"k": 0}, {"k": 1}], 2, params)
         assert time.monotonic() - began < 20
     finally:
         release.set()
-    again = EpisodeRunner([hf], ThreeTurns(), tool_parser("hermes"), chat, limits)
+    again = EpisodeRunner(
+        RolloutService([hf], threads=False), ThreeTurns(), tool_parser("hermes"), chat, limits
+    )
     assert len(again.play([{"k": 0}], 2, params)) == 2  # the rollout serves the next play

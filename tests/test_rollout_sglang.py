@@ -12,7 +12,7 @@ import torch
 from drivetrain.api import SamplingParams
 from drivetrain.api.requests import Request
 from drivetrain.rollout.config import SGLangRolloutConfig
-from drivetrain.runtime.rollout_service import generate_with_requests
+from drivetrain.runtime.request_poller import generate_with_requests
 from drivetrain.testing.rollout_kit import RolloutConformance
 from rollout_support import (
     KeptRollout,

@@ -337,3 +337,38 @@ def test_a_bug_in_a_poller_fails_its_waiters_and_refuses_later_submits(monkeypat
         with pytest.raises(ServiceClosed, match="stopped"):
             service.submit(0, requests("b")[0]).result(timeout=1)
     assert not left_running(r)
+
+
+def test_users_take_turns_and_each_release_leaves_nothing_running() -> None:
+    """The placement's one service: a user polls it in threads, releases it (what it left
+    running is drained, its queued submits fail), and the next user starts clean."""
+    r = SlowRollout(FakeRolloutConfig(max_model_len=64, seed=3))
+    service = RolloutService([r], threads=False)
+    service.poll_in_threads()
+    first = service.submit_many(0, requests("first", max_new_tokens=40))
+    service.release()
+    assert all(f.done() for f in first) and not left_running(r) and not service.alive
+    service.poll_in_threads()
+    again = service.submit_many(0, requests("again"))
+    wait(again, timeout=30)
+    assert [f.result().finish_reason for f in again] == [FinishReason.LENGTH] * len(PROMPTS)
+    service.release()
+    service.shutdown()
+
+
+def test_generate_splits_prompts_over_the_replicas_in_order() -> None:
+    """Each replica's contiguous share through its own batch generate; prompt indices are the
+    call's, and with one replica the completions are the rollout's own."""
+    one, a, b = rollout(), rollout(), rollout()
+    prompts = [Prompt(token_ids=ids) for ids in PROMPTS]
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True, seed=7)
+    service = RolloutService([a, b], threads=False)
+    split = service.generate(prompts, params)
+    assert [c.prompt_index for c in split] == [0, 1, 2]
+    assert [c.token_ids for c in split[:2]] == [
+        c.token_ids for c in one.generate(prompts[:2], params)
+    ]
+    alone = RolloutService([one], threads=False)
+    assert alone.generate(prompts, params) == one.generate(prompts, params)
+    service.shutdown()
+    alone.shutdown()

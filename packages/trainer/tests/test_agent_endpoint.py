@@ -28,6 +28,7 @@ from drivetrain.api.environment import ToolCall
 from drivetrain.api.errors import DrivetrainError
 from drivetrain.api.registry import rollouts
 from drivetrain.api.requests import Chunk
+from drivetrain.runtime.rollout_service import RolloutService
 from drivetrain.trainer.agentic.agent_runner import AgentError, AgentRunner
 from drivetrain.trainer.agentic.chat_tokens import ChatTokens
 from drivetrain.trainer.agentic.endpoint import ChatServer
@@ -152,7 +153,13 @@ def runner(recording, tokenizer, command, parser=None, **options):
     options = {"timeout_s": 60.0, **options}
     score = options.pop("score", lambda task, text: 0.0)
     return AgentRunner(
-        [recording], tokenizer, parser or tool_parser("hermes"), command, score, LIMITS, **options
+        RolloutService([recording], threads=False),
+        tokenizer,
+        parser or tool_parser("hermes"),
+        command,
+        score,
+        LIMITS,
+        **options,
     )
 
 
@@ -282,7 +289,10 @@ def call(server, method, path, body=None, key=None, raw=None):
 
 def test_the_key_guards_every_route_and_errors_are_openai_shaped(recording, tokenizer):
     with ChatServer(
-        [recording], partial(ChatTokens, tokenizer), AlwaysCalls(), max_body_bytes=4096
+        RolloutService([recording], threads=False),
+        partial(ChatTokens, tokenizer),
+        AlwaysCalls(),
+        max_body_bytes=4096,
     ) as server:
         assert server.host == "127.0.0.1" and server.base_url.startswith("http://127.0.0.1:")
         assert len(server.api_key) >= 40
@@ -327,7 +337,9 @@ def test_the_key_guards_every_route_and_errors_are_openai_shaped(recording, toke
 
 def test_limits_refuse_a_turn_and_mark_the_truncation(recording, tokenizer):
     limits = EpisodeLimits(max_turns=2, turn_tokens=5, episode_tokens=0, context=64)
-    with ChatServer([recording], partial(ChatTokens, tokenizer), AlwaysCalls()) as server:
+    with ChatServer(
+        RolloutService([recording], threads=False), partial(ChatTokens, tokenizer), AlwaysCalls()
+    ) as server:
         session = server.open_session(0, 0, 0, TASKS[0], limits, PARAMS, replica=0)
         chat, key = f"/sessions/{session.sid}/v1/chat/completions", server.api_key
         messages = [{"role": "user", "content": "What is 2*3?"}]
@@ -349,7 +361,9 @@ def test_a_message_that_cannot_fit_is_refused_before_it_is_tokenised(recording, 
     """The drill: 7.8 MB of content (under the 8 MiB body cap) took 31 s to refuse, tokenised
     whole under a lock every session shared. Now the character bound refuses it at once, and
     another session's turn is served meanwhile."""
-    with ChatServer([recording], partial(ChatTokens, tokenizer), AlwaysCalls()) as server:
+    with ChatServer(
+        RolloutService([recording], threads=False), partial(ChatTokens, tokenizer), AlwaysCalls()
+    ) as server:
         big, small = (
             server.open_session(i, 0, i, TASKS[0], LIMITS, PARAMS, replica=0) for i in (0, 1)
         )
@@ -407,7 +421,10 @@ class Stuck:
 def test_a_deadline_or_close_aborts_the_request_in_flight(tokenizer):
     stuck = Stuck()
     server = ChatServer(
-        [stuck], partial(ChatTokens, tokenizer), AlwaysCalls(), request_timeout_s=0.5
+        RolloutService([stuck], threads=False),
+        partial(ChatTokens, tokenizer),
+        AlwaysCalls(),
+        request_timeout_s=0.5,
     )
     session = server.open_session(0, 0, 0, TASKS[0], LIMITS, PARAMS, replica=0)
     chat = f"/sessions/{session.sid}/v1/chat/completions"
@@ -541,7 +558,9 @@ def test_dropped_connections_are_a_line_at_most_not_a_traceback_each(recording, 
     """The drill: 300 clients that went away mid-request printed ~300 tracebacks (6,400 log
     lines) into the trainer's log. Each here sends a request's headers and part of its body,
     then resets the connection."""
-    with ChatServer([recording], partial(ChatTokens, tokenizer), AlwaysCalls()) as server:
+    with ChatServer(
+        RolloutService([recording], threads=False), partial(ChatTokens, tokenizer), AlwaysCalls()
+    ) as server:
         session = server.open_session(0, 0, 0, TASKS[0], LIMITS, PARAMS, replica=0)
         head = (
             f"POST /sessions/{session.sid}/v1/chat/completions HTTP/1.1\r\n"

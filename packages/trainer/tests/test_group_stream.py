@@ -10,6 +10,7 @@ import time
 import pytest
 
 from drivetrain.api import FinishReason, Prompt, SamplingParams
+from drivetrain.runtime.rollout_service import RolloutService
 from drivetrain.testing import fake_model
 from drivetrain.testing.fake_rollout import FakeRollout, FakeRolloutConfig
 from drivetrain.trainer.rl.batch_ops import stream_stats
@@ -44,7 +45,7 @@ def stream(rollouts, **overrides) -> GroupStream:
         ordered=False,
         drop_stale=True,
     )
-    return GroupStream(rollouts, **{**options, **overrides})
+    return GroupStream(RolloutService(rollouts, threads=False), **{**options, **overrides})
 
 
 def new_weights(r: FakeRollout, version: int) -> None:

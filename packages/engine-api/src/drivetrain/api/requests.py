@@ -9,7 +9,7 @@ the weight version its tokens were sampled under; a request's last chunk carries
 reason (``abort`` for an aborted one, with the tokens generated up to then).
 
 :class:`drivetrain.runtime.collector.Collector` turns chunks back into completions, and
-:func:`drivetrain.runtime.rollout_service.generate_with_requests` is the batch ``generate`` every
+:func:`drivetrain.runtime.request_poller.generate_with_requests` is the batch ``generate`` every
 request-level rollout offers. Standard library only: requests and chunks cross process
 boundaries as plain data.
 """

@@ -159,7 +159,7 @@ class Rollout(abc.ABC):
         (``result[i * n + j]`` is sample ``j`` of prompt ``i``). A prompt longer than the
         context, or invalid params, raise ``ValueError`` before anything is generated.
         Request-level rollouts implement it with
-        :func:`drivetrain.runtime.rollout_service.generate_with_requests`.
+        :func:`drivetrain.runtime.request_poller.generate_with_requests`.
         """
 
     @abc.abstractmethod

@@ -9,7 +9,7 @@ from typing import Any
 from drivetrain.api.requests import Request
 from drivetrain.api.rollout import Completion, Prompt, Rollout, SamplingParams
 from drivetrain.runtime.collector import call_requests
-from drivetrain.runtime.rollout_service import generate_with_requests
+from drivetrain.runtime.request_poller import generate_with_requests
 
 
 def render_prompts(prompts: Sequence[Prompt], tokenizer: Any, vocab_size: int) -> list[list[int]]:

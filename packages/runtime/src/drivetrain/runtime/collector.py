@@ -1,6 +1,6 @@
 """Chunks back into completions, and the requests of a batch ``generate`` call
 (:mod:`drivetrain.api.requests`): what every request-level rollout and its callers share.
-The batch call itself is :func:`drivetrain.runtime.rollout_service.generate_with_requests`."""
+The batch call itself is :func:`drivetrain.runtime.request_poller.generate_with_requests`."""
 
 from __future__ import annotations
 

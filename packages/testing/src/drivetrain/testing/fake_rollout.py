@@ -21,8 +21,8 @@ from drivetrain.api.engine import NamedTensor
 from drivetrain.api.requests import Request
 from drivetrain.api.rollout import Completion, FinishReason, Prompt, SamplingParams
 from drivetrain.runtime.collector import call_requests
+from drivetrain.runtime.request_poller import generate_with_requests
 from drivetrain.runtime.request_queue import QueuedRollout, RequestQueue, TokenEvent
-from drivetrain.runtime.rollout_service import generate_with_requests
 from drivetrain.testing import fake_model
 from drivetrain.testing.nested import shape_of
 

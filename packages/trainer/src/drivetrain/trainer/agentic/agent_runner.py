@@ -36,10 +36,11 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from drivetrain.api import Rollout, SamplingParams
+from drivetrain.api import SamplingParams
 from drivetrain.api.environment import Task
 from drivetrain.api.errors import DrivetrainError
 from drivetrain.runtime.replicas import replica_slots
+from drivetrain.runtime.rollout_service import RolloutService
 from drivetrain.trainer.agentic.chat_tokens import ChatTokens
 from drivetrain.trainer.agentic.endpoint import ChatServer
 from drivetrain.trainer.agentic.episodes import EpisodeLimits, PlayedEpisode
@@ -68,7 +69,7 @@ class AgentRunner:
 
     def __init__(
         self,
-        rollouts: Sequence[Rollout],
+        rollouts: RolloutService,
         chat: Any,
         parser: ToolParser,
         command: Sequence[str],
@@ -84,7 +85,7 @@ class AgentRunner:
     ) -> None:
         if not command:
             raise ValueError("the agent command is empty")
-        self.rollouts, self.parser = list(rollouts), parser
+        self.rollouts, self.parser = rollouts, parser
         if hasattr(chat, "apply_chat_template"):
             # the endpoint's own copy: its handler threads tokenise at once, and no other
             # user of the trainer's tokenizer can change its settings under them

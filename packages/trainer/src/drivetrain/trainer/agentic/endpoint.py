@@ -58,7 +58,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
-from drivetrain.api import Completion, FinishReason, Rollout, SamplingParams
+from drivetrain.api import Completion, FinishReason, SamplingParams
 from drivetrain.api.environment import Task
 from drivetrain.api.requests import Request, sample_seed
 from drivetrain.runtime.rollout_service import SETTLE_S, RolloutService, ServiceClosed
@@ -213,7 +213,7 @@ class ChatServer:
 
     def __init__(
         self,
-        rollouts: Sequence[Rollout],
+        rollouts: RolloutService,
         chat_for: Callable[[Sequence[Mapping[str, Any]]], ChatTokens],
         parser: ToolParser,
         *,
@@ -224,9 +224,7 @@ class ChatServer:
         request_timeout_s: float = 600.0,
         max_body_bytes: int = 8 << 20,
     ) -> None:
-        if not rollouts:
-            raise ValueError("the chat endpoint needs at least one rollout")
-        self.replicas = len(rollouts)
+        self.replicas = len(rollouts.rollouts)
         self.parser, self.model = parser, model
         self.api_key = api_key or secrets.token_urlsafe(32)
         self._key = self.api_key.encode()
@@ -235,7 +233,8 @@ class ChatServer:
         self._chats_lock = threading.Lock()  # the cache, not the tokenizing (see _complete)
         self._sessions: dict[str, Session] = {}
         self._sessions_lock = threading.Lock()
-        self._rollouts = RolloutService(rollouts, name="chat-endpoint")
+        self._rollouts = rollouts  # the placement's service, polled in its threads meanwhile
+        rollouts.poll_in_threads()
         self._http = _HTTPServer((host, port), self)
         self.host, self.port = self._http.server_address[:2]
         self._serving = threading.Thread(
@@ -294,10 +293,10 @@ class ChatServer:
         return sessions
 
     def close(self) -> None:
-        """Stop serving and the rollout service; requests in flight are aborted (their agents get
-        503)."""
+        """Stop serving and release the rollout service; requests in flight are aborted (their
+        agents get 503)."""
         self._http.shutdown()  # no new request first; those being answered fail at the stop
-        self._rollouts.close()
+        self._rollouts.release()
         self._http.server_close()
         self._serving.join(5.0)
 

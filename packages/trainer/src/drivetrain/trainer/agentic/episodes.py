@@ -21,7 +21,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from drivetrain.api import Completion, FinishReason, Rollout, SamplingParams
+from drivetrain.api import Completion, FinishReason, SamplingParams
 from drivetrain.api.environment import Environment, Episode, StepResult, Task
 from drivetrain.api.requests import Request, sample_seed
 from drivetrain.runtime.replicas import replica_slots
@@ -96,11 +96,12 @@ class _Live(GrowingTrajectory):
 
 
 class EpisodeRunner:
-    """Plays episodes of ``environment`` on ``rollouts`` (see the module docstring)."""
+    """Plays episodes of ``environment`` through ``rollouts``, the placement's rollout service
+    (see the module docstring)."""
 
     def __init__(
         self,
-        rollouts: Sequence[Rollout],
+        rollouts: RolloutService,
         environment: Environment,
         parser: ToolParser,
         chat: ChatTokens,
@@ -109,7 +110,7 @@ class EpisodeRunner:
         env_threads: int = 8,
         step_timeout_s: float = 600.0,
     ) -> None:
-        self.rollouts = list(rollouts)
+        self.rollouts = rollouts
         self.environment, self.parser, self.chat, self.limits = environment, parser, chat, limits
         self.env_threads, self.step_timeout_s = env_threads, step_timeout_s
         self.name = type(environment).__name__
@@ -123,9 +124,10 @@ class EpisodeRunner:
         play = _Play(self, tasks, n, params, f"p{self.plays}")
         self.plays += 1
         pool = ThreadPoolExecutor(self.env_threads, thread_name_prefix="episode")
-        # the play's requests go through one rollout service; closing it aborts and drains
-        # whatever a failed play left running, so the rollouts are free for the next
-        service = RolloutService(self.rollouts, name=f"episodes-{play.name}")
+        # the play's requests go through the rollout service, polled in its threads; releasing
+        # it aborts and drains whatever a failed play left running, so the next starts clean
+        service = self.rollouts
+        service.poll_in_threads()
         play.pool, play.service = pool, service
         try:
             play.run()
@@ -133,7 +135,7 @@ class EpisodeRunner:
             pool.shutdown(wait=False, cancel_futures=True)  # queued environment calls: dropped
             raise
         finally:
-            service.close()
+            service.release()
         pool.shutdown()
         return [play.result(live) for live in play.live]
 
@@ -154,7 +156,7 @@ class _Play:
         name: str,
     ) -> None:
         self.runner, self.tasks, self.params, self.name = runner, tasks, params, name
-        slots = replica_slots(len(tasks) * n, len(runner.rollouts))
+        slots = replica_slots(len(tasks) * n, len(runner.rollouts.rollouts))
         self.live = [
             _Live(number=k, task=k // n, replica=slot.replica) for k, slot in enumerate(slots)
         ]

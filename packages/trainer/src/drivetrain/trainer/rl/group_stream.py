@@ -33,7 +33,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from functools import partial
 
-from drivetrain.api import Completion, Rollout, SamplingParams
+from drivetrain.api import Completion, SamplingParams
 from drivetrain.api.errors import ConfigError
 from drivetrain.api.requests import Request, sample_seed
 from drivetrain.runtime.replicas import replica_slots
@@ -129,7 +129,7 @@ class GroupStream:
 
     def __init__(
         self,
-        rollouts: Sequence[Rollout],
+        rollouts: RolloutService,
         *,
         prompts: Callable[[int], Sequence[int]],
         prompt_ids: Callable[[int], Sequence[int]],
@@ -145,7 +145,8 @@ class GroupStream:
         scripted_rounds: int = 0,
         background: bool = False,
     ) -> None:
-        self.rollouts = list(rollouts)
+        self.service = rollouts  # the placement's: polled here (scripted) or in its threads
+        self.rollouts = rollouts.rollouts
         self.prompts, self.prompt_ids, self.params = prompts, prompt_ids, params
         self.per_step, self.steps = per_step, steps
         self.max_staleness, self.ordered, self.drop_stale = max_staleness, ordered, drop_stale
@@ -167,27 +168,21 @@ class GroupStream:
         self._cond = threading.Condition()
         self._stopping = False
         #: scripted: the trainer polls, from the start; else polling threads, from start()
-        self.service = (
-            RolloutService(self.rollouts, name="generate-ahead", threads=False)
-            if scripted_rounds
-            else None
-        )
+        self._started = bool(scripted_rounds)
 
     # ---- driving ---------------------------------------------------------------------------
     def start(self) -> None:
         """Start generating: one polling thread per replica (none when scripted), each
         rollout generating on its own where it can (polls collect several token steps)."""
-        if self.service is None:
-            self.service = RolloutService(
-                self.rollouts, name="generate-ahead", background=self.background
-            )
+        if not self.scripted_rounds:
+            self.service.poll_in_threads(background=self.background)
         with self._cond:
+            self._started = True
             self._admit()
 
     def advance(self, rounds: int = 1) -> None:
         """Scripted schedule: ``rounds`` polling rounds in this thread (each replica: submit
         what admission allows, then one poll, which runs one token step where requests run)."""
-        assert self.service is not None
         for _ in range(rounds):
             with self._cond:
                 self._admit()
@@ -197,7 +192,7 @@ class GroupStream:
     def _admit(self) -> None:
         """Submit the positions the staleness bound admits now (it moves with the weights'
         version and with drops)."""
-        while not self._stopping and self.service is not None:
+        while not self._stopping and self._started:
             step = (self._next - self._dropped) // self.per_step  # the step it is meant for
             if step >= self.steps or step > self.version + self.max_staleness:
                 break
@@ -224,7 +219,6 @@ class GroupStream:
                     prompt_index=position,
                 )
             )
-        assert self.service is not None
         futures = self.service.submit_many(index, requests, resume_aborted=True)
         for sample, future in enumerate(futures):
             future.add_done_callback(partial(self._finished, position, sample))
@@ -264,7 +258,7 @@ class GroupStream:
                     continue
                 # how long generating takes is bounded by the rollout's own call timeouts
                 # (a poll that timed out fails its requests); no poller left is a bug
-                if self.service is None or not self.service.alive:
+                if not self.service.alive:
                     raise GenerationError("no generation thread is running (was start() called?)")
                 self._cond.wait(1.0)
             for group in chosen:
@@ -314,15 +308,12 @@ class GroupStream:
         """Nothing of this stream runs on the rollouts inside (e.g. validation generates):
         polling stops, running requests are aborted and their tokens kept; they resume as
         continuations afterwards."""
-        if self.service is None:
-            yield
-            return
         with self.service.paused():
             yield
 
     def close(self) -> None:
-        """Stop generating: this stream's requests are aborted and collected, polling ends."""
+        """Stop generating: this stream's requests are aborted and collected, polling ends,
+        and the rollout service is free for its next user."""
         with self._cond:
             self._stopping = True
-        if self.service is not None:
-            self.service.close()
+        self.service.release()

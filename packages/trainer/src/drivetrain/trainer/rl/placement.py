@@ -16,17 +16,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from drivetrain.api import registry
+from drivetrain.api import Rollout, registry
 from drivetrain.api.config import RolloutConfig, WeightSyncConfig
 from drivetrain.api.errors import ConfigError
 from drivetrain.api.weight_sync import Topology
 from drivetrain.runtime.remote_rollout import RemoteRollout
+from drivetrain.runtime.rollout_service import RolloutService
 from drivetrain.trainer.job_config import WorkersConfig
 from drivetrain.trainer.rl.config import PlacementConfig
-from drivetrain.trainer.rl.rollout_pool import RayChannel, RolloutActor, RolloutPool
+from drivetrain.trainer.rl.ray_rollout import RayChannel, RolloutActor
 from drivetrain.trainer.rl.sync_manager import WeightSyncManager, connect_rollouts
 from drivetrain.trainer.rl.sync_worker import SyncingWorker
 from drivetrain.trainer.workers.group import LocalWorkerGroup, WorkerGroup
@@ -83,9 +85,15 @@ def takes_adapters(rollout_config: object) -> bool:
     return bool(lora is not None and lora.enabled)
 
 
+def rollout_service(rollouts: Sequence[Rollout]) -> RolloutService:
+    """The placement's one owner of rollout traffic (product code builds no other): every
+    caller generates through it, and its user polls it (threads from ``poll_in_threads``)."""
+    return RolloutService(rollouts, name="rollouts", threads=False)
+
+
 def connect_weights(
     group: WorkerGroup,
-    pool: RolloutPool,
+    rollouts: RolloutService,
     transport: str,
     config: WeightSyncConfig,
     *,
@@ -100,26 +108,26 @@ def connect_weights(
     def sender(topology: Topology, endpoint: Any) -> None:
         group.run_all(SyncingWorker.sync_connect, topology, endpoint)
 
-    receivers = connect_rollouts(sender, endpoint, transport, config, pool.rollouts)
+    receivers = connect_rollouts(sender, endpoint, transport, config, rollouts.rollouts)
     send = functools.partial(group.run_all, SyncingWorker.sync_send)
-    return WeightSyncManager(send, pool.rollouts, receivers, colocated=colocated)
+    return WeightSyncManager(send, rollouts.rollouts, receivers, colocated=colocated)
 
 
 @dataclass
 class Placement:
     mode: str
     group: WorkerGroup
-    pool: RolloutPool
+    rollouts: RolloutService
     weights: WeightSyncManager
     started_ray: bool = False
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.weights.close()
-        self.pool.shutdown()
+        self.rollouts.shutdown()
         with contextlib.suppress(Exception):
             self.group.close()
-        for rollout in self.pool.rollouts:
+        for rollout in self.rollouts.rollouts:
             if isinstance(rollout, RemoteRollout) and isinstance(rollout.channel, RayChannel):
                 import ray
 
@@ -157,17 +165,17 @@ def build_placement(spec: PlacementSpec) -> Placement:
     except BaseException:
         group.close()
         raise
-    pool = RolloutPool(rollouts)
+    service = rollout_service(rollouts)
     try:
         sync_config = transport_config(spec.transport, spec.sync_config)
         weights = connect_weights(
-            group, pool, spec.transport, sync_config, adapter=takes_adapters(spec.rollout_config)
+            group, service, spec.transport, sync_config, adapter=takes_adapters(spec.rollout_config)
         )
     except BaseException:
-        pool.shutdown()
+        service.shutdown()
         group.close()
         raise
-    return Placement(spec.mode, group, pool, weights)
+    return Placement(spec.mode, group, service, weights)
 
 
 def _rollout_options(spec: PlacementSpec, group: Any) -> list[dict[str, Any]]:
@@ -239,16 +247,16 @@ def _ray_placement(spec: PlacementSpec, factory: Any) -> Placement:
             RemoteRollout(spec.rollout_config, RayChannel(a, workers.start_timeout_s * 10))
             for a in actors
         ]
-        pool = RolloutPool(handles)
+        service = rollout_service(handles)
         weights = connect_weights(
             group,
-            pool,
+            service,
             spec.transport,
             sync_config,
             colocated=colocated,
             adapter=takes_adapters(spec.rollout_config),
         )
-        return Placement(spec.mode, group, pool, weights, started_ray=started)
+        return Placement(spec.mode, group, service, weights, started_ray=started)
     except BaseException:
         for handle in handles:
             with contextlib.suppress(Exception):

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 
 from drivetrain.api import Batch, Prompt, SamplingParams
+from drivetrain.runtime.rollout_service import RolloutService
 from drivetrain.trainer.rl.batch_ops import completions_batch
 from drivetrain.trainer.rl.config import RLConfig
 from drivetrain.trainer.rl.dapo import dynamic_sample
 from drivetrain.trainer.rl.prompts import PromptSampler, RLPrompt
-from drivetrain.trainer.rl.rollout_pool import RolloutPool
 from drivetrain.trainer.rl.sample_groups import (
     SampledGroup,
     generation_stats,
@@ -67,7 +67,7 @@ class SourceContext:
     val: Sequence[Any]
     tokenizer: Any
     pad_token_id: int
-    pool: RolloutPool
+    rollouts: RolloutService  # the placement's: every generation goes through it
     weights: WeightSyncManager
     sampler: PromptSampler
     scorer: SampleScorer
@@ -123,7 +123,9 @@ class Source:
 
     def generate(self, prompts: Sequence[RLPrompt], step: int, round_: int = 0) -> list[Any]:
         params = self.context.sampling(step, round_)
-        return self.context.pool.generate([Prompt(token_ids=p.token_ids) for p in prompts], params)
+        return self.context.rollouts.generate(
+            [Prompt(token_ids=p.token_ids) for p in prompts], params
+        )
 
     def training(self, step: int) -> AbstractContextManager[Any]:
         """Around step ``step``'s stages and updates: colocated rollouts sleep while the
@@ -138,7 +140,7 @@ class Source:
         """``params`` on the validation prompts: the mean reward and each function's mean."""
         c = self.context
         prompts = [Prompt(token_ids=p.token_ids) for p in c.val]
-        completions = c.pool.generate(prompts, params)
+        completions = c.rollouts.generate(prompts, params)
         metrics = reward_stats(*c.scorer(completions, c.val, shaping=False))
         return {k.replace("reward/", "val/"): v for k, v in metrics.items() if k != "reward/std"}
 

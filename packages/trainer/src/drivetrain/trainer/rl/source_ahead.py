@@ -53,7 +53,7 @@ class GenerationAhead(Source):
         c, alg = self.context.config, self.context.config.algorithm
         self.samples = StepLog(self.out / SAMPLES_FILE, resume_step=step)
         self.stream = GroupStream(
-            self.context.pool.rollouts,
+            self.context.rollouts,
             prompts=self.context.sampler.indices,
             prompt_ids=lambda i: self.context.train[i].token_ids,
             params=self.context.sampling,

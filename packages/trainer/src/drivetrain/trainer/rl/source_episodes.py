@@ -22,11 +22,11 @@ class Episodes(Source):
 
     def __init__(self, context: SourceContext, setup: EpisodeSetup) -> None:
         super().__init__(context)
-        c, pool, tokenizer = context.config, context.pool, context.tokenizer
+        c, rollouts, tokenizer = context.config, context.rollouts, context.tokenizer
         self.runner: EpisodeRunner | AgentRunner
         if c.agent.command:
             self.runner = AgentRunner(
-                pool.rollouts,
+                rollouts,
                 tokenizer,
                 setup.parser,
                 shlex.split(c.agent.command),
@@ -39,7 +39,7 @@ class Episodes(Source):
         else:
             assert setup.environment is not None
             self.runner = EpisodeRunner(
-                pool.rollouts,
+                rollouts,
                 setup.environment,
                 setup.parser,
                 setup.chat,

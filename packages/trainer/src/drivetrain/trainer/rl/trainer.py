@@ -82,7 +82,11 @@ class RLTrainer(WorkerJob[RLResult]):
     def __init__(self, setup: RLSetup, placement: Placement, console: Console | None = None):
         self.setup, self.placement = setup, placement
         self.config = c = setup.config
-        self.group, self.pool, self.weights = placement.group, placement.pool, placement.weights
+        self.group, self.rollouts, self.weights = (
+            placement.group,
+            placement.rollouts,
+            placement.weights,
+        )
         self.console = console or plain_console()
         self.out = Path(c.run.output_dir)
         context = SourceContext(
@@ -91,7 +95,7 @@ class RLTrainer(WorkerJob[RLResult]):
             setup.val,
             setup.tokenizer,
             setup.pad_token_id,
-            self.pool,
+            self.rollouts,
             self.weights,
             PromptSampler(len(setup.train), c.run.prompts_per_step, c.seed),
             SampleScorer(c, setup.tokenizer),
