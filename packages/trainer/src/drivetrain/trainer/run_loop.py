@@ -34,7 +34,7 @@ from drivetrain.trainer.workers.group import (
     WorkerGroup,
     launched_by_torchrun,
 )
-from drivetrain.trainer.workers.launch import make_worker_group
+from drivetrain.trainer.workers.launch import make_worker_group, writes_files
 
 R = TypeVar("R")
 
@@ -213,21 +213,36 @@ def run_job(
     return job.result(outcome)
 
 
-def on_workers(
-    factory: WorkerFactory, workers: Any, job: Callable[[WorkerGroup], Job[R]]
-) -> Callable[[], AbstractContextManager[Job[R]]]:
-    """SFT's and DPO's launch: their worker group (``workers`` config), the job over it; the
-    group closes after the run."""
+def run_on_workers(
+    factory: WorkerFactory,
+    job: Callable[[WorkerGroup], Job[R]],
+    config: Any,
+    *,
+    config_yaml: str,
+    resume: str,
+    overwrite: bool,
+    console: Console,
+) -> R | None:
+    """SFT's and DPO's run: :func:`run_job` launching their worker group (``factory`` on
+    ``config.workers``) and the job over it; the group closes after the run."""
 
     @contextlib.contextmanager
     def launched() -> Iterator[Job[R]]:
-        group = make_worker_group(factory, workers)
+        group = make_worker_group(factory, config.workers)
         try:
             yield job(group)
         finally:
             group.close()
 
-    return launched
+    return run_job(
+        launched,
+        config.run,
+        writer=writes_files(config.workers),
+        config_yaml=config_yaml,
+        resume=resume,
+        overwrite=overwrite,
+        console=console,
+    )
 
 
 def _fit(

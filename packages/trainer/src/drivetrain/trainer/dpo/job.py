@@ -36,9 +36,8 @@ from drivetrain.trainer.preflight import (
     load_tokenizer,
     model_context,
 )
-from drivetrain.trainer.run_loop import on_workers, run_job
+from drivetrain.trainer.run_loop import run_on_workers
 from drivetrain.trainer.workers.group import WorkerGroup
-from drivetrain.trainer.workers.launch import writes_files
 from drivetrain.trainer.workers.role_worker import ACTOR, REFERENCE, RoleSpec
 
 #: makes a built-in task's layers (``train``: train what it needs first)
@@ -157,12 +156,7 @@ def run_dpo(
         return DPOTrainer(c, engine_name=job.engine_name, group=group, data=prepared.data)
 
     factory = functools.partial(PreferenceWorker, role_specs(prepared))
-    return run_job(
-        on_workers(factory, c.workers, trainer),
-        c.run,
-        writer=writes_files(c.workers),
-        config_yaml=job.to_yaml(),
-        resume=resume,
-        overwrite=overwrite,
-        console=console or plain_console(),
+    yaml, out = job.to_yaml(), console or plain_console()
+    return run_on_workers(
+        factory, trainer, c, config_yaml=yaml, resume=resume, overwrite=overwrite, console=out
     )

@@ -231,13 +231,6 @@ class RLTrainer(WorkerJob[RLResult]):
         self.source.close()
 
     def result(self, outcome: Outcome) -> RLResult:
-        return dataclasses.replace(
-            self.kept,
-            final_step=outcome.final_step,
-            rewards=outcome.headlines,
-            val_before=outcome.val_before,
-            val_after=outcome.val_after,
-            hf_dir=outcome.hf_dir,
-            seconds=outcome.seconds,
-            loop_seconds=outcome.loop_seconds,
-        )
+        moved = ("final_step", "val_before", "val_after", "hf_dir", "seconds", "loop_seconds")
+        taken = {name: getattr(outcome, name) for name in moved}
+        return dataclasses.replace(self.kept, rewards=outcome.headlines, **taken)

@@ -34,13 +34,12 @@ from drivetrain.trainer.preflight import (
     load_tokenizer,
     model_context,
 )
-from drivetrain.trainer.run_loop import on_workers, run_job
+from drivetrain.trainer.run_loop import run_on_workers
 from drivetrain.trainer.sft.config import SFTConfig, sft_config_type
 from drivetrain.trainer.sft.dataset import SFTData, load_sft_data
 from drivetrain.trainer.sft.trainer import SFTResult, SFTTrainer, total_steps
 from drivetrain.trainer.workers.engine_worker import EngineWorker
 from drivetrain.trainer.workers.group import WorkerGroup
-from drivetrain.trainer.workers.launch import writes_files
 
 #: makes a built-in task's layers (``train``: train what it needs first; off for
 #: --print-config and --dry-run)
@@ -162,12 +161,7 @@ def run_sft(
         )
 
     factory = functools.partial(EngineWorker, job.engine_name, engine_config_for_run(prepared))
-    return run_job(
-        on_workers(factory, config.workers, trainer),
-        config.run,
-        writer=writes_files(config.workers),
-        config_yaml=job.to_yaml(),
-        resume=resume,
-        overwrite=overwrite,
-        console=console or plain_console(),
+    yaml, out = job.to_yaml(), console or plain_console()
+    return run_on_workers(
+        factory, trainer, config, config_yaml=yaml, resume=resume, overwrite=overwrite, console=out
     )
