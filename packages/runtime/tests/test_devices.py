@@ -36,3 +36,12 @@ def test_a_string_that_is_no_device_is_refused_as_the_callers_error():
 def test_cuda_without_cuda_fails_before_anything_is_built(requested):
     with pytest.raises(ConfigError, match=f"device='{requested}' but CUDA is not available"):
         resolve_device(requested)
+
+
+@needs_no_cuda
+def test_kinds_limit_what_auto_picks_and_what_is_accepted():
+    """An engine without NPU support leaves npu out; a rollout may run on mps."""
+    assert resolve_device("auto", kinds=("cpu", "cuda")) == torch.device("cpu")
+    assert resolve_device("mps", kinds=("cpu", "cuda", "mps")) == torch.device("mps")
+    with pytest.raises(ConfigError, match=r"supported are auto, cpu \(gloo\), cuda \(nccl\)$"):
+        resolve_device("mps", setting="engine.device", kinds=("cpu", "cuda"))

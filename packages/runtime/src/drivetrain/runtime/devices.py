@@ -10,6 +10,7 @@ alone).
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from drivetrain.api.errors import ConfigError, DrivetrainError
@@ -41,35 +42,41 @@ def _local_index(kind: str) -> int:
 
 
 def resolve_device(
-    requested: str, *, setting: str = "device", error: type[DrivetrainError] = ConfigError
+    requested: str,
+    *,
+    setting: str = "device",
+    error: type[DrivetrainError] = ConfigError,
+    kinds: Collection[str] = tuple(BACKENDS),
 ) -> torch.device:
-    """``auto``: the local accelerator (CUDA, then Ascend NPU), else the CPU. Otherwise the
-    named device (``cpu``, ``cuda``, ``cuda:1``, ``npu``), checked to be present here; an
-    accelerator without an index gets this process's. Errors name ``setting`` and are raised
-    as ``error``, so each package keeps its own error type."""
+    """``auto``: the local accelerator among ``kinds`` (CUDA, then Ascend NPU), else the CPU.
+    Otherwise the named device (``cpu``, ``cuda``, ``cuda:1``, ``npu``, or another of
+    ``kinds``), checked to be present here where torch can tell; an accelerator without an
+    index gets this process's. ``kinds``: the device types the caller runs on (an engine
+    without NPU support leaves it out; a rollout may add ``mps``). Errors name ``setting`` and
+    are raised as ``error``, so each package keeps its own error type."""
     import torch
 
     if requested == "auto":
-        if torch.cuda.is_available():
+        if "cuda" in kinds and torch.cuda.is_available():
             return torch.device("cuda", _local_index("cuda"))
-        if _npu_available():
+        if "npu" in kinds and _npu_available():
             return torch.device("npu", _local_index("npu"))
         return torch.device("cpu")
     try:
         device = torch.device(requested)
     except RuntimeError as exc:
         raise error(
-            f"{setting}={requested!r} is not a device; use auto or one of {', '.join(BACKENDS)}"
+            f"{setting}={requested!r} is not a device; use auto or one of {', '.join(kinds)}"
         ) from exc
-    if device.type not in BACKENDS:
+    if device.type not in kinds:
+        named = [f"{d} ({BACKENDS[d]})" if d in BACKENDS else d for d in kinds]
         raise error(
-            f"{setting}={requested!r} is not supported: supported are auto, "
-            + ", ".join(f"{d} ({b})" for d, b in BACKENDS.items())
+            f"{setting}={requested!r} is not supported: supported are auto, " + ", ".join(named)
         )
     if device.type == "cuda" and not torch.cuda.is_available():
         raise error(f"{setting}={requested!r} but CUDA is not available here")
     if device.type == "npu" and not _npu_available():
         raise error(f"{setting}={requested!r} but no Ascend NPU is available (torch_npu)")
-    if device.type != "cpu" and device.index is None:
+    if device.type in ("cuda", "npu") and device.index is None:
         device = torch.device(device.type, _local_index(device.type))
     return device

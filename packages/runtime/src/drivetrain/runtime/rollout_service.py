@@ -59,6 +59,7 @@ class RolloutService(RequestPoller):
             raise ValueError("a rollout service needs at least one rollout")
         super().__init__(rollouts, name=name)
         self._threads: list[threading.Thread] = []
+        self._shut = False  # shutdown(): no user takes it again
         self._generating = ThreadPoolExecutor(len(self.rollouts), thread_name_prefix=name)
         if threads:
             self.poll_in_threads(background=background)
@@ -89,8 +90,8 @@ class RolloutService(RequestPoller):
         ends, the threads stop), after which the service takes requests again, polled by its
         next user."""
         self.close(timeout_s)
-        if self.alive:  # a poll that never returned: nothing may poll beside it; stay closed
-            return
+        if self.alive or self._shut:  # a poll that never returned (nothing may poll beside
+            return  # it), or the placement is done: it stays closed
         with self._cond:
             self._stopping = False
             self._failure = None
@@ -98,6 +99,7 @@ class RolloutService(RequestPoller):
 
     def shutdown(self) -> None:
         """The placement is done with its rollouts: close, then shut each rollout down."""
+        self._shut = True
         self.close()
         for rollout in self.rollouts:
             with contextlib.suppress(Exception):

@@ -79,7 +79,7 @@ class MegatronEngine(TorchEngine):
         from drivetrain.engine.megatron.model import build_model, transformer_config
 
         cfg = self.config
-        self.device = resolve_device(cfg.device)
+        self.device = resolve_device(cfg.device, kinds=("cpu", "cuda"))  # megatron-core's
         self._groups = init_parallel(
             tensor_parallel=cfg.tensor_parallel,
             pipeline_parallel=cfg.pipeline_parallel,

@@ -20,6 +20,9 @@ from drivetrain.runtime.devices import resolve_device
 from drivetrain.runtime.fingerprint import fingerprint_like
 from drivetrain.runtime.request_queue import RequestQueue
 
+#: where transformers runs a model for us: ``auto`` picks CUDA, else the CPU (as it always has)
+DEVICES = ("cpu", "cuda", "mps", "xpu")
+
 
 class HFRollout(TokenizedRollout):
     config: HFRolloutConfig
@@ -29,7 +32,7 @@ class HFRollout(TokenizedRollout):
         path = model_dir(config.model_path)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.device = resolve_device(config.device, setting="rollout.device")
+        self.device = resolve_device(config.device, setting="rollout.device", kinds=DEVICES)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModelForCausalLM.from_pretrained(
             path, dtype=getattr(torch, config.dtype), attn_implementation=config.attn_implementation

@@ -234,8 +234,9 @@ class ChatServer:
         self._sessions: dict[str, Session] = {}
         self._sessions_lock = threading.Lock()
         self._rollouts = rollouts  # the placement's service, polled in its threads meanwhile
-        rollouts.poll_in_threads()
+        self._closed = False  # a handler answering at close submits nothing more
         self._http = _HTTPServer((host, port), self)
+        rollouts.poll_in_threads()  # once the socket is ours: a failed bind leaves it idle
         self.host, self.port = self._http.server_address[:2]
         self._serving = threading.Thread(
             target=self._http.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True
@@ -296,6 +297,7 @@ class ChatServer:
         """Stop serving and release the rollout service; requests in flight are aborted (their
         agents get 503)."""
         self._http.shutdown()  # no new request first; those being answered fail at the stop
+        self._closed = True
         self._rollouts.release()
         self._http.server_close()
         self._serving.join(5.0)
@@ -406,6 +408,8 @@ class ChatServer:
                 prompt_index=session.number,
             )
             session.running = request.request_id
+            if self._closed:
+                raise _HTTPError(503, "the endpoint is closing", "aborted")
             future = self._rollouts.submit(session.replica, request)
             if session.closed:  # ended while this was planned: end_sessions may not have seen
                 self._rollouts.abort(request.request_id)  # it running (queued after submit)

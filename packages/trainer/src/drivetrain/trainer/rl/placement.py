@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,8 @@ from drivetrain.trainer.rl.sync_worker import SyncingWorker
 from drivetrain.trainer.workers.group import LocalWorkerGroup, WorkerGroup
 from drivetrain.trainer.workers.ray_runtime import driver_env, ensure_ray, wait_all
 from drivetrain.trainer.workers.role_worker import RoleSpec
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TRANSPORT = {"colocated": "colocated", "separate": "broadcast"}
 
@@ -124,7 +127,10 @@ class Placement:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.weights.close()
-        self.rollouts.shutdown()
+        try:  # what fails here is logged by the service; the rest is torn down regardless
+            self.rollouts.shutdown()
+        except Exception:
+            log.exception("shutting the rollouts down failed")
         with contextlib.suppress(Exception):
             self.group.close()
         for rollout in self.rollouts.rollouts:
