@@ -43,30 +43,15 @@ class VarlenKernel(Protocol):
     keys than queries, query ``j`` sees keys up to ``j + keys - queries`` (bottom-right)."""
 
     def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_q: torch.Tensor,
-        cu_k: torch.Tensor,
-        max_q: int,
-        max_k: int,
-        scale: float | None,
-        dropout: float,
-    ) -> torch.Tensor: ...
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+        cu_k: torch.Tensor, max_q: int, max_k: int, scale: float | None, dropout: float,
+    ) -> torch.Tensor: ...  # fmt: skip
 
 
 def _flash_attn(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_q: torch.Tensor,
-    cu_k: torch.Tensor,
-    max_q: int,
-    max_k: int,
-    scale: float | None,
-    dropout: float,
-) -> torch.Tensor:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+    max_q: int, max_k: int, scale: float | None, dropout: float,
+) -> torch.Tensor:  # fmt: skip
     from flash_attn import flash_attn_varlen_func
 
     return flash_attn_varlen_func(
@@ -75,16 +60,9 @@ def _flash_attn(
 
 
 def _torch_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_q: torch.Tensor,
-    cu_k: torch.Tensor,
-    max_q: int,
-    max_k: int,
-    scale: float | None,
-    dropout: float,
-) -> torch.Tensor:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+    max_q: int, max_k: int, scale: float | None, dropout: float,
+) -> torch.Tensor:  # fmt: skip
     from torch.nn.attention.varlen import varlen_attn
 
     if dropout:

@@ -96,9 +96,11 @@ class Outcome:
 
 
 class Job(abc.ABC, Generic[R]):
-    """A job as the run loop drives it."""
+    """A job as the run loop drives it: its engines live in a worker group, whose ranks each
+    save, load and export what they train."""
 
     spec: LoopSpec
+    group: WorkerGroup
 
     @abc.abstractmethod
     def run_step(self, step: int) -> dict[str, float]:
@@ -108,17 +110,17 @@ class Job(abc.ABC, Generic[R]):
     def validate(self) -> dict[str, float]:
         """Held-out metrics (``val/...``); empty without validation data."""
 
-    @abc.abstractmethod
     def load(self, engine_path: str) -> int:
         """Load the engines' state from a checkpoint; the step it holds."""
+        return self.group.run_all(SavesState.load_checkpoint, engine_path)
 
-    @abc.abstractmethod
     def save(self, engine_path: str, step: int) -> None:
         """Write the engines' state for ``step`` under ``engine_path``."""
+        self.group.run_all(SavesState.save_checkpoint, engine_path, step)
 
-    @abc.abstractmethod
     def export(self, hf_dir: str) -> None:
         """Write the trained model as a Hugging Face directory."""
+        self.group.run_all(SavesState.export_hf, hf_dir)
 
     @abc.abstractmethod
     def result(self, outcome: Outcome) -> R:
@@ -139,22 +141,6 @@ class Job(abc.ABC, Generic[R]):
 
     def close(self) -> None:
         """After the run, also a failed one."""
-
-
-class WorkerJob(Job[R]):
-    """A job whose engines live in a worker group (every job here): each rank saves, loads
-    and exports what it trains."""
-
-    group: WorkerGroup
-
-    def load(self, engine_path: str) -> int:
-        return self.group.run_all(SavesState.load_checkpoint, engine_path)
-
-    def save(self, engine_path: str, step: int) -> None:
-        self.group.run_all(SavesState.save_checkpoint, engine_path, step)
-
-    def export(self, hf_dir: str) -> None:
-        self.group.run_all(SavesState.export_hf, hf_dir)
 
 
 class Checkpointer:
@@ -274,7 +260,8 @@ def _fit(
             _steps(job, start, checkpointer, logger, outcome, console, loop_began)
             outcome.loop_seconds = time.perf_counter() - loop_began
         job.end()
-        final = position.done  # the last step, or earlier when run.max_seconds ran out
+        # the last step, or earlier when run.max_seconds ran out
+        final = outcome.final_step = position.done
         checkpointer.save(final)
         outcome.val_after = _validated(job, "after", console, logger, final)
         if spec.run.export_hf:
@@ -340,7 +327,7 @@ def _steps(
             if logger is not None:
                 logger.log(done, metrics)
             job.record(done, metrics)
-            outcome.headlines[done], outcome.final_step = metrics[spec.headline], done
+            outcome.headlines[done] = metrics[spec.headline]
             progress.update(
                 loss=metrics[spec.headline],
                 tokens_per_s=metrics[spec.tokens_per_s],

@@ -17,17 +17,9 @@ class ReferenceKernel:
         self.calls = 0
 
     def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_q: torch.Tensor,
-        cu_k: torch.Tensor,
-        max_q: int,
-        max_k: int,
-        scale: float | None,
-        dropout: float,
-    ) -> torch.Tensor:
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+        cu_k: torch.Tensor, max_q: int, max_k: int, scale: float | None, dropout: float,
+    ) -> torch.Tensor:  # fmt: skip
         self.calls += 1
         assert q.dim() == 3 and cu_q.dtype == torch.int32 and cu_k.dtype == torch.int32
         assert max_q == int((cu_q[1:] - cu_q[:-1]).max()) and max_k == int(

@@ -20,7 +20,7 @@ from drivetrain.trainer.dpo.data import Pair, pair_batch
 from drivetrain.trainer.dpo.loss import PreferenceLoss
 from drivetrain.trainer.dpo.worker import PreferenceWorker
 from drivetrain.trainer.reference import Reference
-from drivetrain.trainer.run_loop import Outcome, WorkerJob, supervised_spec
+from drivetrain.trainer.run_loop import Job, Outcome, supervised_spec
 from drivetrain.trainer.workers.group import WorkerGroup
 
 
@@ -46,7 +46,7 @@ def total_steps(config: DPOConfig, plan: StepPlan) -> int:
     return config.run.max_steps or config.run.epochs * plan.steps_per_epoch
 
 
-class DPOTrainer(WorkerJob[DPOResult]):
+class DPOTrainer(Job[DPOResult]):
     def __init__(
         self, config: DPOConfig, *, engine_name: str, group: WorkerGroup, data: PreferenceData
     ) -> None:

@@ -32,7 +32,7 @@ from drivetrain.trainer.rl.stages import StepBatch, build_stages
 from drivetrain.trainer.rl.step_metrics import clip_ratio, fmt
 from drivetrain.trainer.rl.sync_manager import SyncReport
 from drivetrain.trainer.rl.updates import build_updates, on_policy
-from drivetrain.trainer.run_loop import LoopSpec, Outcome, WorkerJob
+from drivetrain.trainer.run_loop import Job, LoopSpec, Outcome
 from drivetrain.trainer.workers.engine_worker import StepStats
 
 
@@ -78,7 +78,7 @@ class RLResult:
     weight_digests: dict[int, str] = field(default_factory=dict)  # with weight_sync.verify
 
 
-class RLTrainer(WorkerJob[RLResult]):
+class RLTrainer(Job[RLResult]):
     def __init__(self, setup: RLSetup, placement: Placement, console: Console | None = None):
         self.setup, self.placement = setup, placement
         self.config = c = setup.config

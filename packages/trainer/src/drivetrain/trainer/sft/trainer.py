@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from drivetrain.trainer.data.batching import StepPlan, eval_batches, make_batch
-from drivetrain.trainer.run_loop import Outcome, WorkerJob, supervised_spec
+from drivetrain.trainer.run_loop import Job, Outcome, supervised_spec
 from drivetrain.trainer.sft.config import SFTConfig
 from drivetrain.trainer.sft.dataset import SFTData
 from drivetrain.trainer.workers.engine_worker import EngineWorker, StepStats
@@ -33,7 +33,7 @@ class SFTResult:
     hf_dir: Path | None = None
 
 
-class SFTTrainer(WorkerJob[SFTResult]):
+class SFTTrainer(Job[SFTResult]):
     def __init__(
         self,
         config: SFTConfig,
