@@ -6,6 +6,12 @@ unknown tool, missing or ill-typed arguments, a call that crashes the tool or ne
 on its next turn (and can learn from) instead of an exception that would end the episode, and
 cuts every result to ``max_chars`` so one tool cannot fill the context.
 
+A tool that never returns is the tool's bug, not the model's: its call times out (an error
+observation) and its thread is abandoned, still holding one of the process's ``TOOL_SLOTS``.
+Hung calls therefore cost at most ``TOOL_SLOTS`` threads; once every slot is held by one, the
+next call raises :class:`ToolSlotsExhausted` (the episode, and with it the run, fails in one
+line) instead of starting thread after thread.
+
 Arguments are checked against the top level of the tool's JSON schema only (required keys,
 unexpected keys when ``additionalProperties`` is false, each property's JSON ``type`` and
 ``enum``); a tool checks anything deeper itself.
@@ -19,9 +25,18 @@ from collections.abc import Mapping
 from typing import Any
 
 from drivetrain.api.environment import AssistantTurn, ToolCall
+from drivetrain.api.errors import DrivetrainError
 from drivetrain.api.tools import Tool
 
 CUT_MARKER = "... [cut]"
+#: tool calls running at once in this process, hung ones included (see the module docstring)
+TOOL_SLOTS = 64
+_slots = threading.BoundedSemaphore(TOOL_SLOTS)
+
+
+class ToolSlotsExhausted(DrivetrainError):
+    """Every tool slot is held by a call that never returned: tools hang, not the model."""
+
 
 # JSON-schema type name -> the Python types json.loads makes for it (bool is not a number).
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
@@ -86,13 +101,20 @@ def _as_text(result: Any) -> str:
 
 
 def _call(tool: Tool, arguments: Mapping[str, Any]) -> tuple[bool, str]:
-    """Run the tool in a daemon thread and wait at most its timeout: (succeeded, text).
+    """Run the tool in a daemon thread holding a slot and wait at most its timeout:
+    (succeeded, text).
 
     On a timeout the thread is abandoned, still running: Python cannot kill a thread, and
     waiting for it would let one hung tool stall every episode. It is a daemon so that it
-    does not keep the process alive; a tool that may hang should bound its own work (a
-    subprocess with a timeout, a socket timeout) so abandoned threads do not pile up.
+    does not keep the process alive, and it keeps its slot until it returns, so hung calls
+    cannot pile up threads beyond ``TOOL_SLOTS``.
     """
+    if not _slots.acquire(timeout=tool.timeout_s):
+        raise ToolSlotsExhausted(
+            f"tool {tool.name!r} could not start within its {tool.timeout_s:g} s: all "
+            f"{TOOL_SLOTS} tool slots are held by calls that never returned; a tool that may "
+            "hang must bound its own work (a subprocess or socket timeout)"
+        )
     outcome: list[tuple[bool, str]] = []
 
     def target() -> None:
@@ -100,9 +122,15 @@ def _call(tool: Tool, arguments: Mapping[str, Any]) -> tuple[bool, str]:
             outcome.append((True, _as_text(tool.function(**arguments))))
         except BaseException as exc:  # a tool's SystemExit is the model's doing too
             outcome.append((False, f"error: {type(exc).__name__}: {exc}"))
+        finally:
+            _slots.release()
 
     thread = threading.Thread(target=target, name=f"tool-{tool.name}", daemon=True)
-    thread.start()
+    try:
+        thread.start()
+    except BaseException:
+        _slots.release()
+        raise
     thread.join(tool.timeout_s)
     if thread.is_alive() or not outcome:
         return False, f"error: tool {tool.name!r} timed out after {tool.timeout_s:g} s"
@@ -135,7 +163,8 @@ def run_tool_calls(
     """One ``tool`` observation per call of ``turn``, in order (run one after another: a
     later call may depend on an earlier one's effect), then one per unparsable call; and the
     metrics ``tools/calls``, ``tools/succeeded``, ``tools/failed``. Never raises for what the
-    model wrote; every content is cut to ``max_chars`` characters (plus ``CUT_MARKER``)."""
+    model wrote (only :class:`ToolSlotsExhausted`, for tools that hang); every content is cut
+    to ``max_chars`` characters (plus ``CUT_MARKER``)."""
     if max_chars < 1:
         raise ValueError(f"max_chars must be positive, got {max_chars}")
     observations: list[dict[str, Any]] = []

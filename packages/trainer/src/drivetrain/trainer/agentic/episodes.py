@@ -11,29 +11,51 @@ per turn from the step's seed, whatever its replica, so a run is reproducible.
 The trainer ends an episode early at ``max_turns`` turns, when the next turn would have no
 room (the episode's token budget or the context), and gives the environment a last word
 (:meth:`~drivetrain.api.environment.Episode.truncated`); the reason is in the metrics.
+
+Nothing an environment does can hang the run: its calls run on daemon threads
+(:class:`~drivetrain.runtime.daemon_pool.DaemonPool`), each step, the trainer's handling of
+its result included, has ``step_timeout_s``, and what a model or an environment can make a step
+cost is bounded (:mod:`~drivetrain.trainer.agentic.bounds`). Every failure of an environment
+is an :class:`EpisodeError`, a one-line error naming the environment, the episode and the
+setting; a hung call is abandoned and does not keep the process alive.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from drivetrain.api import Completion, FinishReason, SamplingParams
 from drivetrain.api.environment import Environment, Episode, StepResult, Task
+from drivetrain.api.errors import DrivetrainError
 from drivetrain.api.requests import Request, sample_seed
+from drivetrain.runtime.daemon_pool import DaemonPool
 from drivetrain.runtime.replicas import replica_slots
 from drivetrain.runtime.rollout_service import RolloutService
+from drivetrain.trainer.agentic.bounds import (
+    CUT_INFO_KEYS,
+    CUT_OBSERVATION_CHARS,
+    CUT_TOOL_CALLS,
+    EpisodeBounds,
+    cut_observations,
+    limit_calls,
+    step_info,
+)
 from drivetrain.trainer.agentic.chat_tokens import ChatTokens
 from drivetrain.trainer.agentic.growing import GrowingTrajectory
 from drivetrain.trainer.agentic.tool_parsers import ToolParser, parse_turn
 from drivetrain.trainer.trajectory import Trajectory
 
+#: characters a token holds at most, for the purpose of refusing a first prompt untokenised
+MAX_CHARS_PER_TOKEN = 64
 
-class EpisodeError(RuntimeError):
-    """An environment raised (a bug of the environment: a model's bad turn is an observation)."""
+
+class EpisodeError(DrivetrainError):
+    """An environment raised, hung or returned what cannot be used (a bug of the environment:
+    a model's bad turn is an observation)."""
 
 
 @dataclass(frozen=True)
@@ -109,10 +131,12 @@ class EpisodeRunner:
         *,
         env_threads: int = 8,
         step_timeout_s: float = 600.0,
+        bounds: EpisodeBounds | None = None,
     ) -> None:
         self.rollouts = rollouts
         self.environment, self.parser, self.chat, self.limits = environment, parser, chat, limits
         self.env_threads, self.step_timeout_s = env_threads, step_timeout_s
+        self.bounds = bounds or EpisodeBounds()
         self.name = type(environment).__name__
         self.plays = 0  # request ids carry the play's number: never reused across plays
 
@@ -123,7 +147,7 @@ class EpisodeRunner:
             return []
         play = _Play(self, tasks, n, params, f"p{self.plays}")
         self.plays += 1
-        pool = ThreadPoolExecutor(self.env_threads, thread_name_prefix="episode")
+        pool = DaemonPool(self.env_threads, name="episode")
         # the play's requests go through the rollout service, polled in its threads; releasing
         # it aborts and drains whatever a failed play left running, so the next starts clean
         service = self.rollouts
@@ -131,12 +155,9 @@ class EpisodeRunner:
         play.pool, play.service = pool, service
         try:
             play.run()
-        except BaseException:
-            pool.shutdown(wait=False, cancel_futures=True)  # queued environment calls: dropped
-            raise
         finally:
+            pool.abandon()  # queued environment calls dropped; a hung one left behind
             service.release()
-        pool.shutdown()
         return [play.result(live) for live in play.live]
 
     def close(self) -> None:
@@ -163,7 +184,7 @@ class _Play:
         self.generating: dict[Future[Completion], _Live] = {}  # each episode's running turn
         self.stepping: dict[Future[Any], tuple[_Live, Callable[[_Live, Any], None]]] = {}
         self.started: dict[Future[Any], float] = {}  # when each environment call began
-        self.pool: ThreadPoolExecutor | None = None
+        self.pool: DaemonPool | None = None
         self.service: RolloutService | None = None
 
     # ---- the loop ------------------------------------------------------------------------
@@ -203,23 +224,40 @@ class _Play:
             live, _ = self.stepping[future]
             raise EpisodeError(
                 f"environment {self.runner.name} did not answer episode {live.number} (task "
-                f"{live.task}) within {limit:g} s (episode.step_timeout_s)"
+                f"{live.task}) within {limit:g} s (episode.step_timeout_s); its call is "
+                "abandoned"
             )
         return done
 
     def _collect_steps(self, done: list[Future[Any]]) -> None:
-        """Apply the environment calls that finished (an exception there fails the play)."""
+        """Apply the environment calls that finished: an exception there, a result that cannot
+        be used, or a step whose handling here (tokenising its observations) takes it past
+        ``step_timeout_s`` fails the play."""
+        limit = self.runner.step_timeout_s
         for future in done:
-            del self.started[future]
+            began = self.started.pop(future)
             live, then = self.stepping.pop(future)
+            where = f"environment {self.runner.name} in episode {live.number} (task {live.task})"
             try:
                 value = future.result()
+            except BaseException as exc:  # a plugin's SystemExit is its bug, not our exit
+                raise EpisodeError(
+                    f"{where} raised {type(exc).__name__}: {_one_line(exc)}"
+                ) from exc
+            try:
+                then(live, value)
+            except EpisodeError:
+                raise
             except Exception as exc:
                 raise EpisodeError(
-                    f"environment {self.runner.name} raised in episode {live.number} "
-                    f"(task {live.task}): {type(exc).__name__}: {exc}"
+                    f"{where} returned what cannot be used: {type(exc).__name__}: {_one_line(exc)}"
                 ) from exc
-            then(live, value)
+            took = time.monotonic() - began
+            if took > limit:
+                raise EpisodeError(
+                    f"{where}: the step took {took:.1f} s with the trainer's handling of its "
+                    f"result, over {limit:g} s (episode.step_timeout_s)"
+                )
 
     # ---- an episode's course --------------------------------------------------------------
     def _reset(self, live: _Live) -> Sequence[Any]:
@@ -229,6 +267,13 @@ class _Play:
     def _started(self, live: _Live, messages: Sequence[Any]) -> None:
         # rendered here, not in the worker: a fast tokenizer is not safe to share between
         # threads (every ChatTokens call stays in this loop's thread)
+        context = self.runner.limits.context
+        chars = sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, Mapping))
+        if chars > context * MAX_CHARS_PER_TOKEN:  # it cannot fit: not worth tokenising
+            raise EpisodeError(
+                f"task {live.task}'s first prompt has {chars} characters, more than the "
+                f"context of {context} tokens can hold"
+            )
         prompt = self.runner.chat.prompt(messages)
         live.prompt = prompt
         if len(prompt) >= self.runner.limits.context:
@@ -271,22 +316,34 @@ class _Play:
             text,
             finished=completion.finish_reason is FinishReason.STOP,
         )
+        turn, dropped = limit_calls(turn, self.runner.bounds.max_tool_calls)
+        if dropped:
+            live.info[CUT_TOOL_CALLS] = live.info.get(CUT_TOOL_CALLS, 0.0) + dropped
         sampled = list(completion.token_ids)
         self._in_thread(
             live, lambda lv: lv.episode.step(turn), lambda lv, r: self._stepped(lv, r, sampled)
         )
 
     def _stepped(self, live: _Live, result: StepResult, sampled: list[int]) -> None:
+        if not isinstance(result, StepResult):
+            raise TypeError(f"step returned {type(result).__name__}, not a StepResult")
+        bounds = self.runner.bounds
+        info, dropped_keys = step_info(result.info, bounds.info_keys)
         live.rewards.append(float(result.reward))
-        for key, value in result.info.items():
-            live.info[key] = live.info.get(key, 0.0) + float(value)
+        if dropped_keys:
+            info[CUT_INFO_KEYS] = info.get(CUT_INFO_KEYS, 0.0) + dropped_keys
+        for key, value in info.items():
+            live.info[key] = live.info.get(key, 0.0) + value
         if result.done:
             live.done = True
             return
         if len(live.turn_ends) >= self.runner.limits.max_turns:
             self._truncate(live, "max_turns")
             return
-        observed = self.runner.chat.observation(result.observations, sampled)
+        messages, cut = cut_observations(result.observations, bounds.observation_chars)
+        if cut:
+            live.info[CUT_OBSERVATION_CHARS] = live.info.get(CUT_OBSERVATION_CHARS, 0.0) + cut
+        observed = self.runner.chat.observation(messages, sampled)
         live_tokens = len(live.tokens) + len(observed)
         limits = self.runner.limits
         if limits.episode_tokens and live_tokens >= limits.episode_tokens:
@@ -314,3 +371,8 @@ class _Play:
     def result(self, live: _Live) -> PlayedEpisode:
         trajectory = live.trajectory(live.number)
         return PlayedEpisode(live.task, trajectory, tuple(live.rewards), live.truncation, live.info)
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception's message on one line (a plugin's may span several)."""
+    return " ".join(str(exc).split())[:500]

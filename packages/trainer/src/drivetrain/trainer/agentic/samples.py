@@ -10,6 +10,7 @@ import torch
 
 from drivetrain.api import Batch
 from drivetrain.api.columns import LOSS_MASK
+from drivetrain.trainer.agentic.bounds import CUT_PREFIX
 from drivetrain.trainer.agentic.episodes import PlayedEpisode
 from drivetrain.trainer.rollout_batch import PROMPT_LENGTH
 from drivetrain.trainer.trajectory import Trajectory
@@ -60,5 +61,6 @@ def episode_metrics(played: Sequence[PlayedEpisode]) -> dict[str, float]:
     metrics["tools/calls_per_episode"] = calls / n
     if calls:
         metrics["tools/success_rate"] = succeeded / calls
-    metrics.update({f"env/{key}": value / n for key, value in sorted(totals.items())})
+    for key, value in sorted(totals.items()):  # the trainer's own cuts keep their names
+        metrics[key if key.startswith(CUT_PREFIX) else f"env/{key}"] = value / n
     return metrics

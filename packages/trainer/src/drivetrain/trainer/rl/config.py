@@ -183,8 +183,15 @@ class EpisodeConfig:
     train_tasks: int = 4096  # tasks an environment makes itself when there is no data
     env_threads: int = 8  # environment calls (tool calls) running at once
     #: an environment's reset/step/truncated call running longer fails the step (tools have
-    #: their own, shorter timeouts; this bounds the environment's own code)
+    #: their own, shorter timeouts; this bounds the environment's own code), and so does a
+    #: step whose handling by the trainer (tokenising its observations) takes it past this
     step_timeout_s: float = 600.0
+    #: tool calls a turn may make; the excess is answered by one error line and counted
+    #: (``episode/cut/tool_calls``)
+    max_tool_calls: int = 16
+    #: characters of text a step's observations may carry; the rest is cut before tokenising
+    #: and counted (``episode/cut/observation_chars``)
+    max_observation_chars: int = 16_000
 
     def __post_init__(self) -> None:
         if self.max_turns < 1 or self.max_tokens < 0 or self.env_threads < 1:
@@ -193,6 +200,10 @@ class EpisodeConfig:
             )
         if self.step_timeout_s <= 0:
             raise ConfigError("episode.step_timeout_s must be > 0")
+        if self.max_tool_calls < 1 or self.max_observation_chars < 1:
+            raise ConfigError(
+                "episode.max_tool_calls and episode.max_observation_chars must be >= 1"
+            )
         if self.train_tasks < 1:
             raise ConfigError("episode.train_tasks must be >= 1")
 

@@ -8,6 +8,7 @@ import shlex
 
 from drivetrain.api import SamplingParams
 from drivetrain.trainer.agentic.agent_runner import AgentRunner
+from drivetrain.trainer.agentic.bounds import EpisodeBounds
 from drivetrain.trainer.agentic.episodes import EpisodeRunner
 from drivetrain.trainer.agentic.samples import episode_metrics, episode_samples
 from drivetrain.trainer.rl.batch_ops import completions_batch
@@ -46,6 +47,10 @@ class Episodes(Source):
                 setup.limits,
                 env_threads=c.episode.env_threads,
                 step_timeout_s=c.episode.step_timeout_s,
+                bounds=EpisodeBounds(
+                    max_tool_calls=c.episode.max_tool_calls,
+                    observation_chars=c.episode.max_observation_chars,
+                ),
             )
 
     def draw(self, step: int, timer: PhaseTimer) -> Drawn:
