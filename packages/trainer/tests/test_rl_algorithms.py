@@ -176,7 +176,7 @@ def test_preset_values() -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["algorithm.dapo.dynamic_sampling=true", "algorithm.mode=async"], "works in mode=sync"),
+        (["algorithm.dapo.dynamic_sampling=true", "algorithm.mode=async"], "algorithm.mode=sync,"),
         (["algorithm.dapo.dynamic_sampling=true", "sampling.n=1"], "needs sampling.n >= 2"),
         (["algorithm.dapo.overlong_buffer=1.5"], "overlong_buffer must be in"),
         (["algorithm.dapo.max_sampling_rounds=0"], "max_sampling_rounds must be >= 1"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import re
 import typing
 from collections.abc import Sequence
 from pathlib import Path
@@ -154,9 +155,65 @@ def load_config(
                 raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top")
             merged = OmegaConf.merge(merged, loaded)
         merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
-        return typing.cast(T, OmegaConf.to_object(merged))
+        try:
+            return typing.cast(T, OmegaConf.to_object(merged))
+        except ConfigError as exc:
+            raise _with_full_keys(merged, exc) from None
     except OmegaConfBaseException as exc:
         raise _explain(config_type, exc) from None
+
+
+def _raising_section(node: DictConfig, message: str, path: str = "") -> tuple[str, DictConfig]:
+    """The dotted path and node of the deepest dataclass section under ``node`` whose
+    construction raises ``message`` (its ``__post_init__`` did); walked only on an error, so
+    rebuilding the subtrees costs nothing a run pays."""
+    for name, child in node.items_ex(resolve=False):
+        if not isinstance(child, DictConfig) or not dataclasses.is_dataclass(
+            OmegaConf.get_type(child)
+        ):
+            continue
+        try:
+            OmegaConf.to_object(child)
+        except ConfigError as exc:
+            if str(exc) == message:
+                return _raising_section(child, message, f"{path}.{name}" if path else str(name))
+        except OmegaConfBaseException:
+            continue
+    return path, node
+
+
+#: a key not already under a prefix (no word character or '.' before it), then '=', ':' or
+#: '.' and a key
+_KEY = re.compile(r"(?<![\w.])([A-Za-z_]\w*)(?==|:|\.\w)")
+
+
+def _with_full_keys(merged: DictConfig, exc: ConfigError) -> ConfigError:
+    """``exc`` from a nested section's ``__post_init__`` with its keys made full: a section
+    names its keys from where it sits (``optim.lr``, ``strategy=``) and cannot know that it is
+    ``actor.optim`` or ``engine``; the loader knows the path, so one place fixes every
+    message (a key already full is left as it is)."""
+    message = str(exc)
+    path, section = _raising_section(merged, message)
+    if not path:  # the top level: its messages name full keys already
+        return exc
+    name = path.rsplit(".", 1)[-1]
+    owner = OmegaConf.get_type(section)
+    fields = (
+        {f.name for f in dataclasses.fields(owner)} if dataclasses.is_dataclass(owner) else set()
+    )
+
+    def full(match: re.Match[str]) -> str:
+        word, after = match.group(1), message[match.end()]
+        if word == name:  # the section's own name: ``optim.lr=``, ``micro_batch:``
+            return path
+        if word in fields and after != ":":  # a field: ``strategy=``, ``model.lora.enabled``
+            return f"{path}.{word}"
+        return word
+
+    rewritten = _KEY.sub(full, message)
+    if not re.search(rf"(?<![\w.]){re.escape(path)}\b", rewritten):
+        rewritten = f"{path}: {rewritten}"  # it names no key of its section: say where it is
+    return ConfigError(rewritten)
 
 
 def to_yaml(config: Any) -> str:
