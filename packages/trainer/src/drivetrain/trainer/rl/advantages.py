@@ -33,6 +33,12 @@ Estimator = Callable[[AdvantageInputs], tuple[torch.Tensor, torch.Tensor]]
 ADVANTAGES: NamedRegistry[Estimator] = NamedRegistry("advantage estimator")
 #: Estimators that need ``values`` (the trainer then runs a critic).
 NEEDS_CRITIC = {"gae"}
+#: Estimators whose baseline is the prompt's group (its other samples' mean): a group of one
+#: sample has none (grpo, reinforce_pp_baseline: plain REINFORCE; rloo: advantage 0), so they
+#: need ``sampling.n >= 2`` (a plugin's group-relative estimator adds its name here)
+NEEDS_GROUPS = {"grpo", "rloo", "reinforce_pp_baseline"}
+#: what to use instead with one sample per prompt: estimators with a baseline of their own
+OWN_BASELINE = {"gae": "a critic, as `drivetrain ppo`", "reinforce_pp": "batch-whitened returns"}
 
 
 def _group_index(group_ids: Sequence[int]) -> torch.Tensor:

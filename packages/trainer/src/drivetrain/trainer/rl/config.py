@@ -22,6 +22,7 @@ from drivetrain.api.config import (
 )
 from drivetrain.api.errors import ConfigError
 from drivetrain.trainer.job_config import LoggingConfig, WorkersConfig
+from drivetrain.trainer.rl.advantages import NEEDS_GROUPS, OWN_BASELINE
 from drivetrain.trainer.rl.aggregation import AGGREGATIONS
 from drivetrain.trainer.rl.dapo import DAPOConfig
 from drivetrain.trainer.rl.group_stream import AheadConfig
@@ -324,6 +325,7 @@ class RLConfig:
                 "algorithm.dapo.dynamic_sampling needs sampling.n >= 2: a group of one sample "
                 "never has reward variance"
             )
+        self._check_group_size()
         kl_coef, mode = self.algorithm.kl.coef, self.reference_mode
         if mode == "adapter" and not self.actor.model.lora.enabled:
             raise ConfigError(
@@ -335,6 +337,18 @@ class RLConfig:
             raise ConfigError(
                 f"algorithm.kl.coef={kl_coef} needs a reference model, but reference.mode=none "
                 "(auto, engine or adapter; or algorithm.kl.coef=0)"
+            )
+
+    def _check_group_size(self) -> None:
+        """A group-relative estimator over groups of one trains without a baseline (or not at
+        all), silently: refused here, before any worker starts."""
+        advantage, n = self.algorithm.advantage, self.sampling.n
+        if advantage in NEEDS_GROUPS and n < 2:
+            others = ", ".join(f"algorithm.advantage={k} ({v})" for k, v in OWN_BASELINE.items())
+            raise ConfigError(
+                f"sampling.n={n}: algorithm.advantage={advantage} needs groups of at least 2 "
+                "samples per prompt (the group's rewards are its baseline); set "
+                f"sampling.n>=2, or use an estimator with its own baseline: {others}"
             )
 
     def _check_episodes(self) -> None:
