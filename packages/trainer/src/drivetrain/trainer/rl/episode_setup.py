@@ -16,6 +16,8 @@ from drivetrain.trainer.data.files import iter_rows
 from drivetrain.trainer.errors import DataError
 from drivetrain.trainer.preflight import Context
 from drivetrain.trainer.rl.config import RLConfig
+from drivetrain.trainer.rl.prompts import missing_ground_truth, row_ground_truth
+from drivetrain.trainer.rl.rewards import uses_ground_truth
 
 #: validation tasks an environment makes when data.val_size does not say
 DEFAULT_VAL_TASKS = 64
@@ -73,10 +75,12 @@ def _tasks(
     """Rows of ``path`` as tasks; without a path, the environment's own (none for ``val``
     when it makes none: validation is optional)."""
     if path:
-        rows = [row for _, row in iter_rows(path)]
+        rows = list(iter_rows(path))
         if not rows:
             raise DataError(f"{path}: no tasks")
-        return rows
+        if config.agent.command:
+            _check_ground_truths(rows, config)
+        return [row for _, row in rows]
     if environment is None:
         return []
     try:
@@ -85,3 +89,20 @@ def _tasks(
         if split == "val":
             return []
         raise ConfigError(f"env={config.env}: {exc}") from exc
+
+
+def _check_ground_truths(rows: list[tuple[str, dict[str, Any]]], config: RLConfig) -> None:
+    """An agent's episode that reports no reward is scored by the reward functions against its
+    row's ground truth (``SampleScorer.agent_reward``): a row without one would score 0 every
+    step, silently, so it is refused here, before any worker starts."""
+    reward, data = config.reward, config.data
+    if not uses_ground_truth(reward.functions, reward.weights):
+        return
+    for where, row in rows:
+        if row_ground_truth(row, data.answer_key, data.messages_key) is None:
+            raise DataError(
+                f"{missing_ground_truth(where, data.answer_key, data.messages_key)}, which "
+                f"reward.functions={list(reward.functions)} check the agent's answer against; "
+                "add one, or, when the agent reports its own rewards, weigh them 0 "
+                "(reward.weights)"
+            )

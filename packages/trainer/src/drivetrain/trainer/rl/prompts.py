@@ -34,6 +34,29 @@ def _messages(row: Mapping[str, Any], prompt_key: str, messages_key: str) -> lis
     raise KeyError(prompt_key)
 
 
+def row_ground_truth(row: Mapping[str, Any], answer_key: str, messages_key: str) -> str | None:
+    """What a reward checks a row's responses against, on every path (plain prompts and
+    episodes): its ``answer_key``, else the content of a final assistant message under
+    ``messages_key`` (SFT data as RL prompts); None when it has neither."""
+    answer = row.get(answer_key)
+    if answer is not None:
+        return str(answer)
+    messages = row.get(messages_key)
+    if isinstance(messages, list | tuple) and messages and isinstance(messages[-1], Mapping):
+        last = messages[-1]
+        if last.get("role") == "assistant" and last.get("content") is not None:
+            return str(last["content"])
+    return None
+
+
+def missing_ground_truth(where: str, answer_key: str, messages_key: str) -> str:
+    """The one line saying that the row at ``where`` has no ground truth, and what it lacks."""
+    return (
+        f"{where}: no ground truth: neither {answer_key!r} (data.answer_key) nor a final "
+        f"assistant message in {messages_key!r} (data.messages_key)"
+    )
+
+
 def rows_to_prompts(
     rows: Iterable[Row],
     tokenizer: Any,
@@ -60,12 +83,11 @@ def rows_to_prompts(
             raise DataError(
                 f"{where}: neither {prompt_key!r} nor {messages_key!r} is present"
             ) from None
-        truth = row.get(answer_key)
+        truth = row_ground_truth(row, answer_key, messages_key)
         if messages and messages[-1].get("role") == "assistant":
-            last = messages.pop()
-            truth = last["content"] if truth is None else truth
+            messages.pop()  # the answer: the ground truth when the row has no answer_key
         if truth is None:
-            raise DataError(f"{where}: no ground truth ({answer_key!r})")
+            raise DataError(missing_ground_truth(where, answer_key, messages_key))
         if sum(len(str(m.get("content", ""))) for m in messages) > max_chars:
             dropped += 1
             continue
@@ -85,7 +107,7 @@ def rows_to_prompts(
                 f"exceed {context.source}; lower data.max_prompt_length to drop such prompts, "
                 "or sampling.max_new_tokens"
             )
-        out.append(RLPrompt(tuple(ids), str(truth), text))
+        out.append(RLPrompt(tuple(ids), truth, text))
     return out, dropped
 
 

@@ -94,6 +94,17 @@ def resolve_reward(name: str) -> RewardFn:
     return fn
 
 
+#: registered functions that never read the ground truth (one given by path is taken to read it)
+NO_GROUND_TRUTH = {"format"}
+
+
+def uses_ground_truth(names: Sequence[str], weights: Sequence[float] = ()) -> bool:
+    """Whether the weighted functions read a ground truth: one weighing anything that is not
+    known to ignore it."""
+    weights = list(weights) or [1.0] * len(names)
+    return any(w != 0 and n not in NO_GROUND_TRUTH for n, w in zip(names, weights, strict=False))
+
+
 class RewardScorer:
     """The weighted sum of the configured reward functions."""
 

@@ -3,14 +3,14 @@ response, plus DAPO's overlong shaping where configured."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from drivetrain.trainer.rl.config import RLConfig
 from drivetrain.trainer.rl.dapo import overlong_penalty
-from drivetrain.trainer.rl.prompts import RLPrompt
+from drivetrain.trainer.rl.prompts import RLPrompt, row_ground_truth
 from drivetrain.trainer.rl.rewards import RewardScorer
 from drivetrain.trainer.rl.sample_groups import SHAPING
 
@@ -50,6 +50,12 @@ class SampleScorer:
 
     def agent_reward(self, task: Any, text: str) -> float:
         """An agent's episode that reported no reward: the reward functions on its last turn
-        against the task's ``data.answer_key``."""
-        answer = task.get(self.config.data.answer_key, "") if hasattr(task, "get") else ""
-        return self.functions(text, str(answer))[0]
+        against the task's ground truth, taken as the plain path takes it (data rows without
+        one were refused at start: ``episode_setup``; an environment's task may have none)."""
+        data = self.config.data
+        truth = (
+            row_ground_truth(task, data.answer_key, data.messages_key)
+            if isinstance(task, Mapping)
+            else None
+        )
+        return self.functions(text, truth or "")[0]
