@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import io
+import shutil
 
 import pytest
+import typer
 from rich.console import Console
 
 from drivetrain.runtime.manifest import MANIFEST_FILE
-from drivetrain.trainer.checkpoints import CheckpointManager
+from drivetrain.trainer.checkpoints import (
+    RUN_ID_FILE,
+    STATE_FILE,
+    CheckpointManager,
+    read_checkpoint,
+)
+from drivetrain.trainer.commands.skeleton import ending_in_one_line
 from drivetrain.trainer.console import plain_console
 from drivetrain.trainer.errors import CheckpointError, NothingToTrain, RunDirectoryError
 from drivetrain.trainer.run_dir import (
@@ -119,7 +127,9 @@ def test_every_checkpoint_damaged_says_so_and_why(tmp_path):
     with pytest.raises(CheckpointError) as err:
         resume_point(manager, "auto", overwrite=False, console=plain_console())
     said = str(err.value)
-    assert said.startswith(f"every checkpoint in {tmp_path} is damaged (step_00000002: ")
+    assert said.startswith(
+        f"every checkpoint in {tmp_path} is damaged or another run's (step_00000002: "
+    )
     assert "; step_00000001: " in said and "--resume PATH" in said and "\n" not in said
 
 
@@ -133,4 +143,68 @@ def test_a_checkpoint_without_a_manifest_is_resumed_with_a_warning(tmp_path):
     assert heard.file.getvalue().strip() == (
         f"warning: {found.path} has no manifest (written before drivetrain checked its files): "
         "resuming from it unverified"
+    )
+
+
+def test_auto_resume_skips_another_runs_step_directories(tmp_path):
+    """The drill: a step directory symlinked to another run's checkpoint (another lr, another
+    run id) was resumed silently, and the next checkpoints carried that run's id."""
+    ours = CheckpointManager(
+        tmp_path / "run" / "checkpoints", keep_last=5, writer=True, run_id="mine"
+    )
+    save(ours, 1), save(ours, 2)
+    theirs = CheckpointManager(tmp_path / "other" / "checkpoints", keep_last=5, writer=True,
+                               run_id="theirs")  # fmt: skip
+    linked, copied = save(theirs, 3), save(theirs, 4)
+    (ours.root / "step_00000003").symlink_to(linked)
+    shutil.copytree(copied, ours.root / "step_00000004")
+    heard = Console(file=io.StringIO(), soft_wrap=True, markup=False, highlight=False)
+    resumed = CheckpointManager(ours.root, keep_last=5, writer=True)
+    found = resume_point(resumed, "auto", overwrite=False, console=heard)
+    assert found.step == 2 and resumed.run_id == "mine"
+    assert heard.file.getvalue().splitlines() == [
+        f"skipping checkpoint {ours.root / 'step_00000004'}: another run's (run_id theirs, this "
+        "run's is mine)",
+        f"skipping checkpoint {ours.root / 'step_00000003'}: a symlink to {linked.resolve()}, "
+        f"outside {ours.root.parent}",
+    ]
+    # the next checkpoint replaces the link (not what it points to) and is this run's
+    save(resumed, 3)
+    assert not (ours.root / "step_00000003").is_symlink() and (linked / STATE_FILE).is_file()
+    assert read_checkpoint(ours.root / "step_00000003").run_id == "mine"
+    # explicitly: allowed, said in one line, and the run keeps its own run id
+    explicit = CheckpointManager(ours.root, keep_last=5, writer=True)
+    heard = Console(file=io.StringIO(), soft_wrap=True, markup=False, highlight=False)
+    found = resume_point(explicit, str(linked), overwrite=False, console=heard)
+    assert found.run_id == "theirs" and explicit.run_id == "mine"
+    assert heard.file.getvalue().splitlines() == [
+        f"resuming from another run's checkpoint {linked} (run_id theirs); this run keeps its "
+        "own run_id mine"
+    ]
+    # a directory written before the run id file existed: most of its own steps say whose it is
+    (ours.root / RUN_ID_FILE).unlink()
+    assert CheckpointManager(ours.root, keep_last=5, writer=False).recorded_run_id() == "mine"
+
+
+def test_links_within_the_run_and_runs_without_a_recorded_id_are_resumed(tmp_path):
+    manager = CheckpointManager(tmp_path / "run" / "checkpoints", keep_last=5, writer=True)
+    save(manager, 1)
+    (manager.root / "step_00000002").symlink_to(manager.root / "step_00000001")
+    assert manager.outside(manager.root / "step_00000002") is None
+    (manager.root / RUN_ID_FILE).unlink()
+    fresh = CheckpointManager(manager.root, keep_last=5, writer=True)
+    found = resume_point(fresh, "auto", overwrite=False, console=plain_console())
+    assert found.path.name == "step_00000002" and fresh.run_id == manager.run_id
+
+
+@pytest.mark.parametrize(("rank", "said"), [("0", True), ("1", False)])
+def test_nothing_to_train_is_said_by_torchruns_first_rank_only(monkeypatch, rank, said):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("RANK", rank)
+    heard = Console(file=io.StringIO(), soft_wrap=True, markup=False, highlight=False)
+    with pytest.raises(typer.Exit) as ended, ending_in_one_line(heard):
+        raise NothingToTrain("nothing to train: step_00000004 is at step 4")
+    assert ended.value.exit_code == 0
+    assert heard.file.getvalue() == (
+        "nothing to train: step_00000004 is at step 4\n" if said else ""
     )

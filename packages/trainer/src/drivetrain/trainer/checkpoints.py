@@ -13,6 +13,12 @@ killed run are removed on start and never resumed from. What happened to it afte
 flipped bit, a truncated copy) the manifest finds: a checkpoint is resumed from only once every
 file matches it. ``--resume auto`` takes the newest checkpoint that verifies and says which
 newer ones it skipped and why; pruning removes only the current run's checkpoints.
+
+A run's checkpoints carry its run id, and ``checkpoints/run_id`` records whose the directory
+is. ``--resume auto`` skips a ``step_*`` that is another run's (a symlink out of the output
+directory, or another run id): resumed, it would make the next checkpoints carry that run's id,
+and pruning would no longer know this run's own (``--resume PATH`` may still take it; the run
+keeps its own id).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import os
 import re
 import shutil
 import uuid
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +43,8 @@ from drivetrain.trainer.errors import CheckpointError
 STATE_FILE = "trainer_state.json"
 ENGINE_DIR = "engine"
 PREFIX = "step_"
+#: beside the step directories: the run id of the run whose directory this is
+RUN_ID_FILE = "run_id"
 _STEP_DIR = re.compile(rf"{PREFIX}(\d+)")
 
 
@@ -123,14 +132,48 @@ class CheckpointManager:
         done = self.complete()
         return done[-1] if done else None
 
-    def latest_verified(self, skipped: Callable[[Path, str], None]) -> Checkpoint | None:
-        """The newest checkpoint that verifies; ``skipped(path, why)`` for each newer one."""
+    def latest_verified(
+        self, skipped: Callable[[Path, str], None], *, run_id: str | None = None
+    ) -> Checkpoint | None:
+        """The newest checkpoint that verifies and is this run's (``run_id``: the directory's,
+        :meth:`recorded_run_id`); ``skipped(path, why)`` for each newer one."""
         for path in reversed(self.step_dirs()):
+            if (why := self.outside(path)) is not None:
+                skipped(path, why)
+                continue
             try:
-                return verify_checkpoint(path)
+                found = verify_checkpoint(path)
             except CheckpointError as exc:
                 skipped(path, str(exc))
+                continue
+            if run_id is not None and found.run_id not in (None, run_id):
+                skipped(path, f"another run's (run_id {found.run_id}, this run's is {run_id})")
+                continue
+            return found
         return None
+
+    def outside(self, path: Path) -> str | None:
+        """Why ``path``, a step directory, is not in this run's output directory (a symlink
+        out of it), or None. Links within the directory (or its checkpoints folder, when that
+        is itself a link to other storage) are the run's own."""
+        if not path.is_symlink():
+            return None
+        target = path.resolve()
+        homes = (self.root.resolve(), self.root.parent.resolve())
+        if any(target == home or home in target.parents for home in homes):
+            return None
+        return f"a symlink to {target}, outside {self.root.parent}"
+
+    def recorded_run_id(self) -> str | None:
+        """Whose directory this is: the run id in :data:`RUN_ID_FILE`; for a directory written
+        before that file existed, the run id most of its own step directories (not symlinks)
+        carry, the newest one's on a tie; None with neither."""
+        try:
+            return (self.root / RUN_ID_FILE).read_text().strip() or None
+        except (OSError, UnicodeDecodeError):
+            pass
+        own = [c.run_id for c in reversed(self.complete()) if c.run_id and not c.path.is_symlink()]
+        return Counter(own).most_common(1)[0][0] if own else None
 
     def clean_staging(self) -> list[Path]:
         """Remove what a killed save left behind (call before any rank starts saving)."""
@@ -165,9 +208,24 @@ class CheckpointManager:
             f.flush()
             os.fsync(f.fileno())
         write_manifest(staging)
+        self._record_run_id()
         target = self.step_path(step)
+        if target.is_symlink():  # a skipped link to another run's: drop the link, not its files
+            target.unlink()
         publish(staging, target)
         ours = [c for c in self.complete() if c.run_id == self.run_id]
         for old in ours[: -self.keep_last]:
-            shutil.rmtree(old.path, ignore_errors=True)
+            if old.path.is_symlink():
+                old.path.unlink()
+            else:
+                shutil.rmtree(old.path, ignore_errors=True)
         return target
+
+    def _record_run_id(self) -> None:
+        path = self.root / RUN_ID_FILE
+        with contextlib.suppress(FileNotFoundError, UnicodeDecodeError):
+            if path.read_text().strip() == self.run_id:
+                return
+        temporary = path.with_name(f".{RUN_ID_FILE}.{uuid.uuid4().hex[:8]}")
+        temporary.write_text(self.run_id + "\n")
+        os.replace(temporary, path)

@@ -4,11 +4,16 @@ A new run never writes into a directory that holds another run's files: pruning,
 file and ``--resume auto`` would mix the two (an older run's ``step_10`` pruned the new run's
 checkpoints as they were written, and was later resumed as if it were the new run's). So:
 
-- ``--resume auto`` continues the newest checkpoint in the directory that verifies (saying
-  which newer ones it skipped and why); with none, the directory must hold no run;
+- ``--resume auto`` continues the newest checkpoint in the directory that verifies and is
+  this run's (saying which newer ones it skipped and why: damaged, a symlink out of the
+  directory, another run's id); with none, the directory must hold no run;
 - ``--resume none`` and ``--resume PATH`` start writing into a directory that holds no run;
 - ``--overwrite`` starts a new run in any case, after moving the old directory aside to
   ``<dir>.replaced-<time>`` (never deleting it).
+
+A run keeps the directory's run id (a new one for a new directory) whichever checkpoint it
+continues: one resumed from another run's (``--resume PATH``) says so, and the checkpoints it
+writes are still this run's, for pruning.
 """
 
 from __future__ import annotations
@@ -31,15 +36,14 @@ def adopt_checkpoint(
     found: Checkpoint, state: Mapping[str, Any], checkpoints: CheckpointManager
 ) -> None:
     """Continue ``found``'s run: every key of this run's ``state`` must match the one the
-    checkpoint recorded (else another run.output_dir or --overwrite), and new checkpoints
-    keep its run id."""
+    checkpoint recorded (else another run.output_dir or --overwrite). Its run id was settled
+    by :func:`resume_point`."""
     for key, value in state.items():
         if found.state.get(key) != value:
             raise CheckpointError(
                 f"{found.path} has {key}={found.state.get(key)!r}, this run {value!r}; use "
                 "another run.output_dir or --overwrite"
             )
-    checkpoints.run_id = found.run_id or checkpoints.run_id
 
 
 def steps_knob(run: Any) -> str:
@@ -62,9 +66,13 @@ def resume_point(
 ) -> Checkpoint | None:
     """The verified checkpoint to continue from (``how``: auto, none or a path), or None. One
     without a manifest (written before drivetrain checked its files) is taken with a warning
-    naming it; a directory whose every checkpoint is damaged is an error saying why each is."""
+    naming it; a directory whose every checkpoint is damaged is an error saying why each is.
+    Sets ``checkpoints.run_id`` to the directory's (see the module docstring)."""
     if how == "none" or (how == "auto" and overwrite):
         return None
+    # --overwrite moves the directory aside: this run's is then a new one
+    own = None if overwrite else checkpoints.recorded_run_id()
+    checkpoints.run_id = own or checkpoints.run_id
     if how != "auto":
         path = Path(how).absolute()
         if overwrite and checkpoints.root.parent.absolute() in path.parents:
@@ -72,20 +80,28 @@ def resume_point(
                 f"--overwrite moves {checkpoints.root.parent} aside, and --resume {how} is in it:"
                 " resume from a copy outside it, or drop --overwrite"
             )
-        return _unverified_said(verify_checkpoint(path), console)
+        found = _unverified_said(verify_checkpoint(path), console)
+        if found.run_id not in (None, checkpoints.run_id):
+            console.print(
+                f"resuming from another run's checkpoint {found.path} (run_id {found.run_id}); "
+                f"this run keeps its own run_id {checkpoints.run_id}"
+            )
+        return found
     damaged: list[str] = []
 
     def skipped(path: Path, why: str) -> None:
         console.print(f"skipping checkpoint {path}: {why}")
         damaged.append(f"{path.name}: {why}")
 
-    found = checkpoints.latest_verified(skipped)
+    found = checkpoints.latest_verified(skipped, run_id=own)
     if found is None and damaged:
         raise CheckpointError(
-            f"every checkpoint in {checkpoints.root} is damaged ({'; '.join(damaged)}): resume "
-            "from a good copy with --resume PATH, or start over with --overwrite (which moves "
-            "this run aside)"
+            f"every checkpoint in {checkpoints.root} is damaged or another run's "
+            f"({'; '.join(damaged)}): resume from a good copy with --resume PATH, or start "
+            "over with --overwrite (which moves this run aside)"
         )
+    if found is not None and own is None:  # no run id recorded: continue the checkpoint's
+        checkpoints.run_id = found.run_id or checkpoints.run_id
     return found if found is None else _unverified_said(found, console)
 
 
