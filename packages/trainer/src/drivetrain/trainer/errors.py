@@ -21,6 +21,12 @@ class RunDirectoryError(DrivetrainError):
     """The output directory holds another run that this one would mix with or overwrite."""
 
 
+class OutputWriteError(DrivetrainError):
+    """The output directory stopped taking writes mid-run (read-only, permission, quota, full):
+    the message names the path and the checkpoint ``--resume auto`` continues from
+    (:mod:`drivetrain.trainer.output_writes`)."""
+
+
 class NothingToTrain(DrivetrainError):
     """The run to resume is already at or past its last step: nothing was run or written (the
     commands say so in one line and exit 0, so a scheduler's requeue of a finished job is no

@@ -1,12 +1,20 @@
 """Metrics sinks: JSONL (always), TensorBoard, and W&B when it is installed (offline unless
-``WANDB_MODE`` says otherwise), plus the loss-curve PNG written at the end of a run."""
+``WANDB_MODE`` says otherwise), plus the loss-curve PNG written at the end of a run.
+
+A sink that cannot write fails on the run's own thread, naming its file (the run loop turns a
+directory that stopped taking writes into one line: :mod:`drivetrain.trainer.output_writes`).
+TensorBoard writes from a thread of its own, which ends on a failed write with a traceback
+printed and leaves the error for the writer's next call: that traceback is not printed, and
+closing the logger flushes the writer, so a failure after the last step is raised too.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,11 +49,36 @@ class StepLog:
         self._file = open(path, "a")  # noqa: SIM115 - open for the run's lifetime
 
     def write(self, row: Mapping[str, Any]) -> None:
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(row) + "\n")
+            self._file.flush()
+        except OSError as exc:  # a write to an open file names none: say which
+            exc.filename = exc.filename or str(self.path)
+            raise
 
     def close(self) -> None:
         self._file.close()
+
+
+_quiet_installed = False
+
+
+def _quiet_tensorboard_thread() -> None:
+    """Leave unprinted the traceback of TensorBoard's writer thread ending on a failed write
+    (the writer raises the same error on the run's thread: one report); other threads' as
+    before."""
+    global _quiet_installed
+    if _quiet_installed:
+        return
+    previous = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        thread = type(args.thread).__name__ if args.thread is not None else ""
+        if not (isinstance(args.exc_value, OSError) and thread == "_AsyncWriterThread"):
+            previous(args)
+
+    threading.excepthook = hook
+    _quiet_installed = True
 
 
 class MetricsLogger:
@@ -63,6 +96,7 @@ class MetricsLogger:
         if config.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
+            _quiet_tensorboard_thread()
             self._tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=resume_step + 1)
         self._wandb = None
         if config.wandb and importlib.util.find_spec("wandb") is not None:
@@ -85,11 +119,21 @@ class MetricsLogger:
             self._wandb.log(dict(metrics), step=step)
 
     def close(self) -> None:
-        self._file.close()
+        """Close every sink; the first failure is raised once all are closed (TensorBoard's
+        flush raises what its writer thread failed on)."""
+        closers: list[Callable[[], Any]] = [self._file.close]
         if self._tb is not None:
-            self._tb.close()
+            closers += [self._tb.flush, self._tb.close]
         if self._wandb is not None:
-            self._wandb.finish()
+            closers.append(self._wandb.finish)
+        failed: Exception | None = None
+        for close in closers:
+            try:
+                close()
+            except Exception as exc:
+                failed = failed or exc
+        if failed is not None:
+            raise failed
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 what their engines save; this module owns the rest, once: the output directory (its lock, the
 staging a crash left, where to start), resume, the steps between stop signals with a progress
 line, validation and checkpoints at their cadence, the last checkpoint, the Hugging Face
-export, the curve and ``config.yaml``.
+export, the curve and ``config.yaml``; an output directory that stops taking writes ends the
+run in one line (:mod:`drivetrain.trainer.output_writes`).
 
 A job is launched inside the claimed directory (SFT and DPO start their worker group there,
 RL its placement), so no process reads or writes the directory before this run owns it.
@@ -24,6 +25,7 @@ from rich.console import Console
 from drivetrain.runtime.heap import settled_heap
 from drivetrain.trainer.checkpoints import Checkpoint, CheckpointManager
 from drivetrain.trainer.metrics import LOSS_CURVE, Curve, MetricsLogger
+from drivetrain.trainer.output_writes import output_writes
 from drivetrain.trainer.progress import TrainingProgress
 from drivetrain.trainer.run_dir import adopt_checkpoint, check_steps_left, start_point, steps_knob
 from drivetrain.trainer.run_lock import owning
@@ -155,7 +157,8 @@ class Checkpointer:
         return _due(self.job.spec.run.save_every, done, self.job.spec.total)
 
     def save(self, step: int) -> None:
-        with self.checkpoints.writing(step):
+        out, staging = self.checkpoints.root.parent, self.checkpoints.staging(step)
+        with output_writes(out, self.position, staging), self.checkpoints.writing(step):
             self.job.save(self.checkpoints.engine_staging_path(step), step)
             self.checkpoints.publish(
                 step, {**self.job.spec.state, "step": step, "time": time.time()}
@@ -195,7 +198,9 @@ def run_job(
             outcome = _fit(job, checkpoints, found, console)
         if not job.spec.writer:
             return None
-        (out / "config.yaml").write_text(config_yaml)
+        done = outcome.final_step
+        with output_writes(out, Position(checkpoints, done, done)):
+            (out / "config.yaml").write_text(config_yaml)
     return job.result(outcome)
 
 
@@ -247,35 +252,58 @@ def _fit(
     outcome = Outcome(Path(spec.run.output_dir), final_step=start)
     if spec.validate_before:
         outcome.val_before = _validated(job, "before", console)
-    logger = (
-        MetricsLogger(outcome.output_dir, spec.logging, run_config=spec.state, resume_step=start)
-        if spec.writer
-        else None
-    )
-    try:
-        # what the run built so far stays out of the collector's full passes in the loop
-        with settled_heap():
-            loop_began = time.perf_counter()
-            job.begin(start)
-            _steps(job, start, checkpointer, logger, outcome, console, loop_began)
-            outcome.loop_seconds = time.perf_counter() - loop_began
-        job.end()
-        # the last step, or earlier when run.max_seconds ran out
-        final = outcome.final_step = position.done
-        checkpointer.save(final)
-        outcome.val_after = _validated(job, "after", console, logger, final)
-        if spec.run.export_hf:
-            outcome.hf_dir = outcome.output_dir / "hf"
-            job.export(str(outcome.hf_dir))
-    finally:
-        with contextlib.suppress(Exception):  # a failed run's own error is the one to see
-            job.close()
-        if logger is not None:
-            logger.close()
-    if spec.writer:
-        spec.curve.plot(outcome.output_dir)
+    with output_writes(outcome.output_dir, position):
+        logger = None
+        try:
+            if spec.writer:
+                logger = MetricsLogger(
+                    outcome.output_dir, spec.logging, run_config=spec.state, resume_step=start
+                )
+            _train(job, start, checkpointer, logger, outcome, console)
+        except BaseException:
+            _close(job, logger, failed=True)
+            raise
+        _close(job, logger, failed=False)
+        if spec.writer:
+            spec.curve.plot(outcome.output_dir)
     outcome.seconds = time.perf_counter() - began
     return outcome
+
+
+def _train(
+    job: Job[Any],
+    start: int,
+    checkpointer: Checkpointer,
+    logger: MetricsLogger | None,
+    outcome: Outcome,
+    console: Console,
+) -> None:
+    """The steps from ``start``, the last checkpoint, validation after and the export."""
+    # what the run built so far stays out of the collector's full passes in the loop
+    with settled_heap():
+        loop_began = time.perf_counter()
+        job.begin(start)
+        _steps(job, start, checkpointer, logger, outcome, console, loop_began)
+        outcome.loop_seconds = time.perf_counter() - loop_began
+    job.end()
+    # the last step, or earlier when run.max_seconds ran out
+    final = outcome.final_step = checkpointer.position.done
+    checkpointer.save(final)
+    outcome.val_after = _validated(job, "after", console, logger, final)
+    if job.spec.run.export_hf:
+        outcome.hf_dir = outcome.output_dir / "hf"
+        job.export(str(outcome.hf_dir))
+
+
+def _close(job: Job[Any], logger: MetricsLogger | None, *, failed: bool) -> None:
+    """After the run, also a failed one: the job, then the metrics. A failed run's own error
+    is the one to see: what closing raises then is dropped (the metrics' last writes fail too
+    when the directory did)."""
+    with contextlib.suppress(Exception):
+        job.close()
+    if logger is not None:
+        with contextlib.suppress(Exception) if failed else contextlib.nullcontext():
+            logger.close()
 
 
 def _validated(
