@@ -25,10 +25,16 @@ from drivetrain.trainer.checkpoints import verify_checkpoint
 from drivetrain.trainer.console import print_error, print_ok
 from drivetrain.trainer.errors import NothingToTrain, RunStopped
 from drivetrain.trainer.stopping import exit_status
+from drivetrain.trainer.workers.group import launched_by_torchrun
 
 #: a training command's exit statuses (schedulers read them): 0 trained, or nothing left to
 #: train; 2 a one-line error; 128 + the signal when SIGTERM (143) or SIGINT (130) stopped it
 EXIT_ERROR = 2
+
+
+def first_rank() -> bool:
+    """Whether this process is torchrun's rank 0, or not under torchrun."""
+    return not launched_by_torchrun() or os.environ.get("RANK", "0") == "0"
 
 
 @contextlib.contextmanager
@@ -37,7 +43,8 @@ def ending_in_one_line(console: Console) -> Iterator[None]:
     try:
         yield
     except NothingToTrain as exc:  # a finished run requeued: no failure, nothing written
-        console.print(str(exc))
+        if first_rank():  # every torchrun rank finds it; one says so
+            console.print(str(exc))
         raise typer.Exit(0) from None
     except RunStopped as exc:
         console.print(str(exc))
