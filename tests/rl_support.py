@@ -105,11 +105,15 @@ def check_async_steps(
 
 
 def kill_mid_run(
-    args: list[str], out: Path, env: dict[str, str], victim: Callable[[int], int]
+    args: list[str],
+    out: Path,
+    env: dict[str, str],
+    victim: Callable[[int], int],
+    sig: signal.Signals = signal.SIGKILL,
 ) -> tuple[float, str]:
-    """Start ``drivetrain grpo args``; once step 2's checkpoint exists, SIGKILL the process
-    ``victim(run_pid)`` names and wait for the run to fail. Returns the seconds from the kill
-    to the run's exit, and its stderr."""
+    """Start ``drivetrain grpo args``; once step 2's checkpoint exists, send ``sig`` (SIGKILL;
+    SIGSTOP leaves it alive but silent) to the process ``victim(run_pid)`` names and wait for
+    the run to fail. Returns the seconds from the signal to the run's exit, and its stderr."""
     proc = subprocess.Popen(
         rl_command("grpo", *args), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, start_new_session=True,
@@ -120,7 +124,7 @@ def kill_mid_run(
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             assert time.monotonic() < deadline, "no checkpoint of step 2"
             time.sleep(0.05)
-        os.kill(victim(proc.pid), signal.SIGKILL)
+        os.kill(victim(proc.pid), sig)
         killed = time.monotonic()
         _, stderr = proc.communicate(timeout=180)
         assert proc.returncode not in (0, None), "the run survived the kill"

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from drivetrain.api import PluginError, Prompt, SamplingParams
+from drivetrain.api.errors import RolloutStalled
 from drivetrain.rollout.config import BackendConfig
 from drivetrain.rollout.errors import RolloutProcessError
 from drivetrain.rollout.process.client import start_server_rollout
@@ -94,3 +95,61 @@ def test_a_hung_server_times_out_instead_of_blocking():
         remote.generate(PROMPTS, SamplingParams())
     assert time.monotonic() - start < 15
     remote.shutdown()
+
+
+def test_a_stopped_server_is_named_within_its_stall_deadline():
+    """Alive but silent (SIGSTOP): one line naming the process and the setting, within the
+    stall deadline, not the request timeout (an hour) nor the exit code of our own kill; every
+    later call fails at once with the same."""
+    launch = BackendConfig(python=sys.executable, start_timeout_s=60, stall_timeout_s=2)
+    remote = start_server_rollout("fake", CONFIG, launch)
+    pid = remote.channel.process.pid
+    os.killpg(pid, signal.SIGSTOP)
+    start = time.monotonic()
+    with pytest.raises(RolloutStalled) as stalled:
+        remote.generate(PROMPTS, SamplingParams())
+    assert 2 <= time.monotonic() - start < 6
+    message = str(stalled.value)
+    assert message.startswith(f"the fake rollout process (pid {pid}) was silent for 2 s while ")
+    assert "(rollout.stall_timeout_s=2)" in message and "\n" not in message
+    assert "exit code" not in message
+    start = time.monotonic()
+    with pytest.raises(RolloutStalled):
+        remote.poll(0.0)
+    assert time.monotonic() - start < 1
+    remote.shutdown()
+
+
+def test_a_weight_stream_into_a_stopped_server_is_bounded():
+    """The stream blocks once the stopped server's socket buffer is full: the watchdog kills
+    the server and the sender names the stall."""
+    import torch
+
+    launch = BackendConfig(python=sys.executable, start_timeout_s=60, stall_timeout_s=2)
+    remote = start_server_rollout("fake", CONFIG, launch)
+    os.killpg(remote.channel.process.pid, signal.SIGSTOP)
+    weights = ((f"w{k}", torch.zeros(1 << 20)) for k in range(64))  # 256 MB: past any buffer
+    start = time.monotonic()
+    with pytest.raises(RolloutStalled, match="while taking the weights of version 1"):
+        remote.channel.send_weights_inline(weights, 1)
+    assert time.monotonic() - start < 8
+    remote.shutdown()
+
+
+def test_the_server_says_it_is_alive_while_it_works_on_a_call(monkeypatch):
+    from multiprocessing import Pipe
+
+    from drivetrain.rollout.process import messages, server
+    from drivetrain.rollout.process.protocol import ALIVE
+
+    monkeypatch.setattr(server, "KEEPALIVE_S", 0.05)
+    ours, theirs = Pipe()
+    replies = server.Replies(theirs)
+    replies.working_on_call()
+    assert ours.poll(5) and messages.receive(ours) == ALIVE
+    replies.send(("ok", 1))
+    seen = []
+    while ours.poll(0.3):  # an ALIVE sent before the reply, then the reply, then nothing
+        seen.append(messages.receive(ours))
+    assert seen[-1] == ["ok", 1] or seen[-1] == ("ok", 1)
+    assert all(m == ALIVE for m in seen[:-1])

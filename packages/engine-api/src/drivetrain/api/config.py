@@ -163,7 +163,15 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    """What every rollout backend is configured with. Backends subclass it for their own knobs."""
+    """What every rollout backend is configured with. Backends subclass it for their own knobs.
+
+    ``stall_timeout_s`` is the progress deadline of a rollout that is alive but silent (a
+    stopped or hung process, a backend that stops producing tokens): a rollout that answers
+    no call, or produces no token while requests of the trainer run on it, for this long
+    fails the run with one line naming it. It bounds a stall; the time one request may take
+    is the backend's own (``rollout.request_timeout_s``), and a weight sync's transfer has
+    ``weight_sync.timeout_s``.
+    """
 
     model_path: str = ""
     dtype: str = "float32"
@@ -171,11 +179,13 @@ class RolloutConfig:
     tensor_parallel_size: int = 1
     device: str = "auto"
     seed: int = 0
+    stall_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         _check_choice("rollout", "dtype", self.dtype, DTYPES)
         _check_positive("rollout", "max_model_len", self.max_model_len)
         _check_positive("rollout", "tensor_parallel_size", self.tensor_parallel_size)
+        _check_positive("rollout", "stall_timeout_s", self.stall_timeout_s)
 
 
 @dataclass(frozen=True)

@@ -22,3 +22,8 @@ class BatchError(DrivetrainError, ValueError):
 
 class ConfigError(DrivetrainError, ValueError):
     """A configuration value or key is invalid; the message names the valid choices."""
+
+
+class RolloutStalled(DrivetrainError):
+    """A rollout is alive but silent: it answered nothing, or produced no token while requests
+    ran on it, for longer than its progress deadline (``rollout.stall_timeout_s``)."""

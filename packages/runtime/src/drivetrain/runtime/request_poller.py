@@ -10,6 +10,10 @@ weight update's abort, or :meth:`RequestPoller.paused`) continues as a new reque
 tokens so far (:meth:`~drivetrain.runtime.collector.Collector.resume`), which waits in the
 replica's queue until polling resumes; its future completes when the whole sequence ends,
 each token with the weight version it was sampled under.
+
+Progress deadline: with ``stall_timeout_s``, a replica on which requests of this poller run
+but that gives no token for that long is failed as stalled (its waiters get
+:class:`~drivetrain.api.errors.RolloutStalled`, one line naming it); the others go on.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from drivetrain.api import Completion, FinishReason, Rollout
+from drivetrain.api.errors import DrivetrainError, RolloutStalled
 from drivetrain.api.requests import Chunk, Request
 from drivetrain.runtime.collector import Collector
 from drivetrain.runtime.rollout_commands import Abort, Command, Continue, Submit, fail, settle
@@ -54,9 +59,14 @@ class RequestPoller:
     core of :class:`~drivetrain.runtime.rollout_service.RolloutService`, which adds polling
     threads, and all a batch ``generate`` over requests needs (:func:`generate_with_requests`)."""
 
-    def __init__(self, rollouts: Sequence[Rollout], *, name: str) -> None:
+    def __init__(
+        self, rollouts: Sequence[Rollout], *, name: str, stall_timeout_s: float | None = None
+    ) -> None:
         self.rollouts = list(rollouts)
         self.name = name
+        self.stall_timeout_s = stall_timeout_s
+        #: per replica: since when its running requests gave no token (None: nothing runs)
+        self._quiet_since: list[float | None] = [None for _ in self.rollouts]
         #: per replica: it generates on its own (a poller thread asked it to)
         self.background = [False for _ in self.rollouts]
         replicas = range(len(self.rollouts))
@@ -72,7 +82,9 @@ class RequestPoller:
         self._holds = 0  # paused() blocks open: nothing of this service runs meanwhile
         self._active = 0  # pollers between taking their commands and their poll's end
         self._stopping = False
-        self._failure: BaseException | None = None
+        self._failure: BaseException | None = None  # every replica refuses submits
+        #: replicas whose poller crashed: they alone refuse submits
+        self._dead: dict[int, BaseException] = {}
 
     # ---- the callers' side ----------------------------------------------------------------
     def submit(
@@ -87,7 +99,7 @@ class RequestPoller:
         each future gets its request's completion, or the error that ended it."""
         futures: list[Future[Completion]] = [Future() for _ in requests]
         with self._cond:
-            refused = self._failure
+            refused = self._failure or self._dead.get(replica)
             if refused is None:
                 command = Submit(tuple(requests), tuple(futures), resume_aborted)
                 self._commands[replica].append(command)
@@ -134,6 +146,7 @@ class RequestPoller:
             self._drain()
             yield
         finally:
+            self._quiet_since = [None for _ in self.rollouts]  # a pause is no stall
             with self._cond:
                 self._holds -= 1
                 self._cond.notify_all()
@@ -298,6 +311,8 @@ class RequestPoller:
         except Exception as exc:  # the rollout failed: its requests' waiters get the error
             self._replica_failed(replica, exc)
             return 0
+        if self._stalled(replica, bool(chunks)):
+            return 0
         for key in finished:
             sequence = sequences[key]
             sequence.request_id = None
@@ -308,12 +323,39 @@ class RequestPoller:
                 continue
             del sequences[key]
             settle(sequence.future, collector.pop(key))
+        if not self._running(replica):
+            self._quiet_since[replica] = None
         return len(chunks)
+
+    def _stalled(self, replica: int, got: bool) -> bool:
+        """Past the progress deadline with no token: the replica fails as stalled."""
+        now, since = time.monotonic(), self._quiet_since[replica]
+        if got or since is None:
+            self._quiet_since[replica] = now
+            return False
+        limit = self.stall_timeout_s
+        if limit is None or now - since <= limit:
+            return False
+        running = sum(1 for s in self._sequences[replica].values() if s.request_id)
+        self._replica_failed(
+            replica,
+            RolloutStalled(
+                f"rollout replica {replica} of {self.name} "
+                f"({type(self.rollouts[replica]).__name__}) produced no token for "
+                f"{now - since:.0f} s while {running} requests ran on it "
+                f"(rollout.stall_timeout_s={limit:g}): it is alive but stopped or hung"
+            ),
+        )
+        return True
 
     def _replica_failed(self, replica: int, exc: Exception) -> None:
         """``replica`` raised: its running requests are aborted (their last chunks collected
         once, so the next poller of that rollout does not get them) and their waiters fail."""
-        log.exception("rollout %d of %s failed", replica, self.name)
+        if isinstance(exc, DrivetrainError):  # its message says it all: no traceback
+            log.error("rollout %d of %s failed: %s", replica, self.name, exc)
+        else:
+            log.exception("rollout %d of %s failed", replica, self.name)
+        self._quiet_since[replica] = None
         sequences = self._sequences[replica]
         running = [s.request_id for s in sequences.values() if s.request_id]
         self._failed_ids[replica].update(running)

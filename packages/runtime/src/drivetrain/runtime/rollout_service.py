@@ -54,10 +54,11 @@ class RolloutService(RequestPoller):
         name: str = "rollouts",
         threads: bool = True,
         background: bool = False,
+        stall_timeout_s: float | None = None,
     ) -> None:
         if not rollouts:
             raise ValueError("a rollout service needs at least one rollout")
-        super().__init__(rollouts, name=name)
+        super().__init__(rollouts, name=name, stall_timeout_s=stall_timeout_s)
         self._threads: list[threading.Thread] = []
         self._shut = False  # shutdown(): no user takes it again
         self._generating = ThreadPoolExecutor(len(self.rollouts), thread_name_prefix=name)
@@ -95,6 +96,7 @@ class RolloutService(RequestPoller):
         with self._cond:
             self._stopping = False
             self._failure = None
+            self._dead.clear()  # the next user's pollers start afresh
         self._threads = []
 
     def shutdown(self) -> None:
@@ -107,8 +109,9 @@ class RolloutService(RequestPoller):
         self._generating.shutdown(wait=False)
 
     def _stop_pollers(self, timeout_s: float) -> list[str]:
+        deadline = time.monotonic() + timeout_s  # for them all: stuck pollers do not add up
         for thread in self._threads:  # a poller ends its turn, then sees the stop
-            thread.join(timeout_s)
+            thread.join(max(0.0, deadline - time.monotonic()))
         return [thread.name for thread in self._threads if thread.is_alive()]
 
     # ---- batch generation -----------------------------------------------------------------
@@ -157,11 +160,11 @@ class RolloutService(RequestPoller):
 
     def _crashed(self, replica: int, commands: list[Command], exc: BaseException) -> None:
         """This replica's poller failed (a bug): its requests are aborted and every waiter
-        of it fails; later submits are refused."""
-        log.exception("the rollout service %s failed", self.name)
-        error = ServiceClosed(f"the rollout service {self.name} failed: {exc}")
+        of it fails; later submits to it are refused (the other replicas go on)."""
+        log.exception("the poller of replica %d of %s failed", replica, self.name)
+        error = ServiceClosed(f"replica {replica} of the rollout service {self.name} failed: {exc}")
         with self._cond:
-            self._failure = exc
+            self._dead[replica] = error
             commands = commands + self._commands[replica]
             self._commands[replica] = []
         sequences = self._sequences[replica]

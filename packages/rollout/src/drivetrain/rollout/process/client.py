@@ -6,7 +6,11 @@ The server (:mod:`server`) is started with the given interpreter in its own sess
 children, e.g. vLLM's workers, go down with it), connects back over an authenticated loopback
 connection (:mod:`listener`; messages are JSON, :mod:`messages`), and builds the backend there.
 Every call waits on the reply *and* on the process: a server that dies raises
-:class:`RolloutProcessError` with the tail of its log instead of hanging.
+:class:`RolloutProcessError` with the tail of its log instead of hanging. A server that is
+alive but silent (stopped, hung) for ``rollout.stall_timeout_s`` is killed and named in one
+line (:class:`~drivetrain.api.errors.RolloutStalled`): while it works on a call it says so every
+second (``protocol.ALIVE``), and a watchdog bounds what this side sends it (a weight stream
+blocks once a stopped server's socket buffer is full).
 """
 
 from __future__ import annotations
@@ -17,9 +21,10 @@ import secrets
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -27,11 +32,12 @@ from typing import Any
 
 from drivetrain.api.config import RolloutConfig
 from drivetrain.api.engine import NamedTensor
+from drivetrain.api.errors import DrivetrainError, RolloutStalled
 from drivetrain.rollout.config import BackendConfig
 from drivetrain.rollout.errors import ProtocolError, RolloutProcessError
 from drivetrain.rollout.process import messages
 from drivetrain.rollout.process.listener import AuthenticatedListener
-from drivetrain.rollout.process.protocol import ADDRESS_ENV, AUTHKEY_ENV, remote_error
+from drivetrain.rollout.process.protocol import ADDRESS_ENV, ALIVE, AUTHKEY_ENV, remote_error
 from drivetrain.rollout.weights import tensor_to_bytes
 from drivetrain.runtime.fair_lock import FairRLock
 from drivetrain.runtime.remote_rollout import RemoteRollout
@@ -48,6 +54,19 @@ def _kill(process: subprocess.Popen[bytes]) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()
+
+
+def _watch_sends(ref: weakref.ref[ServerProcess]) -> None:
+    """Kill a server that takes nothing this side sends for its stall deadline (a stopped
+    process: the send blocks once the socket's buffer is full), so the send fails and the
+    caller names the stall. Ends with the channel."""
+    while (channel := ref()) is not None and channel.process.poll() is None:
+        sending, limit = channel._sending, channel.stall_timeout_s
+        if sending is not None and time.monotonic() - sending[1] > limit:
+            channel.stalled(sending[0], time.monotonic() - sending[1])
+            return
+        del channel
+        time.sleep(min(0.5, limit / 4))
 
 
 def start_server_rollout(
@@ -75,6 +94,9 @@ class ServerProcess:
             )
         self.backend = backend
         self.request_timeout_s = launch.request_timeout_s
+        self.stall_timeout_s = launch.stall_timeout_s
+        self._stall: str = ""  # why the server was killed as stalled ("": it was not)
+        self._sending: tuple[str, float] | None = None  # what is being sent, last progress
         # one request and its reply at a time: a poller thread and a weight update share the
         # connection (re-entrant: a failing weight stream sends its abort from inside)
         self._conversation = FairRLock()
@@ -101,6 +123,9 @@ class ServerProcess:
                 listener.close()
                 raise
         self._finalizer = weakref.finalize(self, _kill, self.process)
+        threading.Thread(
+            target=_watch_sends, args=(weakref.ref(self),), name="rollout-watchdog", daemon=True
+        ).start()
         deadline = time.monotonic() + launch.start_timeout_s
         try:
             self.conn = self._accept(listener, deadline)
@@ -124,7 +149,9 @@ class ServerProcess:
             return ""
         return "\n".join(text)
 
-    def _died(self, what: str) -> RolloutProcessError:
+    def _died(self, what: str) -> DrivetrainError:
+        if self._stall:  # we killed it: say why, not the exit code of our own kill
+            return RolloutStalled(self._stall)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=5)  # a broken connection comes just before the exit
         code = self.process.poll()
@@ -143,23 +170,43 @@ class ServerProcess:
             raise self._died("did not connect in time")
         return conn
 
-    def _reply(self, timeout: float | None) -> Any:
+    def stalled(self, what: str, silent_s: float) -> RolloutStalled:
+        """Kill the server, silent for ``silent_s`` seconds while ``what``, and say so."""
+        self._stall = (
+            f"the {self.backend} rollout process (pid {self.process.pid}) was silent for "
+            f"{silent_s:.0f} s while {what} (rollout.stall_timeout_s={self.stall_timeout_s:g}): "
+            f"it is alive but stopped or hung; it was killed (log {self.log_path})"
+        )
+        self._finalizer()
+        return RolloutStalled(self._stall)
+
+    def _reply(self, timeout: float | None, what: str = "answering a call") -> Any:
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.conn.poll(0.5):
-            if self.process.poll() is not None:
-                raise self._died("died")
-            if deadline is not None and time.monotonic() > deadline:
-                self._finalizer()
-                raise self._died(f"did not answer within {timeout:.0f} s")
-        try:
-            reply = messages.receive(self.conn)
-        except (EOFError, ConnectionResetError):
-            raise self._died("closed the connection") from None
-        except ProtocolError as exc:  # e.g. an older drivetrain-rollout there, which pickled
-            raise ProtocolError(
-                f"the {self.backend} rollout process's reply is {exc}; is drivetrain-rollout in "
-                "its environment the same version as here?"
-            ) from None
+        heard = time.monotonic()
+        while True:
+            while not self.conn.poll(0.5):
+                if self.process.poll() is not None:
+                    raise self._died("died")
+                now = time.monotonic()
+                if now - heard > self.stall_timeout_s:
+                    raise self.stalled(what, now - heard)
+                if deadline is not None and now > deadline:
+                    self._finalizer()
+                    raise self._died(f"did not answer within {timeout:.0f} s")
+            try:
+                reply = messages.receive(self.conn)
+            except (EOFError, ConnectionResetError, BrokenPipeError):
+                raise self._died("closed the connection") from None
+            except ProtocolError as exc:  # e.g. an older drivetrain-rollout there, which pickled
+                raise ProtocolError(
+                    f"the {self.backend} rollout process's reply is {exc}; is drivetrain-rollout "
+                    "in its environment the same version as here?"
+                ) from None
+            if reply != ALIVE:
+                return self._result(reply)
+            heard = time.monotonic()
+
+    def _result(self, reply: Any) -> Any:
         match reply:
             case ("ok", result):
                 return result
@@ -174,10 +221,26 @@ class ServerProcess:
             if self.process.poll() is not None:
                 raise self._died("is not running")
             try:
-                messages.send(self.conn, (method, args))
+                with self._watched(f"taking the call {method}"):
+                    messages.send(self.conn, (method, args))
             except (BrokenPipeError, ConnectionResetError) as exc:
                 raise self._died(f"dropped the connection ({exc})") from exc
-            return self._reply(self.request_timeout_s if timeout is None else timeout)
+            timeout = self.request_timeout_s if timeout is None else timeout
+            return self._reply(timeout, f"answering {method}")
+
+    @contextlib.contextmanager
+    def _watched(self, what: str) -> Iterator[None]:
+        """Sends inside are bounded by the watchdog (:func:`_watch_sends`); :meth:`_progress`
+        marks each step of a long send."""
+        self._sending = (what, time.monotonic())
+        try:
+            yield
+        finally:
+            self._sending = None
+
+    def _progress(self) -> None:
+        if self._sending is not None:
+            self._sending = (self._sending[0], time.monotonic())
 
     # ---- the channel ---------------------------------------------------------------------
     def call(self, method: str, *args: Any, wait_s: float = 0.0) -> Any:
@@ -193,12 +256,15 @@ class ServerProcess:
             self._stream_weights(weights, version)
 
     def _stream_weights(self, weights: Iterable[NamedTensor], version: int) -> None:
-        messages.send(self.conn, ("update_weights", (version,)))
         try:
-            for name, tensor in weights:
-                meta, data = tensor_to_bytes(tensor)
-                messages.send(self.conn, ("tensor", name, meta))
-                self.conn.send_bytes(data)
+            with self._watched(f"taking the weights of version {version}"):
+                messages.send(self.conn, ("update_weights", (version,)))
+                for name, tensor in weights:
+                    meta, data = tensor_to_bytes(tensor)
+                    self._progress()
+                    messages.send(self.conn, ("tensor", name, meta))
+                    self.conn.send_bytes(data)
+                    self._progress()
         except (BrokenPipeError, ConnectionResetError) as exc:  # the server is gone
             raise self._died(f"dropped the weight stream ({exc})") from exc
         except BaseException:
@@ -208,7 +274,7 @@ class ServerProcess:
                     self._reply(self.request_timeout_s)
             raise
         messages.send(self.conn, ("end",))
-        self._reply(self.request_timeout_s)
+        self._reply(self.request_timeout_s, f"applying the weights of version {version}")
 
     def close(self) -> None:
         """After the server was asked to shut down: wait for it, else kill it; its log goes

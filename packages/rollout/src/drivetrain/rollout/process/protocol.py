@@ -7,6 +7,10 @@ Requests are ``(method, args)``; replies ``("ok", result)`` or
 ``("update_weights", (version,))`` followed by ``("tensor", name, {"shape", "dtype"})`` + one
 raw bytes message per tensor and a closing ``("end",)`` or ``("abort",)``; one reply comes
 after the close. A message that is not wire data gets a ``ProtocolError`` reply.
+
+While the server works on a call it sends ``ALIVE`` every ``KEEPALIVE_S`` seconds before the
+reply (the client skips them), so the client tells a long call from a stopped or hung server
+by the silence alone (``rollout.stall_timeout_s``), whatever the call.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from drivetrain.rollout.errors import BackendNotInstalledError, ProtocolError, R
 
 ADDRESS_ENV = "DRIVETRAIN_ROLLOUT_ADDRESS"
 AUTHKEY_ENV = "DRIVETRAIN_ROLLOUT_AUTHKEY"
+ALIVE = ("alive",)
+KEEPALIVE_S = 1.0
 
 
 def send_at_once(fd: int) -> None:

@@ -9,6 +9,8 @@ import contextlib
 import importlib.metadata
 import os
 import sys
+import threading
+import time
 import traceback
 from multiprocessing.connection import Client, Connection
 from typing import Any
@@ -17,7 +19,13 @@ from drivetrain.api.rollout import Rollout
 from drivetrain.rollout.errors import ProtocolError
 from drivetrain.rollout.factories import IMPLEMENTATIONS, load_backend_class
 from drivetrain.rollout.process import messages
-from drivetrain.rollout.process.protocol import ADDRESS_ENV, AUTHKEY_ENV, send_at_once
+from drivetrain.rollout.process.protocol import (
+    ADDRESS_ENV,
+    ALIVE,
+    AUTHKEY_ENV,
+    KEEPALIVE_S,
+    send_at_once,
+)
 from drivetrain.rollout.weights import tensor_from_bytes
 from drivetrain.runtime.heap import settle_heap
 from drivetrain.runtime.remote_rollout import RolloutHost
@@ -62,8 +70,39 @@ def _receive_weights(conn: Connection, rollout: Rollout, version: int) -> None:
     rollout.update_weights(staged, version=version)
 
 
+class Replies:
+    """The server's side of the connection's sending: replies, and ``ALIVE`` every
+    ``KEEPALIVE_S`` while a call runs (from a daemon thread: a stopped process sends none)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.lock = threading.Lock()  # one message at a time on the wire
+        self.working = False
+        threading.Thread(target=self._keep_alive, name="keepalive", daemon=True).start()
+
+    def working_on_call(self) -> None:
+        with self.lock:
+            self.working = True
+
+    def send(self, reply: Any) -> None:
+        with self.lock:
+            self.working = False
+            messages.send(self.conn, reply)
+
+    def _keep_alive(self) -> None:
+        while True:
+            time.sleep(KEEPALIVE_S)
+            with self.lock:
+                if self.working:
+                    try:
+                        messages.send(self.conn, ALIVE)
+                    except OSError:  # the client went away: the main loop ends too
+                        return
+
+
 def serve(conn: Connection) -> None:
     host: RolloutHost | None = None
+    replies = Replies(conn)
     while True:
         # background generation: a waiting call first, else one token step; block for a call
         # only when nothing runs
@@ -73,6 +112,7 @@ def serve(conn: Connection) -> None:
             data = conn.recv_bytes()
         except EOFError:  # the client went away: nothing left to serve
             break
+        replies.working_on_call()
         try:
             result: Any = None
             match messages.decode(data):
@@ -92,11 +132,11 @@ def serve(conn: Connection) -> None:
             else:
                 result = host.call(method, *args)
                 if method == "shutdown":
-                    messages.send(conn, ("ok", None))
+                    replies.send(("ok", None))
                     break
-            messages.send(conn, ("ok", result))
+            replies.send(("ok", result))
         except Exception as exc:
-            messages.send(conn, ("error", type(exc).__name__, str(exc), traceback.format_exc()))
+            replies.send(("error", type(exc).__name__, str(exc), traceback.format_exc()))
 
 
 def main() -> None:

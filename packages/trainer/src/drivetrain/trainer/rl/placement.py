@@ -29,7 +29,7 @@ from drivetrain.runtime.remote_rollout import RemoteRollout
 from drivetrain.runtime.rollout_service import RolloutService
 from drivetrain.trainer.job_config import WorkersConfig
 from drivetrain.trainer.rl.config import PlacementConfig
-from drivetrain.trainer.rl.ray_rollout import RayChannel, RolloutActor
+from drivetrain.trainer.rl.ray_rollout import ACTOR_OPTIONS, RayChannel, RolloutActor
 from drivetrain.trainer.rl.sync_manager import WeightSyncManager, connect_rollouts
 from drivetrain.trainer.rl.sync_worker import SyncingWorker
 from drivetrain.trainer.workers.group import LocalWorkerGroup, WorkerGroup
@@ -88,10 +88,13 @@ def takes_adapters(rollout_config: object) -> bool:
     return bool(lora is not None and lora.enabled)
 
 
-def rollout_service(rollouts: Sequence[Rollout]) -> RolloutService:
+def rollout_service(rollouts: Sequence[Rollout], config: RolloutConfig) -> RolloutService:
     """The placement's one owner of rollout traffic (product code builds no other): every
-    caller generates through it, and its user polls it (threads from ``poll_in_threads``)."""
-    return RolloutService(rollouts, name="rollouts", threads=False)
+    caller generates through it, and its user polls it (threads from ``poll_in_threads``); a
+    replica that gives no token for ``rollout.stall_timeout_s`` while requests run fails."""
+    return RolloutService(
+        rollouts, name="rollouts", threads=False, stall_timeout_s=config.stall_timeout_s
+    )
 
 
 def connect_weights(
@@ -171,7 +174,7 @@ def build_placement(spec: PlacementSpec) -> Placement:
     except BaseException:
         group.close()
         raise
-    service = rollout_service(rollouts)
+    service = rollout_service(rollouts, spec.rollout_config)
     try:
         sync_config = transport_config(spec.transport, spec.sync_config)
         weights = connect_weights(
@@ -243,17 +246,27 @@ def _ray_placement(spec: PlacementSpec, factory: Any) -> Placement:
         group = RayWorkerGroup(
             factory, workers, share=1.0 - p.colocated_share if colocated else 1.0
         )
-        actor_class, env = ray.remote(RolloutActor), driver_env()
+        actor_class, env = ray.remote(**ACTOR_OPTIONS)(RolloutActor), driver_env()
         actors = [
             actor_class.options(**options).remote(spec.rollout_name, spec.rollout_config, env)
             for options in _rollout_options(spec, group)
         ]
-        wait_all([a.pid.remote() for a in actors], workers.start_timeout_s, "starting rollouts")
+        pids = wait_all(
+            [a.pid.remote() for a in actors], workers.start_timeout_s, "starting rollouts"
+        )
         handles = [
-            RemoteRollout(spec.rollout_config, RayChannel(a, workers.start_timeout_s * 10))
-            for a in actors
+            RemoteRollout(
+                spec.rollout_config,
+                RayChannel(
+                    a,
+                    workers.start_timeout_s * 10,
+                    stall_timeout_s=spec.rollout_config.stall_timeout_s,
+                    name=f"{k} (pid {pid})",
+                ),
+            )
+            for k, (a, pid) in enumerate(zip(actors, pids, strict=True))
         ]
-        service = rollout_service(handles)
+        service = rollout_service(handles, spec.rollout_config)
         weights = connect_weights(
             group,
             service,

@@ -1,19 +1,30 @@
 """A rollout replica in a Ray actor, as the controller sees it: reached through the one
 remote-rollout proxy (:class:`~drivetrain.runtime.remote_rollout.RemoteRollout` over a
 :class:`RayChannel`), so the placement's rollout service and weight-sync manager drive it as
-they drive a rollout in this process."""
+they drive a rollout in this process.
+
+A call that has not answered within the rollout's ``stall_timeout_s`` is followed by a ping
+in the actor's own ``ping`` concurrency group (it answers while a long call runs): an actor
+that answers no ping within the deadline either is alive but stopped or hung, and fails the
+run in one line (:class:`~drivetrain.api.errors.RolloutStalled`)."""
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from drivetrain.api import registry
 from drivetrain.api.config import RolloutConfig
 from drivetrain.api.engine import NamedTensor
+from drivetrain.api.errors import RolloutStalled
 from drivetrain.runtime.remote_rollout import RolloutHost
+from drivetrain.trainer.errors import WorkerError
 from drivetrain.trainer.workers.ray_runtime import wait_all
+
+#: the actor's options that give :meth:`RolloutActor.ping` its own thread
+ACTOR_OPTIONS = {"concurrency_groups": {"ping": 1}}
 
 
 class RolloutActor:
@@ -26,6 +37,10 @@ class RolloutActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def ping(self) -> int:
+        """Runs in the ``ping`` concurrency group, beside a long ``call``."""
+        return os.getpid()
+
     def call(self, method: str, *args: Any) -> Any:
         return self.host.call(method, *args)
 
@@ -34,13 +49,44 @@ class RayChannel:
     """The remote-rollout channel to a :class:`RolloutActor`; every call waits with the
     actor's failure surfacing as a :class:`~drivetrain.trainer.errors.WorkerError`."""
 
-    def __init__(self, actor: Any, timeout_s: float | None) -> None:
+    def __init__(
+        self, actor: Any, timeout_s: float | None, *, stall_timeout_s: float, name: str
+    ) -> None:
         self.actor = actor
         self.timeout_s = timeout_s
+        self.stall_timeout_s, self.name = stall_timeout_s, name
+        self._stalled: RolloutStalled | None = None  # once stalled, every call fails at once
 
     def call(self, method: str, *args: Any, wait_s: float = 0.0) -> Any:
+        import ray
+
+        if self._stalled is not None:
+            raise self._stalled
         timeout = None if self.timeout_s is None else self.timeout_s + wait_s
-        return wait_all(self.actor.call.remote(method, *args), timeout, f"rollout {method}")
+        began, ref = time.monotonic(), self.actor.call.remote(method, *args)
+        while True:
+            left = None if timeout is None else timeout - (time.monotonic() - began)
+            if left is not None and left <= 0:
+                raise WorkerError(f"Ray workers timed out after {timeout}s rollout {method}")
+            slice_s = self.stall_timeout_s if left is None else min(left, self.stall_timeout_s)
+            if ray.wait([ref], timeout=slice_s)[0]:
+                return wait_all(ref, None, f"rollout {method}")
+            self._check_alive(method, time.monotonic() - began)
+
+    def _check_alive(self, method: str, waited_s: float) -> None:
+        """The call is slow: the actor must still answer a ping within the deadline."""
+        import ray
+
+        ping = self.actor.ping.options(concurrency_group="ping").remote()
+        if ray.wait([ping], timeout=self.stall_timeout_s)[0]:
+            return
+        self._stalled = RolloutStalled(
+            f"the rollout actor {self.name} did not answer {method} for {waited_s:.0f} s nor "
+            f"a ping for {self.stall_timeout_s:g} s (rollout.stall_timeout_s): it is alive "
+            "but stopped or hung; it was killed"
+        )
+        ray.kill(self.actor, no_restart=True)  # what it holds goes now, not at Ray's exit
+        raise self._stalled
 
     def send_weights_inline(self, weights: Iterable[NamedTensor], version: int) -> None:
         raise NotImplementedError("a Ray rollout receives weights through a transport")
