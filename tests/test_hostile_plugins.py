@@ -113,3 +113,11 @@ def test_a_10_mb_observation_is_cut_before_tokenising(installed, tmp_path):
     # every episode went on past its first step with a cut observation (16,000 characters kept)
     assert step["episode/cut/observation_chars"] >= 10_000_000 - 16_000, step
     assert took < 120, f"{took:.0f} s"  # was ~20 s and 5 GB per episode
+
+
+def test_an_environment_raising_outside_its_episodes_is_one_line(installed, tmp_path):
+    done, _ = grpo(installed, tmp_path, "episode.options.mode=broken_tasks")
+    line = one_line(done)
+    assert line == (
+        "error: env=hostile: its tasks('train') raised RuntimeError: the task server is down"
+    ), line

@@ -21,7 +21,7 @@ from drivetrain.api.tools import Tool
 from drivetrain.runtime.tool_calls import run_tool_calls
 from drivetrain.trainer.agentic.tool_parsers import ParsedTurn
 
-MODES = ("hang_step", "hang_tool", "many_calls", "big_observation")
+MODES = ("hang_step", "hang_tool", "many_calls", "big_observation", "broken_tasks")
 NEVER = threading.Event()  # never set: waiting on it hangs for good
 
 
@@ -79,6 +79,8 @@ class HostileEnvironment(Environment):
         return HostileEpisode(self.mode)
 
     def tasks(self, split: str, count: int, seed: int) -> list[Task]:
+        if self.mode == "broken_tasks":
+            raise RuntimeError("the task server\nis down")
         return [{"k": k} for k in range(count)]
 
 

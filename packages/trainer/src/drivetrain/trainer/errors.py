@@ -40,3 +40,9 @@ class RunStopped(DrivetrainError):
     def __init__(self, message: str, exit_status: int) -> None:
         super().__init__(message)
         self.exit_status = exit_status
+
+
+def said(exc: BaseException, limit: int = 500) -> str:
+    """A plugin's exception as ``Type: message`` on one line (its message may span several),
+    for the one-line error that wraps it."""
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:limit]}"

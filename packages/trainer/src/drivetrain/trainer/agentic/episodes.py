@@ -47,6 +47,7 @@ from drivetrain.trainer.agentic.bounds import (
 from drivetrain.trainer.agentic.chat_tokens import ChatTokens
 from drivetrain.trainer.agentic.growing import GrowingTrajectory
 from drivetrain.trainer.agentic.tool_parsers import ToolParser, parse_turn
+from drivetrain.trainer.errors import said
 from drivetrain.trainer.trajectory import Trajectory
 
 #: characters a token holds at most, for the purpose of refusing a first prompt untokenised
@@ -241,17 +242,13 @@ class _Play:
             try:
                 value = future.result()
             except BaseException as exc:  # a plugin's SystemExit is its bug, not our exit
-                raise EpisodeError(
-                    f"{where} raised {type(exc).__name__}: {_one_line(exc)}"
-                ) from exc
+                raise EpisodeError(f"{where} raised {said(exc)}") from exc
             try:
                 then(live, value)
             except EpisodeError:
                 raise
             except Exception as exc:
-                raise EpisodeError(
-                    f"{where} returned what cannot be used: {type(exc).__name__}: {_one_line(exc)}"
-                ) from exc
+                raise EpisodeError(f"{where} returned what cannot be used: {said(exc)}") from exc
             took = time.monotonic() - began
             if took > limit:
                 raise EpisodeError(
@@ -371,8 +368,3 @@ class _Play:
     def result(self, live: _Live) -> PlayedEpisode:
         trajectory = live.trajectory(live.number)
         return PlayedEpisode(live.task, trajectory, tuple(live.rewards), live.truncation, live.info)
-
-
-def _one_line(exc: BaseException) -> str:
-    """An exception's message on one line (a plugin's may span several)."""
-    return " ".join(str(exc).split())[:500]

@@ -8,12 +8,12 @@ from typing import Any
 
 from drivetrain.api import registry
 from drivetrain.api.environment import Environment, Task
-from drivetrain.api.errors import ConfigError
+from drivetrain.api.errors import ConfigError, DrivetrainError, PluginError
 from drivetrain.trainer.agentic.chat_tokens import ChatTokens
 from drivetrain.trainer.agentic.episodes import EpisodeLimits
 from drivetrain.trainer.agentic.tool_parsers import ToolParser, tool_parser
 from drivetrain.trainer.data.files import iter_rows
-from drivetrain.trainer.errors import DataError
+from drivetrain.trainer.errors import DataError, said
 from drivetrain.trainer.preflight import Context
 from drivetrain.trainer.rl.config import RLConfig
 from drivetrain.trainer.rl.prompts import missing_ground_truth, row_ground_truth
@@ -34,12 +34,19 @@ class EpisodeSetup:
 
 
 def load_environment(config: RLConfig) -> Environment:
-    """The job's environment, built with ``episode.options``; bad options are config errors."""
+    """The job's environment, built with ``episode.options``; bad options are config errors,
+    anything else it raises a plugin error (one line, naming it)."""
     factory = registry.environments.load(config.env)
     try:
         return factory(dict(config.episode.options))
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"env={config.env}: episode.options: {exc}") from exc
+    except DrivetrainError:
+        raise
+    except Exception as exc:
+        raise PluginError(
+            f"env={config.env}: the environment raised when built: {said(exc)}"
+        ) from exc
 
 
 def episode_setup(config: RLConfig, tokenizer: Any, context: Context) -> EpisodeSetup:
@@ -65,8 +72,18 @@ def episode_setup(config: RLConfig, tokenizer: Any, context: Context) -> Episode
         episode_tokens=config.episode.max_tokens,
         context=context.tokens,
     )
-    chat = ChatTokens(tokenizer, environment.tools() if environment is not None else ())
+    chat = ChatTokens(tokenizer, _tools(environment, config))
     return EpisodeSetup(environment, parser, chat, limits, train, val)
+
+
+def _tools(environment: Environment | None, config: RLConfig) -> list[Any]:
+    """The environment's tool schemas (none without one); what it raises is one line."""
+    if environment is None:
+        return []
+    try:
+        return list(environment.tools())
+    except Exception as exc:
+        raise PluginError(f"env={config.env}: its tools() raised {said(exc)}") from exc
 
 
 def _tasks(
@@ -89,6 +106,10 @@ def _tasks(
         if split == "val":
             return []
         raise ConfigError(f"env={config.env}: {exc}") from exc
+    except DrivetrainError:
+        raise
+    except Exception as exc:
+        raise PluginError(f"env={config.env}: its tasks({split!r}) raised {said(exc)}") from exc
 
 
 def _check_ground_truths(rows: list[tuple[str, dict[str, Any]]], config: RLConfig) -> None:
