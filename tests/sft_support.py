@@ -55,3 +55,18 @@ def run_sft(root: Path, out: Path, *args: str, nproc: int = 0, timeout: float = 
 def train_losses(out: Path) -> dict[int, float]:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+
+
+#: a four-step job checkpointing every step, all kept: what the checkpoint fault tests resume
+CHECKPOINTED_STEPS = ("run.max_steps=4", "run.save_every=1", "run.keep_last=4")
+
+
+def sft_again(trained: tuple[Path, list[str]], out: Path, *args: str):
+    """``drivetrain sft`` of the ``trained`` job (its root and arguments) into ``out``."""
+    root, base = trained
+    cmd = sft_command(f"run.output_dir={out}", *base, *CHECKPOINTED_STEPS, *args)
+    return run_command(cmd, env=sft_env(root), timeout=240)
+
+
+def step_dir(out: Path, step: int) -> Path:
+    return out / "checkpoints" / f"step_{step:08d}"

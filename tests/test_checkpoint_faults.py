@@ -25,13 +25,22 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from cli_run import run_command
 from drivetrain.runtime.manifest import verify_manifest, write_manifest
-from sft_support import make_job, run_sft, sft_command, sft_env, train_losses
+from sft_support import (
+    CHECKPOINTED_STEPS,
+    make_job,
+    run_sft,
+    sft_again,
+    sft_command,
+    sft_env,
+    step_dir,
+    train_losses,
+)
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(300)]
 
-STEPS = ("run.max_steps=4", "run.save_every=1", "run.keep_last=4")
+STEPS = CHECKPOINTED_STEPS
+sft = sft_again
 
 
 @pytest.fixture(scope="module")
@@ -47,16 +56,6 @@ def copy_run(trained, tmp_path) -> Path:
     out = tmp_path / "run"
     shutil.copytree(root / "run", out)
     return out
-
-
-def sft(trained, out: Path, *args: str) -> subprocess.CompletedProcess:
-    root, base = trained
-    cmd = sft_command(f"run.output_dir={out}", *base, *STEPS, *args)
-    return run_command(cmd, env=sft_env(root), timeout=240)
-
-
-def step_dir(out: Path, step: int) -> Path:
-    return out / "checkpoints" / f"step_{step:08d}"
 
 
 class RunsACommand:

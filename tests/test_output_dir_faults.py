@@ -21,13 +21,21 @@ from pathlib import Path
 
 import pytest
 
-from cli_run import run_command
 from drivetrain.runtime.manifest import verify_manifest, write_manifest
-from sft_support import make_job, run_sft, sft_command, sft_env
+from sft_support import (
+    CHECKPOINTED_STEPS,
+    make_job,
+    run_sft,
+    sft_again,
+    sft_command,
+    sft_env,
+    step_dir,
+)
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(300)]
 
-STEPS = ("run.max_steps=4", "run.save_every=1", "run.keep_last=4")
+STEPS = CHECKPOINTED_STEPS
+sft = sft_again
 FOREIGN = "0ther0run0id"
 
 
@@ -37,16 +45,6 @@ def trained(tmp_path_factory):
     base = make_job(root)
     run_sft(root, root / "run", *base, *STEPS)
     return root, base
-
-
-def sft(trained, out: Path, *args: str) -> subprocess.CompletedProcess:
-    root, base = trained
-    cmd = sft_command(f"run.output_dir={out}", *base, *STEPS, *args)
-    return run_command(cmd, env=sft_env(root), timeout=240)
-
-
-def step_dir(out: Path, step: int) -> Path:
-    return out / "checkpoints" / f"step_{step:08d}"
 
 
 def run_id(checkpoint: Path) -> str:
