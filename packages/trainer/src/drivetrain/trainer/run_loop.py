@@ -24,6 +24,7 @@ from rich.console import Console
 
 from drivetrain.runtime.heap import settled_heap
 from drivetrain.trainer.checkpoints import Checkpoint, CheckpointManager
+from drivetrain.trainer.forced_exit import on_forced_exit
 from drivetrain.trainer.metrics import LOSS_CURVE, Curve, MetricsLogger
 from drivetrain.trainer.output_writes import output_writes
 from drivetrain.trainer.progress import TrainingProgress
@@ -259,7 +260,9 @@ def _fit(
                 logger = MetricsLogger(
                     outcome.output_dir, spec.logging, run_config=spec.state, resume_step=start
                 )
-            _train(job, start, checkpointer, logger, outcome, console)
+            # the stop grace's forced exit closes it too: TensorBoard's buffered events
+            with on_forced_exit(logger.close) if logger else contextlib.nullcontext():
+                _train(job, start, checkpointer, logger, outcome, console)
         except BaseException:
             _close(job, logger, failed=True)
             raise

@@ -6,8 +6,11 @@ finishes, a checkpoint is written there (SIGTERM always; SIGINT when
 ends with one line saying where it stopped and where ``--resume auto`` continues, and the exit
 status schedulers expect (128 + the signal: 143 for SIGTERM, 130 for SIGINT). If that does not
 happen within ``run.stop_grace_s`` seconds of the signal, the run is abandoned (the same line,
-no new checkpoint): a scheduler's kill would come anyway, and the last checkpoint stands. A
-second SIGINT abandons at once.
+no new checkpoint): a scheduler's kill would come anyway, and the last checkpoint stands. That
+exit flushes stdout and stderr and runs the last words registered with
+:func:`drivetrain.trainer.forced_exit.on_forced_exit` (killing child process groups, closing
+the metrics), each bounded, then ends with ``os._exit`` and the same status. A second SIGINT
+abandons at once.
 
 Under torchrun every rank gets the signal, not necessarily between the same two steps: the
 ranks agree (one all-reduce per step) so that all of them stop, and save, at the same step.
@@ -15,7 +18,6 @@ ranks agree (one all-reduce per step) so that all of them stop, and save, at the
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
@@ -26,6 +28,7 @@ from typing import Any
 
 from drivetrain.trainer.checkpoints import CheckpointManager
 from drivetrain.trainer.errors import RunStopped
+from drivetrain.trainer.forced_exit import forced_exit
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -103,6 +106,7 @@ class StopSignals:
         self.signum: int | None = None
         self._previous: dict[int, object] = {}
         self._timer: threading.Timer | None = None
+        self._left = False  # the run left the with: its own end says where it stopped
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():  # else: signals not ours
@@ -116,6 +120,7 @@ class StopSignals:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        self._left = True  # before cancel: a timer already firing then leaves the exit alone
         if self._timer is not None:
             self._timer.cancel()
         for signum, handler in self._previous.items():
@@ -138,10 +143,13 @@ class StopSignals:
         return f"stopped by {name} ({why}), no new checkpoint: {self.where()}"
 
     def _grace_over(self) -> None:
-        """The step and its checkpoint did not end within the grace: exit now (the process's
-        other threads cannot be unwound from here; the last checkpoint stands)."""
-        self.say(self._abandoned(f"run.stop_grace_s={self.grace_s:g} passed"))
-        os._exit(exit_status(self.signum or signal.SIGTERM))
+        """The step and its checkpoint did not end within the grace: say where the run stands,
+        run the last words and exit now (:func:`forced_exit`: the process's other threads
+        cannot be unwound from here; the last checkpoint stands)."""
+        if self._left:
+            return
+        line = self._abandoned(f"run.stop_grace_s={self.grace_s:g} passed")
+        forced_exit(exit_status(self.signum or signal.SIGTERM), lambda: self.say(line))
 
     def requested(self) -> bool:
         """Whether the run should stop at this step boundary (every rank agrees)."""

@@ -46,6 +46,7 @@ from drivetrain.trainer.agentic.endpoint import ChatServer
 from drivetrain.trainer.agentic.episodes import EpisodeLimits, PlayedEpisode
 from drivetrain.trainer.agentic.sessions import Session
 from drivetrain.trainer.agentic.tool_parsers import ToolParser
+from drivetrain.trainer.forced_exit import on_forced_exit
 
 #: how much of the agent's stderr an error quotes (characters)
 STDERR_TAIL = 2000
@@ -189,8 +190,9 @@ class AgentRunner:
             except OSError as exc:
                 raise AgentError(f"agent {self.command[0]!r} failed to start: {exc}") from exc
             started = time.monotonic()
-            try:
-                code = process.wait(timeout=self.timeout_s)
+            try:  # its own session outlives a forced exit (the stop grace's): kill it then too
+                with on_forced_exit(lambda: _kill_group_now(process)):
+                    code = process.wait(timeout=self.timeout_s)
             except subprocess.TimeoutExpired:
                 code = None
             finally:  # the agent's helpers too, whatever happened
@@ -242,10 +244,15 @@ class AgentRunner:
 
 def _kill_group(process: subprocess.Popen[bytes]) -> None:
     """Kill the agent's process group (it, and whatever it left running)."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
+    _kill_group_now(process)
     with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(timeout=10)
+
+
+def _kill_group_now(process: subprocess.Popen[bytes]) -> None:
+    """SIGKILL to the agent's process group, without waiting for it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
 
 
 def _tail(path: Path) -> str:
