@@ -5,6 +5,7 @@ a collective."""
 from __future__ import annotations
 
 import os
+import socket
 import time
 from typing import Any
 
@@ -38,6 +39,8 @@ def ensure_ray(workers: WorkersConfig, *, min_cpus: float = 1.0) -> bool:
         return False
     init: dict[str, Any] = {"log_to_driver": True, "runtime_env": {"env_vars": driver_env()}}
     if workers.ray_address:
+        # ray.init retries a cluster that refuses for minutes, whatever start_timeout_s says
+        wait_for_cluster(workers.ray_address, workers.start_timeout_s)
         init["address"] = workers.ray_address
     else:
         # "local": never join a cluster found through RAY_ADDRESS or a stale session. Logical
@@ -57,6 +60,49 @@ def ensure_ray(workers: WorkersConfig, *, min_cpus: float = 1.0) -> bool:
             "machine retry, check `ray status` and free memory, or set workers.ray_address"
         ) from None
     return True
+
+
+def wait_for_cluster(address: str, timeout_s: float) -> None:
+    """Wait until the cluster ``ray.init(address=address)`` would join takes a TCP connection
+    (a head still starting gets ``timeout_s``); :class:`WorkerError` in one line if it does
+    not. An address Ray finds itself ("auto" with no ``RAY_ADDRESS``) is left to Ray."""
+    target = _host_port(address)
+    if target is None:
+        return
+    host, port = target
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        try:  # a connect that hangs (a firewall dropping packets) ends by the deadline too
+            with socket.create_connection((host, port), timeout=min(2.0, max(0.1, left))):
+                return
+        except OSError as exc:
+            failed = exc
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        time.sleep(min(0.5, left))  # refused at once: try again until the deadline
+    name = address if address == f"{host}:{port}" else f"{address} ({host}:{port})"
+    raise WorkerError(
+        f"Ray cluster {name} did not answer within workers.start_timeout_s={timeout_s:g} s "
+        f"({_first_line(failed)}): check that it is up (`ray status --address {host}:{port}` "
+        "on its head), the host and port in workers.ray_address or RAY_ADDRESS, and the "
+        "firewall between here and there"
+    )
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """The host and port ``ray.init`` dials for ``address`` ("auto" reads ``RAY_ADDRESS``, as
+    Ray does); None when Ray resolves it itself, or the address is not host:port."""
+    if address == "auto":
+        address = os.environ.get("RAY_ADDRESS", "") or "auto"
+    if address in ("auto", "local"):
+        return None
+    netloc = address.split("://", 1)[-1].split("/", 1)[0]  # ray://host:port: Ray Client
+    host, _, port = netloc.rpartition(":")
+    if not host or not port.isdigit():
+        return None  # Ray's own error says what is wrong with it
+    return host.strip("[]"), int(port)  # [::1]:6379
 
 
 #: How long a failed task's peers are watched for a death that caused the failure: a rank
