@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import wait
 from dataclasses import replace
 
 import pytest
@@ -101,3 +102,18 @@ def test_closing_with_stuck_pollers_is_bounded_in_total():
         assert time.monotonic() - began < 2.0  # was up to 1 s per stuck poller
     finally:
         Hung.release.set()
+
+
+def test_silence_while_excused_is_no_stall_and_the_deadline_starts_afresh_after():
+    """A weight sync pauses the rollouts (colocated ones sleep through the update): their
+    owner's doing, not a stall."""
+    silent = Silent(FakeRolloutConfig(max_model_len=64))
+    with RolloutService([silent], stall_timeout_s=1.0) as service:
+        with service.excused():
+            stuck = service.submit(0, request("s"))
+            done, _ = wait([stuck], timeout=2.5)
+            assert not done  # 2.5 s of silence, excused
+        left = time.monotonic()
+        with pytest.raises(RolloutStalled):
+            stuck.result(timeout=20)
+        assert time.monotonic() - left >= 1.0

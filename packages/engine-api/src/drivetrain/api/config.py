@@ -185,7 +185,8 @@ class RolloutConfig:
         _check_choice("rollout", "dtype", self.dtype, DTYPES)
         _check_positive("rollout", "max_model_len", self.max_model_len)
         _check_positive("rollout", "tensor_parallel_size", self.tensor_parallel_size)
-        _check_positive("rollout", "stall_timeout_s", self.stall_timeout_s)
+        if self.stall_timeout_s < 2:  # a server process says it is alive once a second
+            raise ConfigError(f"rollout.stall_timeout_s={self.stall_timeout_s:g} must be >= 2")
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,12 @@ ROLLOUT_CALLS = frozenset(
         "background_generation",
     }
 )
+#: the calls that answer within a token step (they queue, collect or flag; none waits for
+#: generation or weights): a channel bounds each by the rollout's ``stall_timeout_s`` plus its
+#: own wait, whatever the far side says of being alive, so a host hung inside one is named
+QUICK_CALLS = frozenset(
+    {"submit", "poll", "abort", "resume_generation", "background_generation", "weight_version"}
+)
 
 
 class Channel(Protocol):

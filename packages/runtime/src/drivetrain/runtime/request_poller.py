@@ -13,7 +13,9 @@ each token with the weight version it was sampled under.
 
 Progress deadline: with ``stall_timeout_s``, a replica on which requests of this poller run
 but that gives no token for that long is failed as stalled (its waiters get
-:class:`~drivetrain.api.errors.RolloutStalled`, one line naming it); the others go on.
+:class:`~drivetrain.api.errors.RolloutStalled`, one line naming it); the others go on. Inside
+:meth:`RequestPoller.excused` (a weight sync pausing the rollouts, colocated rollouts asleep
+while the trainer updates) no silence counts.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class RequestPoller:
         self.stall_timeout_s = stall_timeout_s
         #: per replica: since when its running requests gave no token (None: nothing runs)
         self._quiet_since: list[float | None] = [None for _ in self.rollouts]
+        self._excused = 0  # excused() blocks open: the rollouts' silence is their owner's doing
         #: per replica: it generates on its own (a poller thread asked it to)
         self.background = [False for _ in self.rollouts]
         replicas = range(len(self.rollouts))
@@ -150,6 +153,19 @@ class RequestPoller:
             with self._cond:
                 self._holds -= 1
                 self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def excused(self) -> Iterator[None]:
+        """The rollouts' owner pauses or puts them to sleep inside (a weight sync, a training
+        update): their silence meanwhile is no stall; the deadline starts afresh after."""
+        with self._cond:
+            self._excused += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._excused -= 1
+                self._quiet_since = [None for _ in self.rollouts]
 
     def close(self, timeout_s: float = SETTLE_S) -> None:
         """Stop: requests still running are aborted and drained, and their futures get what
@@ -330,7 +346,7 @@ class RequestPoller:
     def _stalled(self, replica: int, got: bool) -> bool:
         """Past the progress deadline with no token: the replica fails as stalled."""
         now, since = time.monotonic(), self._quiet_since[replica]
-        if got or since is None:
+        if got or since is None or self._excused:
             self._quiet_since[replica] = now
             return False
         limit = self.stall_timeout_s

@@ -9,8 +9,9 @@ Every call waits on the reply *and* on the process: a server that dies raises
 :class:`RolloutProcessError` with the tail of its log instead of hanging. A server that is
 alive but silent (stopped, hung) for ``rollout.stall_timeout_s`` is killed and named in one
 line (:class:`~drivetrain.api.errors.RolloutStalled`): while it works on a call it says so every
-second (``protocol.ALIVE``), and a watchdog bounds what this side sends it (a weight stream
-blocks once a stopped server's socket buffer is full).
+second (``protocol.ALIVE``); a quick call (``QUICK_CALLS``) must answer within the deadline
+whatever it says; and a watchdog bounds each message on the wire (a weight stream blocks once
+a stopped server's socket buffer is full, a reply stopped half-way blocks its reader).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from drivetrain.rollout.process.listener import AuthenticatedListener
 from drivetrain.rollout.process.protocol import ADDRESS_ENV, ALIVE, AUTHKEY_ENV, remote_error
 from drivetrain.rollout.weights import tensor_to_bytes
 from drivetrain.runtime.fair_lock import FairRLock
-from drivetrain.runtime.remote_rollout import RemoteRollout
+from drivetrain.runtime.remote_rollout import QUICK_CALLS, RemoteRollout
 
 # Variables that would make the other interpreter load this environment's packages.
 _ISOLATE = ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")
@@ -96,7 +97,8 @@ class ServerProcess:
         self.request_timeout_s = launch.request_timeout_s
         self.stall_timeout_s = launch.stall_timeout_s
         self._stall: str = ""  # why the server was killed as stalled ("": it was not)
-        self._sending: tuple[str, float] | None = None  # what is being sent, last progress
+        self._sending: tuple[str, float] | None = None  # what is on the wire, since when
+        self._speaks_alive = False  # it said ALIVE once: its silence is a stall (older: never)
         # one request and its reply at a time: a poller thread and a weight update share the
         # connection (re-entrant: a failing weight stream sends its abort from inside)
         self._conversation = FairRLock()
@@ -132,6 +134,7 @@ class ServerProcess:
             self.info: dict[str, Any] = self._call(
                 "start", (backend, config), timeout=deadline - time.monotonic()
             )
+            self._speaks_alive = self._speaks_alive or "keepalive_s" in self.info
         except Exception as exc:
             if not isinstance(exc, RolloutProcessError):  # those carry the log already
                 exc.add_note(f"rollout process log {self.log_path}:\n{self._log_tail()}")
@@ -180,21 +183,29 @@ class ServerProcess:
         self._finalizer()
         return RolloutStalled(self._stall)
 
-    def _reply(self, timeout: float | None, what: str = "answering a call") -> Any:
+    def _reply(
+        self, timeout: float | None, what: str = "answering a call", *, quick_s: float = 0.0
+    ) -> Any:
+        """The reply, skipping ``ALIVE``. The server must not be silent for its stall deadline
+        (once it has shown it says ``ALIVE``: an older server never does); ``quick_s``: a quick
+        call, which must answer within that whatever ``ALIVE`` says (a host hung inside it)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        heard = time.monotonic()
+        heard = asked = time.monotonic()
         while True:
             while not self.conn.poll(0.5):
                 if self.process.poll() is not None:
                     raise self._died("died")
                 now = time.monotonic()
-                if now - heard > self.stall_timeout_s:
+                if quick_s and now - asked > quick_s:
+                    raise self.stalled(what, now - asked)
+                if self._speaks_alive and now - heard > self.stall_timeout_s:
                     raise self.stalled(what, now - heard)
                 if deadline is not None and now > deadline:
                     self._finalizer()
                     raise self._died(f"did not answer within {timeout:.0f} s")
             try:
-                reply = messages.receive(self.conn)
+                with self._watched(f"sending its reply to {what.removeprefix('answering ')}"):
+                    reply = messages.receive(self.conn)  # a reply stopped half-way blocks here
             except (EOFError, ConnectionResetError, BrokenPipeError):
                 raise self._died("closed the connection") from None
             except ProtocolError as exc:  # e.g. an older drivetrain-rollout there, which pickled
@@ -204,7 +215,7 @@ class ServerProcess:
                 ) from None
             if reply != ALIVE:
                 return self._result(reply)
-            heard = time.monotonic()
+            heard, self._speaks_alive = time.monotonic(), True
 
     def _result(self, reply: Any) -> Any:
         match reply:
@@ -216,7 +227,14 @@ class ServerProcess:
             f"the {self.backend} rollout process sent an unknown reply {reply!r:.200}"
         )
 
-    def _call(self, method: str, args: tuple[Any, ...], *, timeout: float | None = None) -> Any:
+    def _call(
+        self,
+        method: str,
+        args: tuple[Any, ...],
+        *,
+        timeout: float | None = None,
+        quick_s: float = 0.0,
+    ) -> Any:
         with self._conversation:
             if self.process.poll() is not None:
                 raise self._died("is not running")
@@ -226,26 +244,23 @@ class ServerProcess:
             except (BrokenPipeError, ConnectionResetError) as exc:
                 raise self._died(f"dropped the connection ({exc})") from exc
             timeout = self.request_timeout_s if timeout is None else timeout
-            return self._reply(timeout, f"answering {method}")
+            return self._reply(timeout, f"answering {method}", quick_s=quick_s)
 
     @contextlib.contextmanager
     def _watched(self, what: str) -> Iterator[None]:
-        """Sends inside are bounded by the watchdog (:func:`_watch_sends`); :meth:`_progress`
-        marks each step of a long send."""
+        """One send or receive on the wire, bounded by the watchdog (:func:`_watch_sends`):
+        only the wire's own time counts, not the caller's work between messages."""
         self._sending = (what, time.monotonic())
         try:
             yield
         finally:
             self._sending = None
 
-    def _progress(self) -> None:
-        if self._sending is not None:
-            self._sending = (self._sending[0], time.monotonic())
-
     # ---- the channel ---------------------------------------------------------------------
     def call(self, method: str, *args: Any, wait_s: float = 0.0) -> Any:
         limit = SHUTDOWN_TIMEOUT_S if method == "shutdown" else self.request_timeout_s
-        return self._call(method, args, timeout=limit + wait_s)
+        quick_s = self.stall_timeout_s + wait_s if method in QUICK_CALLS else 0.0
+        return self._call(method, args, timeout=limit + wait_s, quick_s=quick_s)
 
     def send_weights_inline(self, weights: Iterable[NamedTensor], version: int) -> None:
         """Streams tensors as bytes; the server hands them to the rollout only once the
@@ -256,24 +271,29 @@ class ServerProcess:
             self._stream_weights(weights, version)
 
     def _stream_weights(self, weights: Iterable[NamedTensor], version: int) -> None:
+        taking = f"taking the weights of version {version}"
         try:
-            with self._watched(f"taking the weights of version {version}"):
+            with self._watched(taking):
                 messages.send(self.conn, ("update_weights", (version,)))
-                for name, tensor in weights:
-                    meta, data = tensor_to_bytes(tensor)
-                    self._progress()
+            for name, tensor in weights:
+                meta, data = tensor_to_bytes(tensor)  # the sender's work: not the wire's time
+                with self._watched(taking):
                     messages.send(self.conn, ("tensor", name, meta))
                     self.conn.send_bytes(data)
-                    self._progress()
         except (BrokenPipeError, ConnectionResetError) as exc:  # the server is gone
             raise self._died(f"dropped the weight stream ({exc})") from exc
         except BaseException:
             if self.process.poll() is None:
-                messages.send(self.conn, ("abort",))
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(Exception):  # the stream's own error is the one to see
+                    with self._watched(taking):
+                        messages.send(self.conn, ("abort",))
                     self._reply(self.request_timeout_s)
             raise
-        messages.send(self.conn, ("end",))
+        try:
+            with self._watched(taking):
+                messages.send(self.conn, ("end",))
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            raise self._died(f"dropped the weight stream ({exc})") from exc
         self._reply(self.request_timeout_s, f"applying the weights of version {version}")
 
     def close(self) -> None:

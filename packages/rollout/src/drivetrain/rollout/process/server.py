@@ -124,7 +124,12 @@ def serve(conn: Connection) -> None:
                 backend, config = args
                 host = RolloutHost(load_backend_class(backend)(config), steps_between_calls=True)
                 settle_heap()  # the model and imports stay out of the collector's full passes
-                result = {"pid": os.getpid(), "python": sys.executable, **_versions(backend)}
+                result = {
+                    "pid": os.getpid(),
+                    "python": sys.executable,
+                    "keepalive_s": KEEPALIVE_S,  # this server says ALIVE while it works
+                    **_versions(backend),
+                }
             elif host is None:
                 raise RuntimeError(f"{method!r} before the rollout started")
             elif method == "update_weights":

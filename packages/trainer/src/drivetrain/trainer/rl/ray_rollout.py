@@ -3,10 +3,13 @@ remote-rollout proxy (:class:`~drivetrain.runtime.remote_rollout.RemoteRollout` 
 :class:`RayChannel`), so the placement's rollout service and weight-sync manager drive it as
 they drive a rollout in this process.
 
-A call that has not answered within the rollout's ``stall_timeout_s`` is followed by a ping
-in the actor's own ``ping`` concurrency group (it answers while a long call runs): an actor
-that answers no ping within the deadline either is alive but stopped or hung, and fails the
-run in one line (:class:`~drivetrain.api.errors.RolloutStalled`)."""
+A call that has not answered within the rollout's ``stall_timeout_s`` is followed by a ping in
+the actor's own ``ping`` concurrency group (it answers while a long call runs). An actor that
+answers no ping either is alive but stopped: it is killed and the run fails in one line
+(:class:`~drivetrain.api.errors.RolloutStalled`). Unlike a server process's quick calls, a
+call here is not bounded by the deadline alone: it may wait in the actor's queue behind a long
+one (a weight sync's receive), so an actor hung inside a call but answering pings is bounded
+by the call's timeout only."""
 
 from __future__ import annotations
 
@@ -71,22 +74,31 @@ class RayChannel:
             slice_s = self.stall_timeout_s if left is None else min(left, self.stall_timeout_s)
             if ray.wait([ref], timeout=slice_s)[0]:
                 return wait_all(ref, None, f"rollout {method}")
-            self._check_alive(method, time.monotonic() - began)
+            if not self._answers_ping():
+                waited_s = time.monotonic() - began
+                raise self._stall(
+                    f"did not answer {method} for {waited_s:.0f} s nor a ping for "
+                    f"{self.stall_timeout_s:g} s"
+                )
 
-    def _check_alive(self, method: str, waited_s: float) -> None:
-        """The call is slow: the actor must still answer a ping within the deadline."""
+    def _answers_ping(self) -> bool:
+        """The call is slow: does the actor still answer a ping within the deadline?"""
         import ray
 
         ping = self.actor.ping.options(concurrency_group="ping").remote()
-        if ray.wait([ping], timeout=self.stall_timeout_s)[0]:
-            return
+        return bool(ray.wait([ping], timeout=self.stall_timeout_s)[0])
+
+    def _stall(self, what: str) -> RolloutStalled:
+        """The actor is alive but silent: kill it (what it holds goes now, not at Ray's
+        exit), and every later call fails at once with the same line."""
+        import ray
+
         self._stalled = RolloutStalled(
-            f"the rollout actor {self.name} did not answer {method} for {waited_s:.0f} s nor "
-            f"a ping for {self.stall_timeout_s:g} s (rollout.stall_timeout_s): it is alive "
-            "but stopped or hung; it was killed"
+            f"the rollout actor {self.name} {what} (rollout.stall_timeout_s): it is alive but "
+            "stopped or hung; it was killed"
         )
-        ray.kill(self.actor, no_restart=True)  # what it holds goes now, not at Ray's exit
-        raise self._stalled
+        ray.kill(self.actor, no_restart=True)
+        return self._stalled
 
     def send_weights_inline(self, weights: Iterable[NamedTensor], version: int) -> None:
         raise NotImplementedError("a Ray rollout receives weights through a transport")

@@ -27,6 +27,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,6 +184,7 @@ class WeightSyncManager:
         *,
         abort_inflight: bool = False,
         colocated: bool = False,
+        excused: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
     ) -> None:
         if not rollouts:
             raise ValueError("a weight sync needs at least one rollout")
@@ -193,6 +195,9 @@ class WeightSyncManager:
         self.receivers = tuple(receivers)
         self.abort_inflight = abort_inflight
         self.colocated = colocated
+        #: around a sync or an update: the rollouts' silence is ours (their service's
+        #: progress deadline does not count it)
+        self.excused = excused
         self.reports: list[SyncReport] = []
         #: The last version every rollout received whole (and, where checked, serves).
         self.confirmed: int | None = None
@@ -215,27 +220,31 @@ class WeightSyncManager:
         """Around a training update: colocated rollouts sleep (the trainer gets the device),
         then wake their weights, receive ``version``, and wake their KV cache. The report is
         in :attr:`reports`. If the update raises, the rollouts wake and nothing is sent."""
-        if self.colocated:
-            self._each("sleep", 1)
-        try:
-            yield
-        except BaseException:
-            if self.colocated:
-                self._each("wake_up", None, settle=True)
-            raise
         if not self.colocated:
+            yield
             self.sync(version)
             return
-        try:
-            self._each("wake_up", ("weights",))
-            self.sync(version)
-        finally:
-            self._each("wake_up", ("kv_cache",), settle=True)
+        with self.excused():  # asleep while the trainer updates: their silence is ours
+            self._each("sleep", 1)
+            try:
+                yield
+            except BaseException:
+                self._each("wake_up", None, settle=True)
+                raise
+            try:
+                self._each("wake_up", ("weights",))
+                self.sync(version)
+            finally:
+                self._each("wake_up", ("kv_cache",), settle=True)
 
     def sync(self, version: int) -> SyncReport:
         """One whole sync; raises :class:`WeightSyncError` if any side fails (generation
         resumed; a rollout that did not finish kept its old weights, or, when some of the new
         ones had landed, refuses requests until the next sync)."""
+        with self.excused():
+            return self._sync(version)
+
+    def _sync(self, version: int) -> SyncReport:
         phases: dict[str, float] = {}
         start = time.perf_counter()
         try:
