@@ -52,9 +52,29 @@ def test_a_process_with_a_hung_call_exits():
     assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr
 
 
+def test_a_slow_tool_within_its_timeout_holds_no_slot(monkeypatch):
+    monkeypatch.setattr(tool_calls, "TOOL_SLOTS", 1)
+    monkeypatch.setattr(tool_calls, "_abandoned", 0)
+    slow = Tool("slow", "", {"type": "object", "properties": {}}, lambda: time.sleep(0.2), 5.0)
+    calls = tuple(ToolCall(id=f"c{k}", name="slow", arguments={}) for k in range(3))
+    turn = AssistantTurn(0, "", "", calls)
+    results = []
+    threads = [
+        threading.Thread(
+            target=lambda: results.append(tool_calls.run_tool_calls({"slow": slow}, turn))
+        )
+        for _ in range(4)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert len(results) == 4 and all(m["tools/succeeded"] == 3 for _, m in results)
+
+
 def test_hung_tools_hold_their_slots_and_then_the_next_call_fails(monkeypatch):
     monkeypatch.setattr(tool_calls, "TOOL_SLOTS", 3)
-    monkeypatch.setattr(tool_calls, "_slots", threading.BoundedSemaphore(3))
+    monkeypatch.setattr(tool_calls, "_abandoned", 0)
     never, before = threading.Event(), threading.active_count()
     hang = Tool("hang", "", {"type": "object", "properties": {}}, lambda: never.wait(), 0.01)
     quick = Tool("quick", "", {"type": "object", "properties": {}}, lambda: "ok", 1.0)
@@ -66,11 +86,12 @@ def test_hung_tools_hold_their_slots_and_then_the_next_call_fails(monkeypatch):
     assert all("timed out after 0.01 s" in o["content"] for o in observations)
     assert threading.active_count() == before + 3  # each hung call: one thread, kept
     one = AssistantTurn(0, "", "", (ToolCall(id="c", name="quick", arguments={}),))
-    with pytest.raises(tool_calls.ToolSlotsExhausted, match="all 3 tool slots are held"):
+    with pytest.raises(tool_calls.ToolSlotsExhausted, match="all 3 tool slots are held by"):
         tool_calls.run_tool_calls({"quick": quick}, one)
     assert threading.active_count() == before + 3
     never.set()  # the hung calls return: their slots come back
     deadline = time.monotonic() + 10
-    while threading.active_count() > before and time.monotonic() < deadline:
+    while tool_calls._abandoned and time.monotonic() < deadline:
         time.sleep(0.01)
+    assert tool_calls._abandoned == 0
     assert tool_calls.run_tool_calls({"quick": quick}, one)[0][0]["content"] == "ok"

@@ -7,10 +7,11 @@ on its next turn (and can learn from) instead of an exception that would end the
 cuts every result to ``max_chars`` so one tool cannot fill the context.
 
 A tool that never returns is the tool's bug, not the model's: its call times out (an error
-observation) and its thread is abandoned, still holding one of the process's ``TOOL_SLOTS``.
-Hung calls therefore cost at most ``TOOL_SLOTS`` threads; once every slot is held by one, the
-next call raises :class:`ToolSlotsExhausted` (the episode, and with it the run, fails in one
-line) instead of starting thread after thread.
+observation) and its thread is abandoned, still running, holding one of the process's
+``TOOL_SLOTS`` until it returns. Hung calls therefore cost at most ``TOOL_SLOTS`` threads
+(besides the calls running within their timeouts, one per environment thread); once every slot
+is held, the next call raises :class:`ToolSlotsExhausted` (the episode, and with it the run,
+fails in one line) instead of starting thread after thread.
 
 Arguments are checked against the top level of the tool's JSON schema only (required keys,
 unexpected keys when ``additionalProperties`` is false, each property's JSON ``type`` and
@@ -29,9 +30,10 @@ from drivetrain.api.errors import DrivetrainError
 from drivetrain.api.tools import Tool
 
 CUT_MARKER = "... [cut]"
-#: tool calls running at once in this process, hung ones included (see the module docstring)
+#: abandoned tool calls (past their timeout, still running) this process keeps at most
 TOOL_SLOTS = 64
-_slots = threading.BoundedSemaphore(TOOL_SLOTS)
+_lock = threading.Lock()
+_abandoned = 0  # held slots, under _lock
 
 
 class ToolSlotsExhausted(DrivetrainError):
@@ -101,38 +103,44 @@ def _as_text(result: Any) -> str:
 
 
 def _call(tool: Tool, arguments: Mapping[str, Any]) -> tuple[bool, str]:
-    """Run the tool in a daemon thread holding a slot and wait at most its timeout:
-    (succeeded, text).
+    """Run the tool in a daemon thread and wait at most its timeout: (succeeded, text).
 
     On a timeout the thread is abandoned, still running: Python cannot kill a thread, and
     waiting for it would let one hung tool stall every episode. It is a daemon so that it
-    does not keep the process alive, and it keeps its slot until it returns, so hung calls
+    does not keep the process alive, and it holds a slot until it returns, so hung calls
     cannot pile up threads beyond ``TOOL_SLOTS``.
     """
-    if not _slots.acquire(timeout=tool.timeout_s):
-        raise ToolSlotsExhausted(
-            f"tool {tool.name!r} could not start within its {tool.timeout_s:g} s: all "
-            f"{TOOL_SLOTS} tool slots are held by calls that never returned; a tool that may "
-            "hang must bound its own work (a subprocess or socket timeout)"
-        )
+    global _abandoned
+    with _lock:
+        if _abandoned >= TOOL_SLOTS:
+            raise ToolSlotsExhausted(
+                f"tool {tool.name!r} was not started: all {TOOL_SLOTS} tool slots are held by "
+                "calls that never returned; a tool that may hang must bound its own work (a "
+                "subprocess or socket timeout)"
+            )
     outcome: list[tuple[bool, str]] = []
+    state = {"finished": False, "abandoned": False}
 
     def target() -> None:
+        global _abandoned
         try:
             outcome.append((True, _as_text(tool.function(**arguments))))
         except BaseException as exc:  # a tool's SystemExit is the model's doing too
             outcome.append((False, f"error: {type(exc).__name__}: {exc}"))
         finally:
-            _slots.release()
+            with _lock:
+                state["finished"] = True
+                if state["abandoned"]:  # returned at last: its slot is free again
+                    _abandoned -= 1
 
     thread = threading.Thread(target=target, name=f"tool-{tool.name}", daemon=True)
-    try:
-        thread.start()
-    except BaseException:
-        _slots.release()
-        raise
+    thread.start()
     thread.join(tool.timeout_s)
-    if thread.is_alive() or not outcome:
+    with _lock:
+        if not state["finished"]:
+            state["abandoned"] = True
+            _abandoned += 1
+    if not outcome:
         return False, f"error: tool {tool.name!r} timed out after {tool.timeout_s:g} s"
     return outcome[0]
 
