@@ -18,7 +18,7 @@ from drivetrain.runtime.tool_calls import CUT_MARKER
 CUT_PREFIX = "episode/cut/"
 CUT_TOOL_CALLS = "episode/cut/tool_calls"
 CUT_OBSERVATION_CHARS = "episode/cut/observation_chars"
-CUT_INFO_KEYS = "episode/cut/info_keys"
+CUT_INFO_ENTRIES = "episode/cut/info_entries"
 
 
 @dataclass(frozen=True)
@@ -87,9 +87,10 @@ def _cut(text: str, left: int) -> tuple[str, int, int]:
 
 
 def step_info(info: Mapping[str, Any], max_keys: int) -> tuple[dict[str, float], int]:
-    """The first ``max_keys`` entries of a step's ``info`` as finite floats, and how many
-    entries were dropped. A value that is not a finite number raises ``ValueError`` naming
-    its key (the environment's bug)."""
+    """The first ``max_keys`` entries of a step's ``info`` with finite values, as floats, and
+    how many entries were dropped (past the bound, or NaN and infinities: a metric's mean is
+    no place for them). A value that is not a number raises ``ValueError`` naming its key
+    (the environment's bug)."""
     out: dict[str, float] = {}
     for key, value in list(info.items())[:max_keys]:
         try:  # numpy and torch scalars are numbers too; a string is not
@@ -100,7 +101,6 @@ def step_info(info: Mapping[str, Any], max_keys: int) -> tuple[dict[str, float],
             raise ValueError(
                 f"info[{str(key)!r}] must be a number, got {type(value).__name__}"
             ) from None
-        if not math.isfinite(number):
-            raise ValueError(f"info[{str(key)!r}] must be finite, got {number}")
-        out[str(key)] = number
-    return out, max(0, len(info) - max_keys)
+        if math.isfinite(number):
+            out[str(key)] = number
+    return out, len(info) - len(out)

@@ -36,7 +36,7 @@ from drivetrain.runtime.daemon_pool import DaemonPool
 from drivetrain.runtime.replicas import replica_slots
 from drivetrain.runtime.rollout_service import RolloutService
 from drivetrain.trainer.agentic.bounds import (
-    CUT_INFO_KEYS,
+    CUT_INFO_ENTRIES,
     CUT_OBSERVATION_CHARS,
     CUT_TOOL_CALLS,
     EpisodeBounds,
@@ -50,6 +50,8 @@ from drivetrain.trainer.agentic.tool_parsers import ToolParser, parse_turn
 from drivetrain.trainer.errors import said
 from drivetrain.trainer.trajectory import Trajectory
 
+#: how often a play waiting on queued environment calls looks at when they started (seconds)
+QUEUED_CHECK_S = 0.5
 #: characters a token holds at most, for the purpose of refusing a first prompt untokenised
 MAX_CHARS_PER_TOKEN = 64
 
@@ -184,7 +186,9 @@ class _Play:
         ]
         self.generating: dict[Future[Completion], _Live] = {}  # each episode's running turn
         self.stepping: dict[Future[Any], tuple[_Live, Callable[[_Live, Any], None]]] = {}
-        self.started: dict[Future[Any], float] = {}  # when each environment call began
+        #: when each environment call began on a worker (empty while it waits for one: time
+        #: in the pool's queue is not the environment's)
+        self.started: dict[Future[Any], list[float]] = {}
         self.pool: DaemonPool | None = None
         self.service: RolloutService | None = None
 
@@ -204,16 +208,24 @@ class _Play:
         self, live: _Live, work: Callable[[_Live], Any], then: Callable[[_Live, Any], None]
     ) -> None:
         assert self.pool is not None
-        future = self.pool.submit(work, live)
+        began: list[float] = []
+
+        def timed(lv: _Live) -> Any:
+            began.append(time.monotonic())
+            return work(lv)
+
+        future = self.pool.submit(timed, live)
         self.stepping[future] = (live, then)
-        self.started[future] = time.monotonic()
+        self.started[future] = began
 
     def _wait(self) -> set[Future[Any]]:
         """The turns and environment calls that finished, waiting for one; an environment
         call running longer than the runner's ``step_timeout_s`` fails the play."""
         limit = self.runner.step_timeout_s
-        oldest = min(self.started.values(), default=None)
+        oldest = min((b[0] for b in self.started.values() if b), default=None)
         left = None if oldest is None else max(0.0, oldest + limit - time.monotonic())
+        if any(not b for b in self.started.values()):  # queued calls start meanwhile: look again
+            left = QUEUED_CHECK_S if left is None else min(left, QUEUED_CHECK_S)
         pending = [*self.generating, *self.stepping]
         if not pending:  # every unfinished episode generates or is being stepped
             raise EpisodeError(f"play {self.name}: episodes unfinished with nothing running")
@@ -221,7 +233,7 @@ class _Play:
         # process gone); the environment's calls are bounded by step_timeout_s
         done, _ = wait(pending, timeout=left, return_when=FIRST_COMPLETED)
         if not done and oldest is not None and time.monotonic() - oldest > limit:
-            future = min(self.started, key=self.started.__getitem__)
+            future = next(f for f, b in self.started.items() if b and b[0] == oldest)
             live, _ = self.stepping[future]
             raise EpisodeError(
                 f"environment {self.runner.name} did not answer episode {live.number} (task "
@@ -236,7 +248,7 @@ class _Play:
         ``step_timeout_s`` fails the play."""
         limit = self.runner.step_timeout_s
         for future in done:
-            began = self.started.pop(future)
+            began = (self.started.pop(future) or [time.monotonic()])[0]
             live, then = self.stepping.pop(future)
             where = f"environment {self.runner.name} in episode {live.number} (task {live.task})"
             try:
@@ -328,7 +340,7 @@ class _Play:
         info, dropped_keys = step_info(result.info, bounds.info_keys)
         live.rewards.append(float(result.reward))
         if dropped_keys:
-            info[CUT_INFO_KEYS] = info.get(CUT_INFO_KEYS, 0.0) + dropped_keys
+            info[CUT_INFO_ENTRIES] = info.get(CUT_INFO_ENTRIES, 0.0) + dropped_keys
         for key, value in info.items():
             live.info[key] = live.info.get(key, 0.0) + value
         if result.done:
