@@ -119,3 +119,17 @@ def test_tensorboards_writer_thread_failing_is_raised_once_without_its_traceback
     assert err.value.errno == errno.EROFS
     assert unwritable(err.value, tmp_path) is not None
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_full_device_elsewhere_is_not_blamed_on_the_output_directory(tmp_path):
+    """/dev/shm full in a worker, quoted in the error text: not the staging directory's fault."""
+    from drivetrain.trainer.output_writes import unwritable
+
+    shm = OSError(errno.ENOSPC, "No space left on device", "/dev/shm/segment")
+    try:
+        try:
+            raise shm
+        except OSError as exc:
+            raise RuntimeError(f"worker 1 failed: {exc}") from exc
+    except RuntimeError as wrapped:
+        assert unwritable(wrapped, tmp_path, tmp_path / ".step_1.partial") is None

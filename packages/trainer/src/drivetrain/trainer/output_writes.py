@@ -47,13 +47,15 @@ def unwritable(
     (``staging``), also an error naming no path or only quoting one (a worker's, DCP's): the
     staging directory is what failed."""
     seen: BaseException | None = exc
+    elsewhere = False  # an error of the chain names a path outside the run: not ours to blame
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno in UNWRITABLE:
             path = seen.filename if seen.filename is not None else staging
             if path is not None and _inside(path, out):
                 return os.fsdecode(path), seen.strerror or os.strerror(seen.errno)
+            elsewhere = elsewhere or path is not None
         seen = seen.__cause__ or seen.__context__
-    if staging is not None:
+    if staging is not None and not elsewhere:
         quoted = [why for why in _QUOTED if why in str(exc)]
         if quoted:
             return str(staging), quoted[0]
