@@ -98,8 +98,10 @@ def test_a_thousand_calls_to_hanging_tools_cost_bounded_threads(installed, tmp_p
     assert "all 64 tool slots are held by calls that never returned" in line, line
     assert "environment HostileEnvironment in episode" in line, line
     counts = [int(n) for n in threads.read_text().split()]
-    # 64 hung tools at most, the trainer's own threads besides (was 23,546 in 35 s)
-    assert max(counts) < 64 + 40, counts
+    print(f"threads peaked at {max(counts)}; failed {took:.1f} s after the start: {line}")
+    # the 64 slots filled with hung tools, and no more: the trainer's own threads besides
+    # (was 23,546 in 35 s)
+    assert 64 <= max(counts) < 64 + 40, counts
     assert took < 120
 
 

@@ -25,20 +25,21 @@ MODES = ("hang_step", "hang_tool", "many_calls", "big_observation", "broken_task
 NEVER = threading.Event()  # never set: waiting on it hangs for good
 
 
+def _record_threads() -> None:
+    path = os.environ.get("HOSTILE_THREADS")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{threading.active_count()}\n")
+
+
 def _hang(**_: Any) -> str:
+    _record_threads()  # each hung call's thread is alive from here on
     NEVER.wait()
     return "unreachable"
 
 
 HANG_A_DAY = Tool("hang", "never returns", {"type": "object", "properties": {}}, _hang, 86400.0)
 HANG_BRIEFLY = Tool("hang", "never returns", {"type": "object", "properties": {}}, _hang, 0.01)
-
-
-def _record_threads() -> None:
-    path = os.environ.get("HOSTILE_THREADS")
-    if path:
-        with open(path, "a") as f:
-            f.write(f"{threading.active_count()}\n")
 
 
 class HostileEpisode(Episode):
