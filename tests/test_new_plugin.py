@@ -29,7 +29,7 @@ def test_a_generated_environment_installs_alone_and_passes_its_kit(tmp_path, ven
         PACKAGES / "engine-api", PACKAGES / "runtime", PACKAGES / "testing", f"{package}[test]"
     )
     kit = venv.run("-m", "pytest", "-q", "-p", "no:cacheprovider", str(package / "tests"))
-    assert "6 passed" in kit.stdout, kit.stdout[-3000:]
+    assert "7 passed" in kit.stdout, kit.stdout[-3000:]
     found = venv.run("-c", "from drivetrain.api import registry; "
                      "print(registry.environments.load('acme_words').__name__)")  # fmt: skip
     assert found.stdout.strip() == "AcmeWordsEnvironment"

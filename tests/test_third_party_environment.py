@@ -128,7 +128,7 @@ print(json.dumps({r.name: r.error for r in run_environment_conformance(Harness()
 
 def test_it_passes_the_environment_kit(env):
     results = json.loads(env.run("-c", KIT).stdout.splitlines()[-1])
-    assert len(results) == 6 and not any(results.values()), results
+    assert len(results) == 7 and not any(results.values()), results
 
 
 def test_registry_loads_it_and_an_episode_uses_the_lookup_tool(env):

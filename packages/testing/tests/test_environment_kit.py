@@ -88,6 +88,21 @@ class TrustsTools(EchoEnvironment):
         return Trusting(task, self._tools, self.turns)
 
 
+class TrustsArgumentTypes(EchoEnvironment):
+    """Knows its tool but trusts the argument's type: ``{"text": 5}`` raises."""
+
+    def episode(self, task):
+        class Trusting(EchoEpisode):
+            def step(self, turn):
+                for call in turn.tool_calls:
+                    if call.name == "echo" and "text" in call.arguments:
+                        text = call.arguments["text"].strip()  # an int has no strip
+                        return StepResult(({"role": "tool", "content": text},))
+                return super().step(turn)
+
+        return Trusting(task, self._tools, self.turns)
+
+
 class TextInfo(EchoEnvironment):
     def episode(self, task):
         class Texty(EchoEpisode):
@@ -104,6 +119,12 @@ PLANTED = [
     (UnseededTasks, "tools_and_tasks", "differ from call to call: seed them"),
     (CountsAcrossEpisodes, "episodes_independent", "playing the same tasks again gave other"),
     (TrustsTools, "untrusted_turns", "step raised KeyError for a call of an unknown tool"),
+    (
+        TrustsArgumentTypes,
+        "tool_arguments",
+        r"step raised AttributeError for a call of echo with text=5 \(integer where the schema "
+        r"says string\)",
+    ),
     (TextInfo, "solution", r"info\['verdict'\] is 'ok', not a number"),
 ]
 
@@ -112,3 +133,27 @@ PLANTED = [
 def test_the_kit_names_a_broken_environment(broken, check, message):
     errors = {r.name: r.error for r in run_environment_conformance(EchoHarness(broken))}
     assert errors[check] is not None and re.search(message, errors[check]), errors
+
+
+def test_bad_arguments_cover_types_values_and_sizes():
+    from drivetrain.testing.tool_arguments import HUGE, bad_arguments
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "letter": {"type": "string", "enum": ["a", "b"]},
+            "count": {"type": "integer", "minimum": 1, "maximum": 9},
+        },
+        "required": ["letter", "count"],
+    }
+    made = bad_arguments(schema)
+    letters = [args["letter"] for why, args in made if why.startswith("letter=")]
+    counts = [args["count"] for why, args in made if why.startswith("count=")]
+    assert 5 in letters and None in letters and ["a"] in letters and HUGE in letters
+    assert "not-one-of-them" in letters and "a" not in letters
+    assert {0, 10, 10**18, -1, "five", None} <= {
+        c for c in counts if not isinstance(c, list | dict)
+    }
+    # the other required argument is plausible while one is bad
+    assert all(args["count"] == 1 for why, args in made if why.startswith("letter="))
+    assert all(args["letter"] == "a" for why, args in made if why.startswith("count="))

@@ -28,6 +28,7 @@ from drivetrain.api.environment import (
     ToolCall,
 )
 from drivetrain.testing.kit_runner import KitCheckResult, KitConformance, run_checks
+from drivetrain.testing.tool_arguments import bad_arguments
 
 ROLES = {"system", "user", "assistant", "tool"}
 
@@ -231,6 +232,31 @@ def check_untrusted_turns(h: EnvironmentHarness) -> None:
             raise AssertionError(f"{what}: info has no tools/calls (run_tool_calls counts it)")
 
 
+def check_tool_arguments(h: EnvironmentHarness) -> None:
+    """``step`` never raises for a tool call's argument values: each argument of each tool,
+    in turn, of every other JSON type, ``None``, a list, a huge string, out of its enum or
+    range (:func:`~drivetrain.testing.tool_arguments.bad_arguments`) gives a StepResult. A
+    policy early in training writes all of them; ``run_tool_calls`` answers the types, the
+    tool itself must answer the values."""
+    env = h.make_environment()
+    task = _tasks(h, env)[0]
+    for schema in env.tools():
+        function = schema["function"]
+        name = function["name"]
+        for k, (what, arguments) in enumerate(bad_arguments(function.get("parameters") or {})):
+            episode = env.episode(task)
+            episode.reset()
+            turn = _turn("", calls=[ToolCall(name, arguments, f"f{k}")])
+            try:
+                stepped = episode.step(turn)
+            except Exception as exc:
+                raise AssertionError(
+                    f"step raised {type(exc).__name__} for a call of {name} with {what}: "
+                    f"{str(exc)[:200]}"
+                ) from exc
+            _assert_result(stepped, f"a call of {name} with {what}")
+
+
 def check_episodes_independent(h: EnvironmentHarness) -> None:
     """Episodes share no state: each task played alone, twice, interleaved turn by turn with
     another task and in threads (the trainer steps episodes of one environment at once)
@@ -291,6 +317,7 @@ ENVIRONMENT_CHECKS: dict[str, Callable[[EnvironmentHarness], None]] = {
     "tools_and_tasks": check_tools_and_tasks,
     "solution": check_solution,
     "untrusted_turns": check_untrusted_turns,
+    "tool_arguments": check_tool_arguments,
     "episodes_independent": check_episodes_independent,
     "truncation": check_truncation,
 }
