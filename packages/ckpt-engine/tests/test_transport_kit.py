@@ -4,6 +4,7 @@ processes), and transports broken in one way each are named by it."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from drivetrain.api.weight_sync import WeightSyncError
 from drivetrain.testing.transport_kit import (
@@ -69,10 +70,32 @@ class Reorders(_Broken):
         yield from reversed([(name, tensor.clone()) for name, tensor in plain(into)])
 
 
+class WidensBfloat16(_Broken):
+    @staticmethod
+    def receive(plain, into):
+        for name, tensor in plain(into):
+            yield name, tensor.float() if tensor.dtype == torch.bfloat16 else tensor
+
+
+class FlipsAByte(_Broken):
+    @staticmethod
+    def receive(plain, into):
+        flipped = False
+        for i, (name, tensor) in enumerate(plain(into)):
+            if i >= 5 and tensor.numel() and not flipped:
+                flipped = True
+                tensor = tensor.clone()  # one value changed, dtype and shape kept
+                flat = tensor.view(-1)
+                flat[0] = ~flat[0] if tensor.dtype == torch.bool else flat[0] + 1
+            yield name, tensor
+
+
 PLANTED = [
     (SkipsATensor, "two_syncs", r"got 47 tensors of 48 \(missing \['model.half_big.weight'\]\)"),
     (SwallowsAborts, "failing_source", "took the broken version 1 as a whole stream"),
     (Reorders, "two_syncs", "or out of order"),
+    (WidensBfloat16, "two_syncs", r"tensor '[\w.]+' arrived as float32, sent as bfloat16"),
+    (FlipsAByte, "two_syncs", r"tensor '[\w.]+' arrived with other bytes \(\w+, shape \["),
 ]
 
 

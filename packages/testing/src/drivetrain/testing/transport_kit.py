@@ -179,14 +179,29 @@ def _assert_whole(
         )
     if line["digest"] != h.digest(sent):
         raise AssertionError(
-            f"receiver {rank}, version {version}: the tensors differ from "
-            "the ones sent (names, dtypes, shapes or bytes)"
+            f"receiver {rank}, version {version}: {_first_difference(h, line['tensors'], sent)}"
         )
     if line["version"] != version or line["num_tensors"] != len(sent):
         raise AssertionError(
             f"receiver {rank}: last_stats says version {line['version']}, "
             f"{line['num_tensors']} tensors; sent {version}, {len(sent)}"
         )
+
+
+def _first_difference(
+    h: TransportHarness, received: list[list[Any]], sent: list[NamedTensor]
+) -> str:
+    """Which tensor (in stream order) differs from the one sent, and how: dtype, shape, or
+    bytes with dtype and shape as sent."""
+    for (name, tensor), (_, shape, dtype, digest) in zip(sent, received, strict=True):
+        want_shape, want_dtype = h.spec_of(tensor)
+        if dtype != want_dtype:
+            return f"tensor {name!r} arrived as {dtype}, sent as {want_dtype}"
+        if tuple(shape) != tuple(want_shape):
+            return f"tensor {name!r} arrived with shape {list(shape)}, sent {list(want_shape)}"
+        if digest != h.digest([(name, tensor)]):
+            return f"tensor {name!r} arrived with other bytes ({dtype}, shape {list(shape)})"
+    return "the stream's digest differs from the one sent, though each tensor matches"
 
 
 # ---- the checks ----------------------------------------------------------------------------

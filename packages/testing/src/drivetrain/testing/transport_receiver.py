@@ -62,6 +62,11 @@ def main(spec_path: str) -> None:
             line = {
                 "digest": harness.digest(received),
                 "names": [name for name, _ in received],
+                # each tensor's spec and digest: a differing stream names its tensor and how
+                "tensors": [
+                    [name, *_spec(harness, tensor), harness.digest([(name, tensor)])]
+                    for name, tensor in received
+                ],
                 "version": None if stats is None else stats.version,
                 "reported_digest": None if stats is None else stats.digest,
                 "num_tensors": None if stats is None else stats.num_tensors,
@@ -71,6 +76,11 @@ def main(spec_path: str) -> None:
             out.write(json.dumps(line) + "\n")
             out.flush()
     transport.finalize()
+
+
+def _spec(harness: Any, tensor: Any) -> tuple[list[int], str]:
+    shape, dtype = harness.spec_of(tensor)
+    return list(shape), dtype
 
 
 if __name__ == "__main__":
