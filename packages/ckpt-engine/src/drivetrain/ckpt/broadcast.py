@@ -45,6 +45,7 @@ class _Link:
         self.device = transport.device
         self.root = transport.root
         self.timeout = transport.config.deadline_s(self.buffers[0].numel())  # one bucket
+        self.transport = transport
         self.broken = False
 
 
@@ -68,9 +69,16 @@ class _Sender(_Link):
                 self.group.wait(ticket, self.timeout)
         except WeightSyncError as exc:
             self.broken = True
-            raise WeightSyncError(
-                f"broadcast failed (a receiver died or timed out): {exc}"
-            ) from exc
+            raise WeightSyncError(f"broadcast failed ({self._who()}): {exc}") from exc
+
+    def _who(self) -> str:
+        """The receivers that stopped beating (stopped, hung machine, or dead), else that one
+        died or timed out (a wait of a few seconds, on the failure path only)."""
+        silent = self.group.silent(self.transport.receivers)
+        if not silent:
+            return "a receiver died or timed out"
+        ranks = ", ".join(str(rank) for rank in silent)
+        return f"receiver {ranks} stopped: alive but silent, or dead"
 
     def post(self, index: int, header: dict[str, Any]) -> None:
         synchronize(self.device)  # the collective's stream does not wait for the packing
@@ -89,7 +97,9 @@ class _Sender(_Link):
             self.group.all_reduce_max(verdict, self.timeout)
         except WeightSyncError as exc:
             self.broken = True
-            raise WeightSyncError(f"a receiver did not confirm the stream: {exc}") from exc
+            raise WeightSyncError(
+                f"a receiver did not confirm the stream ({self._who()}): {exc}"
+            ) from exc
         if int(verdict.item()) != 0:
             raise WeightSyncError("a receiver rejected the stream (its log says why)")
 
@@ -169,6 +179,7 @@ class BroadcastTransport(BucketTransport):
         self.device = torch.device("cpu")
         self.role: TransportRole | None = None
         self.root = 0
+        self.receivers: tuple[int, ...] = ()
 
     def prepare(self) -> Mapping[str, Any]:
         self.finalize()  # a second prepare (reconnecting) must not leak the first's group
@@ -210,6 +221,7 @@ class BroadcastTransport(BucketTransport):
         group_timeout = self.config.deadline_s(size)
         self.group = groups.Group(backend, store, rank, topology.world_size, group_timeout)
         self.root = topology.senders[0]
+        self.receivers = tuple(topology.receivers)
         try:  # everyone joined: the first sync does not pay for connection setup
             zero = torch.zeros(1, dtype=torch.int64).to(self.device)
             self.group.all_reduce_max(zero, timeout)
@@ -218,6 +230,8 @@ class BroadcastTransport(BucketTransport):
         self.layouts.clear()
         self.buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in (0, 1)]
         self.role = role
+        if role is TransportRole.RECEIVER:  # the sender names a stopped receiver by it
+            self.group.beat()
 
     def _require(self, role: TransportRole) -> None:
         if self.group is None:

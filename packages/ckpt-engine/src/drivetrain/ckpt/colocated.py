@@ -62,7 +62,7 @@ class _Sender:
             ready = mpc.wait(waiting, timeout=self.timeout)
             if not ready:
                 self.broken = True
-                raise WeightSyncError(f"receivers sent nothing for {self.timeout:.0f} s")
+                raise WeightSyncError(f"{self._silent(waiting, by_conn)} for {self.timeout:.0f} s")
             for conn in ready:
                 rank = by_conn[conn]  # type: ignore[index]
                 try:
@@ -76,6 +76,16 @@ class _Sender:
                 else:
                     replies.append((rank, message))
         return replies
+
+    def _silent(self, waiting: list[Connection], by_conn: dict[Connection, int]) -> str:
+        """Who kept us waiting: the receivers still holding a bucket, else those whose reply
+        is missing (by rank, so the stuck one is named)."""
+        holding = set().union(*self.outstanding.values())
+        ranks = sorted(by_conn[c] for c in waiting if by_conn[c] in holding) or sorted(
+            by_conn[c] for c in waiting
+        )
+        who = ", ".join(str(rank) for rank in ranks)
+        return f"receiver{'s' if len(ranks) > 1 else ''} {who} sent nothing"
 
     def post(self, index: int, header: dict[str, Any]) -> None:
         self.shared.packed(index)

@@ -17,7 +17,9 @@ import contextlib
 import itertools
 import os
 import socket
+import threading
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -27,6 +29,8 @@ import torch.distributed as dist
 from drivetrain.api.weight_sync import WeightSyncError
 
 STORE_PREFIX = "drivetrain-weight-sync"
+#: a receiver's heartbeat interval (seconds), see :meth:`Group.beat`
+BEAT_S = 1.0
 ABORT_KEY = "abort"
 ABORT_POLL_S = 0.25  # how often a waiting participant looks for a peer's abort
 BUSY_WAIT_S = 0.001  # between completion checks where a wait cannot be sliced (NCCL's own)
@@ -113,6 +117,8 @@ class Group:
         self, backend: str, store: dist.Store, rank: int, world_size: int, timeout_s: float
     ) -> None:
         self.store = dist.PrefixStore(STORE_PREFIX, store)
+        self.rank = rank
+        self._stop_beating = threading.Event()
         self.pg: Any = _process_group(backend, self.store, rank, world_size, timeout_s)
         # gloo's wait(timeout) leaves the work pending when it expires, so it can be sliced;
         # NCCL's and HCCL's abort the communicator instead, so there completion is polled
@@ -186,6 +192,31 @@ class Group:
         with contextlib.suppress(Exception):
             self.store.set(ABORT_KEY, reason)
 
+    def beat(self) -> None:
+        """Say this rank is alive every ``BEAT_S`` from a daemon thread until
+        :meth:`shut_down`: a stopped process (SIGSTOP, a hung machine) stops beating, one
+        that waits in a collective does not, so :meth:`silent` can name the stuck one."""
+        stop = self._stop_beating
+
+        def run() -> None:
+            while not stop.wait(BEAT_S):
+                try:
+                    self.store.add(f"beat/{self.rank}", 1)
+                except Exception:  # the store (the sender's) is gone: nobody to tell
+                    return
+
+        threading.Thread(target=run, name="weight-sync-beat", daemon=True).start()
+
+    def silent(self, ranks: Sequence[int], over_s: float = 2.5 * BEAT_S) -> list[int]:
+        """Of ``ranks`` (which :meth:`beat`), those that did not beat for ``over_s``: the
+        stopped or dead ones. Waits ``over_s``; best effort (the store may be gone)."""
+        try:
+            before = {rank: self.store.add(f"beat/{rank}", 0) for rank in ranks}
+            time.sleep(over_s)
+            return [rank for rank in ranks if self.store.add(f"beat/{rank}", 0) == before[rank]]
+        except Exception:
+            return []
+
     def abort_reason(self) -> str | None:
         try:
             if not self.store.check([ABORT_KEY]):
@@ -201,6 +232,7 @@ class Group:
         (Destroying a gloo group whose own operation is pending blocks until that operation
         ends: at once when its peer closes, else at the group's timeout, which is the wait's
         deadline; releasing it in a background thread instead crashed at interpreter exit.)"""
+        self._stop_beating.set()
         pg, self.pg = self.pg, None
         self._works.clear()
         with contextlib.suppress(Exception):  # already broken: nothing else to release

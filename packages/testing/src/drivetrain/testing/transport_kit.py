@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -87,6 +88,7 @@ class _Receivers:
         overrides: dict[str, Any],
         *,
         die_after: int | None = None,
+        stop_after: int | None = None,
         destination: bool = False,
     ) -> None:
         self.work = Path(tempfile.mkdtemp(prefix="dt-transport-kit-"))
@@ -104,6 +106,7 @@ class _Receivers:
                 "endpoint": dict(endpoint),
                 "versions": versions,
                 "die_after": die_after if rank == topology.receivers[-1] else None,
+                "stop_after": stop_after if rank == topology.receivers[-1] else None,
                 "destination": destination,
                 "out": str(out),
             }
@@ -125,11 +128,12 @@ class _Receivers:
                     f"receiver {rank} was still waiting {within_s:.0f} s later "
                     "(a failure must reach it through the transport)"
                 ) from None
-        lines = [
-            [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
-            for out in self.outs
-        ]
-        return lines, [p.returncode for p in self.procs]
+        return [self.lines(i) for i in range(len(self.outs))], [p.returncode for p in self.procs]
+
+    def lines(self, index: int) -> list[dict[str, Any]]:
+        """What receiver ``index`` (0-based) wrote so far, one dict per sync."""
+        out = self.outs[index]
+        return [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
 
     def stderr(self, index: int) -> str:
         """The last lines receiver ``index`` (0-based) wrote to its stderr."""
@@ -325,11 +329,53 @@ def check_dead_receiver(h: TransportHarness) -> None:
     _with_sync(h, [1], check, long, die_after=5)
 
 
+def check_stuck_receiver(h: TransportHarness) -> None:
+    """A receiver that stops mid-sync, alive but silent (SIGSTOP: no abort signal, no closed
+    connection), is named by ``send``'s ``WeightSyncError`` within ``notice_s`` when the
+    transport's deadline (``timeout_s``) is a third of it; the other receiver ends too, with an
+    error or the whole version."""
+    short = {"timeout_s": h.notice_s / 3}
+    stuck = RECEIVERS  # the last receiver's rank
+
+    def check(sender: WeightTransport, receivers: _Receivers) -> None:
+        sent = h.weights(1)
+        began = time.monotonic()
+        try:
+            sender.send(iter(sent), version=1)
+        except WeightSyncError as exc:
+            said = str(exc)
+        else:
+            raise AssertionError("send reported success although a receiver stopped mid-sync")
+        took = time.monotonic() - began
+        if took > h.notice_s:
+            raise AssertionError(
+                f"send noticed the stuck receiver after {took:.0f} s, over notice_s "
+                f"{h.notice_s:.0f} (timeout_s {short['timeout_s']:g})"
+            )
+        if not re.search(rf"\b(receiver|rank|reader)s? ([\d, ]+, )?{stuck}\b", said):
+            raise AssertionError(f"send's error does not name the stuck receiver {stuck}: {said}")
+        survivor = receivers.procs[0]
+        try:
+            survivor.wait(timeout=h.notice_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"receiver 1 was still waiting {h.notice_s:.0f} s after its peer stopped"
+            ) from None
+        lines = receivers.lines(0)
+        if not lines:
+            raise AssertionError(f"the other receiver wrote nothing: {receivers.stderr(0)}")
+        if "error" not in lines[0]:
+            _assert_whole(h, lines[0], 1, 1, sent)
+
+    _with_sync(h, [1], check, short, stop_after=5)
+
+
 TRANSPORT_CHECKS: dict[str, Callable[[TransportHarness], None]] = {
     "two_syncs": check_two_syncs,
     "destination": check_destination,
     "failing_source": check_failing_source,
     "dead_receiver": check_dead_receiver,
+    "stuck_receiver": check_stuck_receiver,
 }
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import signal
 import sys
 from typing import Any
 
@@ -51,6 +52,8 @@ def main(spec_path: str) -> None:
                 for name, tensor in transport.receive(into if own else None):
                     if spec["die_after"] is not None and len(received) == spec["die_after"]:
                         os._exit(DIED)
+                    if spec.get("stop_after") is not None and len(received) == spec["stop_after"]:
+                        os.kill(os.getpid(), signal.SIGSTOP)  # alive, silent: stuck for good
                     received.append((name, harness.copy(tensor)))  # views: valid until next
                     if own and tensor is not own.get(name):  # not written in place: a
                         harness.write_into(own[name], tensor)  # rollout copies it in
