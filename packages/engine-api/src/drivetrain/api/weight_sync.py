@@ -107,7 +107,12 @@ class WeightTransport(abc.ABC):
     """Base class of every weight-sync transport (entry-point group ``drivetrain.ckpt_engines``)."""
 
     config: WeightSyncConfig
-    #: Set by a receiver once :meth:`receive` has yielded a whole, verified stream.
+    #: The receiving transport itself sets it, inside :meth:`receive`, after the stream's
+    #: last tensor was yielded and the whole stream verified (before the generator ends): the
+    #: sync's version, tensor count, bytes and digest. The trainer's receiving end
+    #: (``runtime.weight_receiver``) clears it before each sync and fails the sync if the
+    #: stream ends without it or with another version; the transport kit compares it with
+    #: what was sent.
     last_stats: SyncStats | None
 
     def __init__(self, config: WeightSyncConfig) -> None:
@@ -145,7 +150,8 @@ class WeightTransport(abc.ABC):
         shape, dtype)`` for the consumer's own tensor, write the bytes (or the pieces of a
         split tensor, as they arrive) there, and yield that tensor itself, which the consumer
         then need not copy (the built-in transports apply a whole bucket so, in one batched
-        copy). Such a consumer's weights change before the stream ends."""
+        copy). Such a consumer's weights change before the stream ends. A whole stream
+        sets :attr:`last_stats` before the generator ends."""
 
     @abc.abstractmethod
     def finalize(self) -> None:

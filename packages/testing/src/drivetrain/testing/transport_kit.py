@@ -35,6 +35,10 @@ from drivetrain.testing.kit_runner import KitCheckResult, KitConformance, run_ch
 from drivetrain.testing.transport_receiver import DIED
 
 RECEIVERS = 2
+#: how long a receiver process may take to start (import its harness and tensor library,
+#: build the transport) before the kit's timed part begins: a loaded machine's imports are
+#: not the transport's deadline
+STARTUP_S = 180.0
 
 
 class TransportHarness(abc.ABC):
@@ -44,7 +48,9 @@ class TransportHarness(abc.ABC):
     #: how soon a failure (a dead receiver, a failing source) must reach every peer; the
     #: transport's own deadlines are set far above it, so only its abort signals count
     notice_s: float = 30.0
-    #: extra ``sys.path`` entries the receiver processes need to import the harness
+    #: extra ``sys.path`` entries the receiver processes need to import the harness (they run
+    #: ``python -m drivetrain.testing.transport_receiver`` and import the harness class by
+    #: ``module:qualname``): e.g. the directory of the test module that defines it
     sys_path: tuple[str, ...] = ()
 
     @abc.abstractmethod
@@ -93,7 +99,7 @@ class _Receivers:
     ) -> None:
         self.work = Path(tempfile.mkdtemp(prefix="dt-transport-kit-"))
         cls = type(h)
-        self.outs, self.procs = [], []
+        self.outs, self.procs, self.ready = [], [], []
         for rank in topology.receivers:
             out = self.work / f"rank{rank}.jsonl"
             spec = {
@@ -109,7 +115,9 @@ class _Receivers:
                 "stop_after": stop_after if rank == topology.receivers[-1] else None,
                 "destination": destination,
                 "out": str(out),
+                "ready": str(self.work / f"rank{rank}.ready"),
             }
+            self.ready.append(self.work / f"rank{rank}.ready")
             path = self.work / f"rank{rank}.json"
             path.write_text(json.dumps(spec))
             self.outs.append(out)
@@ -117,6 +125,24 @@ class _Receivers:
             command = [sys.executable, "-m", "drivetrain.testing.transport_receiver", str(path)]
             with open(self.work / f"rank{rank}.err", "wb") as err:  # a pipe could fill and block
                 self.procs.append(subprocess.Popen(command, env=env, stderr=err))
+
+    def wait_started(self, within_s: float = STARTUP_S) -> None:
+        """Until every receiver has imported its harness and built its transport, so that
+        the checks' deadlines time the transport, not a loaded machine's imports."""
+        end = time.monotonic() + within_s
+        for rank, (proc, ready) in enumerate(zip(self.procs, self.ready, strict=True), 1):
+            while not ready.exists():
+                if proc.poll() is not None:
+                    raise AssertionError(
+                        f"receiver {rank} exited ({proc.returncode}) before it was ready: "
+                        f"{self.stderr(rank - 1)}"
+                    )
+                if time.monotonic() > end:
+                    raise AssertionError(
+                        f"receiver {rank} had not started {within_s:.0f} s later (importing the "
+                        f"harness and building the transport; STARTUP_S): {self.stderr(rank - 1)}"
+                    )
+                time.sleep(0.05)
 
     def results(self, within_s: float) -> tuple[list[list[dict[str, Any]]], list[int]]:
         end = time.monotonic() + within_s
@@ -162,6 +188,7 @@ def _with_sync(
     endpoint = sender.prepare()
     receivers = _Receivers(h, endpoint, topology, versions, overrides, **receiver_options)
     try:
+        receivers.wait_started()
         sender.connect(TransportRole.SENDER, 0, topology, endpoint)
         check(sender, receivers)
     finally:
