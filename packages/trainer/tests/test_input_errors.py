@@ -196,3 +196,16 @@ def test_device_that_is_not_here(command, key, tmp_path, tiny_model):
     visible = torch.cuda.device_count()
     refused([*args, f"{key}={device}"], f"{key}={device}", f"{visible} CUDA device")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_transport_for_an_in_process_rollout_says_where_it_applies(tmp_path, tiny_model):
+    """The in-process rollout takes its weights directly: the refusal says what
+    --weight-sync is for, not only to drop it."""
+    data = write_jsonl(tmp_path / "train.jsonl", rows("grpo"))
+    args = [*base_args("grpo", tmp_path, tiny_model, data), "--weight-sync", "broadcast"]
+    refused(
+        args,
+        "placement inprocess hands the weights to a rollout in this process",
+        "--weight-sync broadcast has nothing to carry",
+        "rollout.python=<interpreter>",
+    )

@@ -53,7 +53,11 @@ WeightSync = Annotated[
     str,
     typer.Option(
         "--weight-sync",
-        help="Transport (`drivetrain ckpt-engines`); auto: colocated or broadcast by placement.",
+        help=(
+            "Transport (`drivetrain ckpt-engines`) for a rollout outside this process; auto: "
+            "direct in-process, colocated for rollout.python or placement.mode=colocated, "
+            "broadcast for placement.mode=separate."
+        ),
     ),
 ]
 Preset = Annotated[

@@ -145,7 +145,12 @@ def load_rl_job(
         weight_sync, mode, rollout_process=bool(getattr(config.rollout, "python", ""))
     )
     if weight_sync not in ("auto", transport):
-        raise ConfigError(f"placement {mode} moves weights in-process; drop --weight-sync")
+        raise ConfigError(
+            f"placement {mode} hands the weights to a rollout in this process (the direct "
+            f"transport), so --weight-sync {weight_sync} has nothing to carry; it applies to a "
+            "rollout of its own: rollout.python=<interpreter> (a server process), or "
+            "placement.mode=colocated|separate (Ray)"
+        )
     plugins = RLPlugins.find(engine, critic_engine, rollout, transport)
     job_default = load_config(config_type, files=shipped, overrides=shipped_overrides)
     config = fit_plugins(config, job_default, plugins, mode)
