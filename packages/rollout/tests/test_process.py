@@ -153,3 +153,23 @@ def test_the_server_says_it_is_alive_while_it_works_on_a_call(monkeypatch):
         seen.append(messages.receive(ours))
     assert seen[-1] == ["ok", 1] or seen[-1] == ("ok", 1)
     assert all(m == ALIVE for m in seen[:-1])
+
+
+def test_a_transport_missing_in_the_servers_environment_is_its_one_line():
+    """The server rebuilds the transport's config by plugin name: an environment without the
+    transport says what to install (here: denied there), not a wire decoding error."""
+    from drivetrain.api import PluginError
+    from drivetrain.api.config import WeightSyncConfig
+    from drivetrain.api.weight_sync import Topology
+
+    launch = BackendConfig(
+        python=sys.executable, start_timeout_s=60, env=("DRIVETRAIN_PLUGINS=-ckpt_engines:disk",)
+    )
+    remote = start_server_rollout("fake", CONFIG, launch)
+    try:
+        with pytest.raises(PluginError, match="ckpt-engine 'disk' .* denied by DRIVETRAIN_PLUGINS"):
+            remote.weight_receiver().connect(
+                "disk", WeightSyncConfig(), rank=1, topology=Topology.one_sender(1), endpoint={}
+            )
+    finally:
+        remote.shutdown()

@@ -124,3 +124,25 @@ def test_non_sending_ranks_drain_the_export():
 def test_receive_before_connect_is_an_error():
     with pytest.raises(WeightSyncError, match="receive before connect"):
         WeightReceiver(FakeRollout(FakeRolloutConfig())).receive(1)
+
+
+def test_a_receiver_that_cannot_join_fails_at_once_with_its_own_cause():
+    """A rollout whose environment lacks the transport: its one-line cause, at once, not the
+    sender's 'only 0 of 1 receivers connected' after the sender's deadline."""
+    import threading
+    import time
+
+    from drivetrain.api.errors import PluginError
+    from drivetrain.trainer.rl.sync_manager import connect_rollouts
+
+    never = threading.Event()
+
+    def sender(topology, endpoint):  # waits for receivers that will never come
+        never.wait(60)
+        raise AssertionError("only 0 of 1 receivers connected")
+
+    began = time.monotonic()
+    with pytest.raises(PluginError, match="no_such_transport"):
+        connect_rollouts(sender, {}, "no_such_transport", None, [FakeRollout(FakeRolloutConfig())])
+    assert time.monotonic() - began < 5
+    never.set()

@@ -14,11 +14,13 @@ The host keeps the rollout's receiving end of the weight path
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from drivetrain.api.config import RolloutConfig, WeightSyncConfig
 from drivetrain.api.engine import NamedTensor
+from drivetrain.api.registry import ckpt_engines
 from drivetrain.api.requests import Chunk, Request
 from drivetrain.api.rollout import Completion, Prompt, Rollout, SamplingParams
 from drivetrain.api.weight_sync import SyncStats, Topology
@@ -101,7 +103,8 @@ class RolloutHost:
             case "pause_generation":
                 return self.rollout.pause_generation(abort=bool(args[0]))
             case "weights_connect":
-                transport, config, rank, topology, endpoint = args
+                transport, fields, rank, topology, endpoint = args
+                config = _transport_config(transport, fields)
                 return self.weights.connect(
                     transport, config, rank=rank, topology=topology, endpoint=endpoint
                 )
@@ -126,6 +129,13 @@ class RolloutHost:
         return self._queue is not None and self._queue.step_if_work()
 
 
+def _transport_config(transport: str, fields: Mapping[str, Any]) -> WeightSyncConfig:
+    """``transport``'s config class, as installed here, built from ``fields``: a transport
+    missing in this environment raises the registry's one line naming what to install."""
+    config_class = ckpt_engines.load_config_class(transport, WeightSyncConfig)
+    return config_class(**fields)
+
+
 class RemoteReceiver:
     """A rollout's receiving end, reached through its proxy's channel."""
 
@@ -141,7 +151,10 @@ class RemoteReceiver:
         topology: Topology,
         endpoint: Mapping[str, Any],
     ) -> None:
-        self.channel.call("weights_connect", transport, config, rank, topology, dict(endpoint))
+        # the config's fields, rebuilt by plugin name on the far side: an environment without
+        # the transport answers with its one-line install hint, not a wire decoding error
+        fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+        self.channel.call("weights_connect", transport, fields, rank, topology, dict(endpoint))
 
     def receive(self, version: int) -> SyncStats:
         return self.channel.call("weights_receive", version)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +41,7 @@ from drivetrain.api.weight_sync import (
     WeightTransport,
     drain,
 )
+from drivetrain.runtime.daemon_pool import DaemonPool
 from drivetrain.runtime.fingerprint import first_difference
 from drivetrain.runtime.remote_rollout import RemoteRollout
 from drivetrain.runtime.weight_ledger import WeightLedger
@@ -155,8 +156,25 @@ def connect_rollouts(
                 transport, config, rank=rank, topology=topology, endpoint=endpoint
             )
         )
-    _all_at_once(calls)
+    _first_failure_ends(calls)
     return receivers
+
+
+def _first_failure_ends(calls: Sequence[Callable[[], Any]]) -> None:
+    """Run ``calls`` at once; the first to fail raises at once. Joining a group is
+    collective: a receiver that cannot join (its transport not installed in its environment)
+    leaves the others waiting for it until their deadline, and their 'only 0 of 1 receivers
+    connected' would hide its one-line cause; they are abandoned (daemon threads) instead."""
+    pool = DaemonPool(len(calls), name="weight-connect")
+    try:
+        pending = {pool.submit(call) for call in calls}
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+            failed = [f for f in done if f.exception() is not None]
+            if failed:
+                raise failed[0].exception()  # type: ignore[misc]
+    finally:
+        pool.abandon()
 
 
 def connect_transport(
