@@ -224,7 +224,10 @@ class ColocatedTransport(BucketTransport):
     def _receiver_link(self) -> _Receiver:
         if self.role is not TransportRole.RECEIVER or self.conn is None or self.shared is None:
             raise WeightSyncError("not connected as a receiver")
-        return _Receiver(self.shared, self.conn, self._bucket_deadline())
+        # twice the sender's deadline: the sender, which sees every receiver, names a stuck
+        # one and aborts the rest first, rather than a waiting receiver giving up and leaving
+        # the sender to report that one's departure
+        return _Receiver(self.shared, self.conn, 2 * self._bucket_deadline())
 
     def _bucket_deadline(self) -> float:
         assert self.shared is not None
