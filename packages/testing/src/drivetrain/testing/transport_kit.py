@@ -324,6 +324,27 @@ def check_failing_source(h: TransportHarness) -> None:
     _with_sync(h, [1, 2], check)
 
 
+def _send_fails(
+    h: TransportHarness, sender: WeightTransport, sent: list[NamedTensor], what: str
+) -> str:
+    """``send`` of ``sent`` must raise ``WeightSyncError`` within ``notice_s`` (a receiver
+    ``what``, e.g. died, mid-sync); its message."""
+    began = time.monotonic()
+    try:
+        sender.send(iter(sent), version=1)
+    except WeightSyncError as exc:
+        said = str(exc)
+    else:
+        raise AssertionError(f"send reported success although a receiver {what} mid-sync")
+    took = time.monotonic() - began
+    if took > h.notice_s:
+        raise AssertionError(
+            f"send noticed the receiver that {what} after {took:.0f} s, over notice_s "
+            f"{h.notice_s:.0f}"
+        )
+    return said
+
+
 def check_dead_receiver(h: TransportHarness) -> None:
     """A receiver that dies mid-sync fails ``send`` (``WeightSyncError``) and ends the other
     receiver's sync within ``notice_s``, with the transport's deadlines far above: the
@@ -332,18 +353,7 @@ def check_dead_receiver(h: TransportHarness) -> None:
 
     def check(sender: WeightTransport, receivers: _Receivers) -> None:
         sent = h.weights(1)
-        began = time.monotonic()
-        try:
-            sender.send(iter(sent), version=1)
-        except WeightSyncError:
-            pass
-        else:
-            raise AssertionError("send reported success although a receiver died mid-sync")
-        took = time.monotonic() - began
-        if took > h.notice_s:
-            raise AssertionError(
-                f"send noticed the dead receiver after {took:.0f} s, over notice_s {h.notice_s:.0f}"
-            )
+        _send_fails(h, sender, sent, "died")
         lines, codes = receivers.results(h.notice_s)
         if codes[-1] != DIED:
             raise AssertionError(f"the receiver meant to die exited {codes[-1]}")
@@ -366,19 +376,7 @@ def check_stuck_receiver(h: TransportHarness) -> None:
 
     def check(sender: WeightTransport, receivers: _Receivers) -> None:
         sent = h.weights(1)
-        began = time.monotonic()
-        try:
-            sender.send(iter(sent), version=1)
-        except WeightSyncError as exc:
-            said = str(exc)
-        else:
-            raise AssertionError("send reported success although a receiver stopped mid-sync")
-        took = time.monotonic() - began
-        if took > h.notice_s:
-            raise AssertionError(
-                f"send noticed the stuck receiver after {took:.0f} s, over notice_s "
-                f"{h.notice_s:.0f} (timeout_s {short['timeout_s']:g})"
-            )
+        said = _send_fails(h, sender, sent, "stopped")
         if not re.search(rf"\b(receiver|rank|reader)s? ([\d, ]+, )?{stuck}\b", said):
             raise AssertionError(f"send's error does not name the stuck receiver {stuck}: {said}")
         survivor = receivers.procs[0]
