@@ -90,11 +90,30 @@ class FlipsAByte(_Broken):
             yield name, tensor
 
 
+class ForgetsWhoStopped(ColocatedHarness):
+    """A sender that notices a stuck receiver in time but reports only that the sync failed:
+    the user cannot tell which rollout to look at."""
+
+    def make_transport(self, **overrides):
+        transport = super().make_transport(**overrides)
+        plain = transport.send
+
+        def send(weights, *, version):
+            try:
+                return plain(weights, version=version)
+            except WeightSyncError:
+                raise WeightSyncError("the weight sync failed") from None
+
+        transport.send = send
+        return transport
+
+
 PLANTED = [
     (SkipsATensor, "two_syncs", r"got 47 tensors of 48 \(missing \['model.half_big.weight'\]\)"),
     (SwallowsAborts, "failing_source", "took the broken version 1 as a whole stream"),
     (Reorders, "two_syncs", "or out of order"),
     (WidensBfloat16, "two_syncs", r"tensor '[\w.]+' arrived as float32, sent as bfloat16"),
+    (ForgetsWhoStopped, "stuck_receiver", "does not name the stuck receiver 2"),
     (FlipsAByte, "two_syncs", r"tensor '[\w.]+' arrived with other bytes \(\w+, shape \["),
 ]
 
