@@ -209,3 +209,12 @@ def test_a_transport_for_an_in_process_rollout_says_where_it_applies(tmp_path, t
         "--weight-sync broadcast has nothing to carry",
         "rollout.python=<interpreter>",
     )
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_model_path_that_does_not_exist_is_said_so(command, tmp_path, tiny_model):
+    data = write_jsonl(tmp_path / "train.jsonl", rows(command))
+    missing = tmp_path / "no-model"
+    refused(
+        base_args(command, tmp_path, missing, data), f"'{missing}'", "no such file or directory"
+    )

@@ -25,6 +25,7 @@ def model_context(model_path: str, *, trust_remote_code: bool = False) -> Contex
     ``None`` when its config does not say."""
     from transformers import AutoConfig
 
+    _local_path_exists(model_path, "model config")
     try:
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
@@ -39,10 +40,18 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False, what: str = "t
     """The tokenizer at ``path``; one line naming it when it cannot load."""
     from transformers import AutoTokenizer
 
+    _local_path_exists(path, what)
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot load the {what} at {path!r}: {exc}") from None
+
+
+def _local_path_exists(path: str, what: str) -> None:
+    """A path written as one (absolute, ``./``, ``../``, ``~``) that does not exist: said as
+    such, not as transformers' complaint that it is no valid hub id."""
+    if path.startswith(("/", "./", "../", "~")) and not Path(path).expanduser().exists():
+        raise ConfigError(f"cannot load the {what} at {path!r}: no such file or directory")
 
 
 def check_devices(devices: Mapping[str, str], *, ray_address: str) -> None:
