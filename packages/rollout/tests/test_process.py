@@ -173,3 +173,30 @@ def test_a_transport_missing_in_the_servers_environment_is_its_one_line():
             )
     finally:
         remote.shutdown()
+
+
+@pytest.mark.parametrize("local", [True, False], ids=["own-class", "described-fields"])
+def test_the_process_host_runs_a_rollout_configured_from_its_description(local):
+    """``rollout.python`` for any rollout: its config type from what that environment
+    describes (its own class extended with the hosting knobs where installed here too, else a
+    class built from the fields), started through the registered host, rebuilt there into the
+    rollout's own class (the fake's has no hosting knobs)."""
+    from dataclasses import replace
+
+    from drivetrain.api.hosting import HostingConfig
+    from drivetrain.runtime.hosted_rollout import describe_in, rollout_host
+
+    hosted = describe_in(sys.executable, "fake")
+    if not local:  # as if installed only there
+        hosted = replace(hosted, config_target="acme.config:Elsewhere")
+    config_class = hosted.config_class()
+    assert issubclass(config_class, HostingConfig)
+    assert issubclass(config_class, FakeRolloutConfig) is local
+    config = config_class(vocab_size=8, max_model_len=32, seed=3, python=sys.executable)
+    remote = rollout_host()("fake", config)
+    try:
+        params = SamplingParams(n=2, max_new_tokens=5, seed=4)
+        assert remote.generate(PROMPTS, params) == FakeRollout(CONFIG).generate(PROMPTS, params)
+        assert remote.channel.info["pid"] != os.getpid()
+    finally:
+        remote.shutdown()

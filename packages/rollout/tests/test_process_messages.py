@@ -20,6 +20,7 @@ from drivetrain.rollout.errors import ProtocolError, RolloutProcessError
 from drivetrain.rollout.process import messages
 from drivetrain.rollout.process.client import start_server_rollout
 from drivetrain.rollout.process.protocol import ADDRESS_ENV, AUTHKEY_ENV
+from drivetrain.runtime.wire import config_fields
 from drivetrain.testing import FakeRollout, FakeRolloutConfig
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(120)]
@@ -164,7 +165,8 @@ def test_the_server_refuses_a_pickled_request_without_running_it(raw_server, tmp
 
 
 def test_a_bad_tensor_header_fails_the_update_and_the_stream_stays_in_step(raw_server):
-    assert _ask(raw_server, ("start", ("fake", CONFIG)))[0] == "ok"
+    # the config's fields: the server rebuilds the rollout's own class from them
+    assert _ask(raw_server, ("start", ("fake", config_fields(CONFIG))))[0] == "ok"
     messages.send(raw_server, ("update_weights", (1,)))
     messages.send(raw_server, ("tensor", "w", {"shape": (2,), "dtype": "load"}))
     raw_server.send_bytes(bytes(8))
@@ -232,3 +234,19 @@ os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
     assert len(skipped) == 4, skipped
     assert any("AuthenticationError" in line for line in skipped), skipped
     assert any("still unauthenticated" in line for line in skipped), skipped
+
+
+def test_a_config_crosses_as_its_fields_and_the_server_rebuilds_its_own_class():
+    """Nested sections included (vLLM's ``lora``); the hosting knobs are how the server was
+    started: emptied (``python``) or dropped where the rollout's class lacks them."""
+    from dataclasses import replace
+
+    from drivetrain.api import LoraConfig
+    from drivetrain.rollout.config import VLLMRolloutConfig
+    from drivetrain.rollout.process.server import _rollout_config
+
+    config = VLLMRolloutConfig(python="/envs/v/bin/python", env=("A=1",), lora=LoraConfig(rank=4))
+    fields = messages.decode(messages.encode(config_fields(config)))
+    assert _rollout_config("vllm", fields) == replace(config, python="")
+    hosted = {**config_fields(CONFIG), "python": "/envs/f/bin/python", "start_timeout_s": 9.0}
+    assert _rollout_config("fake", hosted) == CONFIG

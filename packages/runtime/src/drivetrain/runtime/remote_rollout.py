@@ -14,7 +14,6 @@ The host keeps the rollout's receiving end of the weight path
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -26,6 +25,7 @@ from drivetrain.api.rollout import Completion, Prompt, Rollout, SamplingParams
 from drivetrain.api.weight_sync import SyncStats, Topology
 from drivetrain.runtime.request_queue import QueuedRollout
 from drivetrain.runtime.weight_receiver import Receiving, WeightReceiver
+from drivetrain.runtime.wire import config_fields
 
 #: what a proxy may ask of the far side
 ROLLOUT_CALLS = frozenset(
@@ -153,7 +153,7 @@ class RemoteReceiver:
     ) -> None:
         # the config's fields, rebuilt by plugin name on the far side: an environment without
         # the transport answers with its one-line install hint, not a wire decoding error
-        fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+        fields = config_fields(config)
         self.channel.call("weights_connect", transport, fields, rank, topology, dict(endpoint))
 
     def receive(self, version: int) -> SyncStats:

@@ -43,6 +43,13 @@ def class_name(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
+def config_fields(config: Any) -> dict[str, Any]:
+    """The constructor's fields of a config dataclass, by name: how a config crosses to another
+    environment, where its plugin rebuilds it with its own class as installed there (which
+    this side may not have)."""
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+
+
 class Codec:
     """Encodes plain data (scalars, lists, tuples, dicts, bytes) and the allowed dataclasses
     and enums; ``resolve(name)`` may allow more classes by name (it must not import by it)."""

@@ -163,6 +163,25 @@ def load_config(
         raise _explain(config_type, exc) from None
 
 
+def peek(files: Sequence[ConfigLayer], overrides: Sequence[str], key: str) -> Any:
+    """The value the layers give the dotted ``key`` before any typed config exists (``None``
+    if none does): what picks the config type itself, e.g. ``rollout.python`` (a rollout's
+    config then comes from that environment). Lists come back as lists. A layer that does not
+    load raises as :func:`load_config` would; one that does not merge is left to it."""
+    try:
+        merged: Any = OmegaConf.create()
+        for path in files:
+            if isinstance(path, tuple):
+                merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(path)))
+            else:
+                merged = OmegaConf.merge(merged, _load_yaml(Path(path)))
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([o for o in overrides if "=" in o]))
+        value = OmegaConf.select(merged, key, default=None, throw_on_missing=False)
+        return OmegaConf.to_container(value) if isinstance(value, ListConfig) else value
+    except OmegaConfBaseException:
+        return None
+
+
 def _raising_section(node: DictConfig, message: str, path: str = "") -> tuple[str, DictConfig]:
     """The dotted path and node of the deepest dataclass section under ``node`` whose
     construction raises ``message`` (its ``__post_init__`` did); walked only on an error, so

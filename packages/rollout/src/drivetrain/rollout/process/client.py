@@ -34,17 +34,17 @@ from typing import Any
 from drivetrain.api.config import RolloutConfig
 from drivetrain.api.engine import NamedTensor
 from drivetrain.api.errors import DrivetrainError, RolloutStalled
-from drivetrain.rollout.config import BackendConfig
+from drivetrain.api.hosting import HostingConfig
 from drivetrain.rollout.errors import ProtocolError, RolloutProcessError
 from drivetrain.rollout.process import messages
 from drivetrain.rollout.process.listener import AuthenticatedListener
 from drivetrain.rollout.process.protocol import ADDRESS_ENV, ALIVE, AUTHKEY_ENV, remote_error
 from drivetrain.rollout.weights import tensor_to_bytes
 from drivetrain.runtime.fair_lock import FairRLock
+from drivetrain.runtime.hosted_rollout import child_env
 from drivetrain.runtime.remote_rollout import QUICK_CALLS, RemoteRollout
+from drivetrain.runtime.wire import config_fields
 
-# Variables that would make the other interpreter load this environment's packages.
-_ISOLATE = ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")
 # A server that takes longer to shut down is killed (close): shutting down is not worth the
 # request timeout (an hour by default) when the backend hangs there.
 SHUTDOWN_TIMEOUT_S = 60.0
@@ -71,12 +71,16 @@ def _watch_sends(ref: weakref.ref[ServerProcess]) -> None:
 
 
 def start_server_rollout(
-    backend: str, config: RolloutConfig, launch: BackendConfig | None = None
+    backend: str, config: RolloutConfig, launch: HostingConfig | None = None
 ) -> RemoteRollout:
     """``backend`` built from ``config`` in a server process started as ``launch`` says
-    (its ``python``, timeouts and ``env``; default: ``config``'s own)."""
+    (its ``python``, timeouts and ``env``; default: ``config``'s own). Any rollout the
+    registry of that environment can load: this is the rollout host ``process``
+    (:func:`drivetrain.runtime.hosted_rollout.rollout_host`). Only ``config``'s fields cross
+    over; the server rebuilds the rollout's own config class from them, so ``config`` may be
+    of a class this environment does not have (one built from the rollout's description)."""
     if launch is None:
-        if not isinstance(config, BackendConfig):
+        if not isinstance(config, HostingConfig):
             raise TypeError(f"{type(config).__name__} has no launch settings; pass launch=")
         launch, config = config, replace(config, python="")
     return RemoteRollout(config, ServerProcess(backend, config, launch))
@@ -86,12 +90,13 @@ class ServerProcess:
     """The channel to a rollout backend in a server process (``call`` by name, see
     :class:`~drivetrain.runtime.remote_rollout.Channel`)."""
 
-    def __init__(self, backend: str, config: RolloutConfig, launch: BackendConfig) -> None:
+    def __init__(self, backend: str, config: RolloutConfig, launch: HostingConfig) -> None:
         python = Path(launch.python).expanduser()
         if not python.is_file() or not os.access(python, os.X_OK):
+            recipe = backend if backend in ("hf", "vllm", "sglang") else "--package <it> hf"
             raise FileNotFoundError(
                 f"rollout.python={launch.python!r} is not an executable interpreter; create the "
-                f"environment with: python -m drivetrain.rollout.env {backend} <dir>"
+                f"environment with: python -m drivetrain.rollout.env {recipe} <dir>"
             )
         self.backend = backend
         self.request_timeout_s = launch.request_timeout_s
@@ -106,8 +111,7 @@ class ServerProcess:
         listener = AuthenticatedListener(authkey)
         fd, log_name = tempfile.mkstemp(prefix=f"drivetrain-{backend}-", suffix=".log")
         self.log_path = Path(log_name)
-        env = {k: v for k, v in os.environ.items() if k not in _ISOLATE}
-        env.update(item.split("=", 1) for item in launch.env)
+        env = child_env(launch.env)
         host, port = listener.address
         env[ADDRESS_ENV] = f"{host}:{port}"
         env[AUTHKEY_ENV] = authkey.hex()
@@ -132,7 +136,7 @@ class ServerProcess:
         try:
             self.conn = self._accept(listener, deadline)
             self.info: dict[str, Any] = self._call(
-                "start", (backend, config), timeout=deadline - time.monotonic()
+                "start", (backend, config_fields(config)), timeout=deadline - time.monotonic()
             )
             self._speaks_alive = self._speaks_alive or "keepalive_s" in self.info
         except Exception as exc:

@@ -1,11 +1,14 @@
 """``python -m drivetrain.rollout.process.server``: hosts one rollout backend for a
 :class:`~drivetrain.rollout.process.client.ServerProcess` channel, in whatever environment runs
-it. Calls are dispatched by name by :class:`~drivetrain.runtime.remote_rollout.RolloutHost`; the
-server itself answers only ``start`` and the tensor stream of ``update_weights``."""
+it: drivetrain's own backends, or any rollout this environment's registry loads (its config
+rebuilt here from the fields the client sent, by the registry's config class). Calls are
+dispatched by name by :class:`~drivetrain.runtime.remote_rollout.RolloutHost`; the server
+itself answers only ``start`` and the tensor stream of ``update_weights``."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.metadata
 import os
 import sys
@@ -15,6 +18,9 @@ import traceback
 from multiprocessing.connection import Client, Connection
 from typing import Any
 
+from drivetrain.api.config import RolloutConfig
+from drivetrain.api.hosting import HOSTING_FIELDS
+from drivetrain.api.registry import rollouts
 from drivetrain.api.rollout import Rollout
 from drivetrain.rollout.errors import ProtocolError
 from drivetrain.rollout.factories import IMPLEMENTATIONS, load_backend_class
@@ -39,6 +45,18 @@ def _versions(backend: str) -> dict[str, str]:
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             found[name] = importlib.metadata.version(name)
     return found
+
+
+def _rollout_config(backend: str, fields: dict[str, Any]) -> RolloutConfig:
+    """``backend``'s config class as installed here, built from the fields the client sent (its
+    class may exist only here). The hosting knobs are how this process was started: those the
+    class lacks are dropped, and ``python`` is emptied so the rollout runs here."""
+    config_class = rollouts.load_config_class(backend, RolloutConfig)
+    own = {f.name for f in dataclasses.fields(config_class) if f.init}
+    kept = {k: v for k, v in fields.items() if k in own or k not in HOSTING_FIELDS}
+    if "python" in own:
+        kept["python"] = ""
+    return config_class(**kept)
 
 
 def _receive_weights(conn: Connection, rollout: Rollout, version: int) -> None:
@@ -121,8 +139,9 @@ def serve(conn: Connection) -> None:
                 case request:
                     raise ProtocolError(f"a request is (method, args), not {request!r:.200}")
             if method == "start":
-                backend, config = args
-                host = RolloutHost(load_backend_class(backend)(config), steps_between_calls=True)
+                backend, fields = args
+                rollout = load_backend_class(backend)(_rollout_config(backend, fields))
+                host = RolloutHost(rollout, steps_between_calls=True)
                 settle_heap()  # the model and imports stay out of the collector's full passes
                 result = {
                     "pid": os.getpid(),

@@ -76,10 +76,11 @@ class RLCommand(JobCommand["RLJob", "PreparedRL", "RLResult"]):
         return untrained(job.task, engine=self.engine, student=self.algorithm == "distill")
 
     def plugins(self, job: RLJob) -> list[tuple[Registry, str]]:
+        rollouts = [] if job.hosted else [(registry.rollouts, job.rollout)]  # not here: there
         return [
             (registry.engines, job.engine),
             (registry.engines, job.critic_engine),
-            (registry.rollouts, job.rollout),
+            *rollouts,
             (registry.ckpt_engines, job.transport),
         ]
 

@@ -45,12 +45,21 @@ class RLPlugins:
     transport: PluginSpec | None
 
     @classmethod
-    def find(cls, engine: str, critic_engine: str, rollout: str, transport: str) -> RLPlugins:
-        """The specs by name (imports only the light spec modules)."""
+    def find(
+        cls,
+        engine: str,
+        critic_engine: str,
+        rollout: str,
+        transport: str,
+        *,
+        rollout_spec: PluginSpec | None = None,
+    ) -> RLPlugins:
+        """The specs by name (imports only the light spec modules); ``rollout_spec``: the
+        rollout's as another environment has it (``rollout.python``), not looked up here."""
         return cls(
             registry.engines.spec(engine),
             registry.engines.spec(critic_engine),
-            registry.rollouts.spec(rollout),
+            rollout_spec or registry.rollouts.spec(rollout),
             None if transport == "direct" else registry.ckpt_engines.spec(transport),
         )
 

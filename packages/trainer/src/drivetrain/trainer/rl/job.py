@@ -17,6 +17,7 @@ from typing import Any
 from drivetrain.api import EngineConfig, registry
 from drivetrain.api.config import LoraConfig, RolloutConfig, WeightSyncConfig
 from drivetrain.api.errors import ConfigError
+from drivetrain.runtime.hosted_rollout import HostedRollout, rollout_host
 from drivetrain.trainer.config_loader import ConfigLayer, load_config, to_yaml
 from drivetrain.trainer.data.tokenize import pad_token_id
 from drivetrain.trainer.hf_export import verify_model_dir
@@ -34,6 +35,7 @@ from drivetrain.trainer.rl.advantages import ADVANTAGES, NEEDS_CRITIC
 from drivetrain.trainer.rl.capabilities import RLPlugins, fit_plugins
 from drivetrain.trainer.rl.config import RLConfig, rl_config_type, updates_per_step
 from drivetrain.trainer.rl.episode_setup import episode_setup
+from drivetrain.trainer.rl.hosted import check_transport, find_hosted
 from drivetrain.trainer.rl.off_policy import CORRECTIONS
 from drivetrain.trainer.rl.placement import (
     Placement,
@@ -79,6 +81,7 @@ class RLJob:
     transport: str
     config: RLConfig
     task: TaskLayers | None = None  # the built-in task it runs (no data and no model given)
+    hosted: HostedRollout | None = None  # the rollout as rollout.python's environment has it
 
     def to_yaml(self) -> str:
         return to_yaml(self.config)
@@ -106,15 +109,20 @@ def load_rl_job(
     critic_engine = critic_engine or engine
     for reg, name in ((registry.engines, engine), (registry.engines, critic_engine)):
         reg.spec(name)  # unknown or unusable plugin: lists what is installed
-    registry.rollouts.spec(rollout)
+    defaults = tuple(ALGORITHM_DEFAULTS[algorithm])
+    presets = preset_files(preset)
+    # rollout.python set: the rollout is what that environment has, configured as it says
+    hosted = find_hosted(rollout, [*presets, *files], overrides)
+    if hosted is None:
+        registry.rollouts.spec(rollout)
     config_type = rl_config_type(
         registry.engines.load_config_class(engine, EngineConfig),
         registry.engines.load_config_class(critic_engine, EngineConfig),
-        registry.rollouts.load_config_class(rollout, RolloutConfig),
+        hosted.config_class()
+        if hosted
+        else registry.rollouts.load_config_class(rollout, RolloutConfig),
         _transport_config(weight_sync),
     )
-    defaults = tuple(ALGORITHM_DEFAULTS[algorithm])
-    presets = preset_files(preset)
     shipped: list[ConfigLayer] = [defaults, *presets]  # the job's, below the user's
     shipped_overrides: list[str] = []
     config = load_config(config_type, files=[*shipped, *files], overrides=overrides)
@@ -151,10 +159,14 @@ def load_rl_job(
             "rollout of its own: rollout.python=<interpreter> (a server process), or "
             "placement.mode=colocated|separate (Ray)"
         )
-    plugins = RLPlugins.find(engine, critic_engine, rollout, transport)
+    if hosted is not None:
+        check_transport(hosted, transport)
+    plugins = RLPlugins.find(
+        engine, critic_engine, rollout, transport, rollout_spec=hosted and hosted.spec
+    )
     job_default = load_config(config_type, files=shipped, overrides=shipped_overrides)
     config = fit_plugins(config, job_default, plugins, mode)
-    return RLJob(algorithm, engine, critic_engine, rollout, transport, config, layers)
+    return RLJob(algorithm, engine, critic_engine, rollout, transport, config, layers, hosted)
 
 
 def preset_names() -> list[str]:
@@ -230,7 +242,10 @@ def prepare(job: RLJob) -> PreparedRL:
     RewardScorer(c.reward.functions, c.reward.weights)
     for name in (job.engine, job.critic_engine):
         registry.engines.load(name)
-    registry.rollouts.load(job.rollout)
+    if job.hosted is None:
+        registry.rollouts.load(job.rollout)
+    else:  # loaded in its environment: here, the host that starts it there
+        rollout_host()
     if job.transport != "direct":
         registry.ckpt_engines.load(job.transport)
     check_output_dir("run.output_dir", c.run.output_dir)
@@ -358,10 +373,11 @@ def describe(prepared: PreparedRL) -> str:
             [f"env {c.env}"] * bool(c.env) + [f"agent {c.agent.command!r}"] * bool(c.agent.command)
         )
         data = f"{who}: {len(prepared.setup.train)} tasks, up to {c.episode.max_turns} turns"
+    rollout = f"{job.rollout} in {job.hosted.python}" if job.hosted else job.rollout
     return (
         f"{job.algorithm}: {data}, "
         f"{len(prepared.setup.val)} validation; {c.run.steps} steps x "
         f"{c.run.prompts_per_step} prompts x {c.sampling.n} samples; roles {roles}; rollout "
-        f"{job.rollout}; placement {resolve_mode(c.placement, c.workers)}, weights via "
+        f"{rollout}; placement {resolve_mode(c.placement, c.workers)}, weights via "
         f"{job.transport}"
     )

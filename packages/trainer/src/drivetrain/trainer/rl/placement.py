@@ -29,6 +29,7 @@ from drivetrain.runtime.remote_rollout import RemoteRollout
 from drivetrain.runtime.rollout_service import RolloutService
 from drivetrain.trainer.job_config import WorkersConfig
 from drivetrain.trainer.rl.config import PlacementConfig
+from drivetrain.trainer.rl.hosted import rollout_factory
 from drivetrain.trainer.rl.ray_rollout import ACTOR_OPTIONS, RayChannel, RolloutActor
 from drivetrain.trainer.rl.sync_manager import WeightSyncManager, connect_rollouts
 from drivetrain.trainer.rl.sync_worker import SyncingWorker
@@ -171,7 +172,7 @@ def build_placement(spec: PlacementSpec) -> Placement:
         return _ray_placement(spec, factory)
     group: WorkerGroup = LocalWorkerGroup(factory)
     try:
-        make = registry.rollouts.load(spec.rollout_name)
+        make = rollout_factory(spec.rollout_name, spec.rollout_config)
         rollouts = [make(spec.rollout_config) for _ in range(spec.placement.rollout_replicas)]
     except BaseException:
         group.close()

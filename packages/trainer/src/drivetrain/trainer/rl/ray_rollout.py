@@ -18,12 +18,12 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from drivetrain.api import registry
 from drivetrain.api.config import RolloutConfig
 from drivetrain.api.engine import NamedTensor
 from drivetrain.api.errors import RolloutStalled
 from drivetrain.runtime.remote_rollout import RolloutHost
 from drivetrain.trainer.errors import WorkerError
+from drivetrain.trainer.rl.hosted import rollout_factory
 from drivetrain.trainer.workers.ray_runtime import wait_all
 
 #: the actor's options that give :meth:`RolloutActor.ping` its own thread
@@ -31,11 +31,12 @@ ACTOR_OPTIONS = {"concurrency_groups": {"ping": 1}}
 
 
 class RolloutActor:
-    """Ray actor body: hosts one rollout backend, built through the registry in the actor."""
+    """Ray actor body: hosts one rollout backend, built through the registry in the actor (or
+    the proxy to it in the server process of ``rollout.python``)."""
 
     def __init__(self, name: str, config: RolloutConfig, env: Mapping[str, str]) -> None:
         os.environ.update(env)
-        self.host = RolloutHost(registry.rollouts.load(name)(config))
+        self.host = RolloutHost(rollout_factory(name, config)(config))
 
     def pid(self) -> int:
         return os.getpid()
