@@ -49,7 +49,7 @@ def test_the_trainer_installs_no_environment_plugin():
     trainer = closure("drivetrain-trainer")
     for extra in ("fsdp", "gguf"):  # the trainer's extras pull none either
         trainer |= closure_with_extra("drivetrain-trainer", extra)
-    plugins = {"drivetrain-env-reasoning-gym", "drivetrain-env-openenv"}
+    plugins = {"drivetrain-env-reasoning-gym", "drivetrain-env-openenv", "drivetrain-env-verifiers"}
     assert not trainer & (plugins | {"reasoning-gym", "pyfiglet", "cellpylib"} | OPENENV_SERVER)
 
 
@@ -60,6 +60,17 @@ def test_the_openenv_adapter_installs_a_websocket_client_not_openenvs_server():
     assert "websockets" in adapter and "drivetrain-engine-api" in adapter
     assert not adapter & OPENENV_SERVER, sorted(adapter & OPENENV_SERVER)
     assert len(adapter) <= 3, sorted(adapter)  # itself, the api, websockets
+
+
+def test_the_verifiers_adapter_installs_nothing_but_the_api():
+    """verifiers and its dependencies live in the hub's own venv (episode.options.python):
+    the adapter speaks to its sidecar over pipes, so the lock has no verifiers at all."""
+    assert closure("drivetrain-env-verifiers") == {
+        "drivetrain-env-verifiers",
+        "drivetrain-engine-api",
+    }
+    packages = {p["name"] for p in tomllib.loads(LOCK.read_text())["package"]}
+    assert "verifiers" not in packages
 
 
 def closure_with_extra(root: str, extra: str) -> set[str]:
