@@ -114,7 +114,10 @@ def import_gguf_command(
 
 @app.command("new-plugin")
 def new_plugin_command(
-    kind: Annotated[str, typer.Argument(help="What to make: environment.")],
+    kind: Annotated[
+        str,
+        typer.Argument(help="What to make: engine, rollout, transport (weight sync), environment."),
+    ],
     name: Annotated[str, typer.Argument(help="The distribution's name, e.g. acme-words.")],
     into: Annotated[Path, typer.Option(help="The folder to make it in.")] = Path("."),
 ) -> None:
