@@ -103,6 +103,33 @@ class TrustsArgumentTypes(EchoEnvironment):
         return Trusting(task, self._tools, self.turns)
 
 
+def echo_turns(task, said=None):
+    """Echo the answer once, then say it (``said``: what the last turn says instead)."""
+    from drivetrain.api.environment import ToolCall
+
+    answer = str(task["answer"])
+    call = ToolCall("echo", {"text": answer}, "c0")
+    last = answer if said is None else said
+    return [AssistantTurn(0, "", "", (call,)), AssistantTurn(1, last, last)]
+
+
+class Demonstrates(EchoEnvironment):
+    """Demonstrates its task: a harness without a solution uses the demonstration."""
+
+    def demonstration(self, task):
+        return echo_turns(task)
+
+
+class DemonstratesNothing(EchoEnvironment):
+    """Its demonstration of the fourth task onwards answers wrong: it earns nothing there (the
+    harness's own solution, on the first four tasks, is right)."""
+
+    def demonstration(self, task):
+        wrong = str(int(task["answer"]) + 1)
+        index = self.tasks("train", 8, 0).index(task)
+        return echo_turns(task, said=wrong if index >= 4 else None)
+
+
 class TextInfo(EchoEnvironment):
     def episode(self, task):
         class Texty(EchoEpisode):
@@ -126,6 +153,7 @@ PLANTED = [
         r"says string\)",
     ),
     (TextInfo, "solution", r"info\['verdict'\] is 'ok', not a number"),
+    (DemonstratesNothing, "solution", r"task 4: the environment's demonstration earned 0\.0"),
 ]
 
 
@@ -157,3 +185,34 @@ def test_bad_arguments_cover_types_values_and_sizes():
     # the other required argument is plausible while one is bad
     assert all(args["count"] == 1 for why, args in made if why.startswith("letter="))
     assert all(args["letter"] == "a" for why, args in made if why.startswith("count="))
+
+
+class DemonstratedHarness(EnvironmentHarness):
+    """No solution: the kit plays the environment's demonstration."""
+
+    def __init__(self, environment_class=Demonstrates):
+        self.environment_class = environment_class
+
+    def make_environment(self, options=None):
+        return self.environment_class(options)
+
+    def bad_options(self):
+        return [{"turns": 0}]
+
+
+def test_the_solution_defaults_to_the_demonstration():
+    results = run_environment_conformance(DemonstratedHarness())
+    assert len(results) == 7 and not [r for r in results if r.error], results
+    task = Demonstrates().tasks("train", 1, 0)[0]
+    assert DemonstratedHarness().solution(task) == echo_turns(task)
+
+
+def test_no_solution_and_no_demonstration_says_what_to_write():
+    errors = {
+        r.name: r.error for r in run_environment_conformance(DemonstratedHarness(EchoEnvironment))
+    }
+    assert "EchoEnvironment gives no demonstration of task" in errors["solution"], errors
+    assert (
+        "give the harness a solution(task), or the environment a demonstration(task)"
+        in (errors["solution"])
+    )

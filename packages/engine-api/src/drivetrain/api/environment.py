@@ -20,6 +20,10 @@ An episode's reward is the sum of its turns' rewards (and the truncation reward)
 runs in a worker thread of the trainer: episodes of one environment object may step at the
 same time, so state shared between episodes needs a lock. Standard library only, like every
 contract here: environments are plain Python.
+
+Optional: :meth:`Environment.demonstration`, an expert's turns for a task (the kit's harness
+solution by default); then ``drivetrain grpo env=NAME`` needs no model: it warms a tiny one up
+on the demonstrations that earn a reward (played through ``reset``/``step``), then runs GRPO.
 """
 
 from __future__ import annotations
@@ -121,6 +125,13 @@ class Environment(abc.ABC):
     @abc.abstractmethod
     def episode(self, task: Task) -> Episode:
         """A new episode of ``task``; many may be in flight at once."""
+
+    def demonstration(self, task: Task) -> Sequence[AssistantTurn] | None:
+        """Turns of an episode of ``task`` that ends (``done``) at the last with a reward > 0,
+        as :meth:`Episode.step` takes them (``text`` may be empty: the trainer writes
+        ``content`` and ``tool_calls`` in its model's markup); the same for a task (the warm
+        start is cached by their hash). ``None`` (the default): it cannot demonstrate."""
+        return None
 
     def tasks(self, split: str, count: int, seed: int) -> list[Task]:
         """``count`` tasks of ``split`` (``train`` or ``val``), made from ``seed``: for an

@@ -2,8 +2,10 @@
 against the contract the trainer relies on.
 
 An environment author writes an :class:`EnvironmentHarness` (how to make the environment, and
-the assistant turns of one episode that earns a reward) and runs
-:func:`run_environment_conformance`, or inherits :class:`EnvironmentConformance` under pytest.
+the assistant turns of one episode that earns a reward: by default the environment's own
+:meth:`~drivetrain.api.environment.Environment.demonstration`, so the expert is written once)
+and runs :func:`run_environment_conformance`, or inherits :class:`EnvironmentConformance`
+under pytest.
 The kit plays episodes itself, as the trainer does (``reset``, then ``step`` per assistant
 turn, ``truncated`` when it cuts one short), with the harness's turns and with turns no policy
 should write. Standard library only.
@@ -40,10 +42,18 @@ class EnvironmentHarness(abc.ABC):
     def make_environment(self, options: Mapping[str, Any] | None = None) -> Environment:
         """The environment with these ``episode.options`` (``None``: its defaults)."""
 
-    @abc.abstractmethod
     def solution(self, task: Task) -> list[AssistantTurn]:
         """The assistant turns of an episode of ``task`` that ends (``done``) at its last turn
-        with a positive reward, as the trainer would pass them (tool calls parsed)."""
+        with a positive reward, as the trainer would pass them (tool calls parsed). Default:
+        the environment's demonstration of ``task``; override it when there is none."""
+        env = self.make_environment()
+        turns = env.demonstration(task)
+        if turns is None:
+            raise AssertionError(
+                f"{type(env).__name__} gives no demonstration of task {dict(task)!r:.100}: "
+                "give the harness a solution(task), or the environment a demonstration(task)"
+            )
+        return list(turns)
 
     def tasks(self, environment: Environment) -> list[Task]:
         """At least 4 tasks; the default asks the environment for 8 (``tasks("train", 8,
@@ -172,24 +182,39 @@ def check_tools_and_tasks(h: EnvironmentHarness) -> None:
         raise AssertionError("the train and val splits give the same tasks")
 
 
+def _assert_earns(env: Environment, task: Task, turns: object, what: str) -> None:
+    """``turns`` play ``task`` to ``done`` at the last one with a positive reward."""
+    if not isinstance(turns, Sequence) or not all(isinstance(t, AssistantTurn) for t in turns):
+        raise AssertionError(f"{what}: {turns!r:.200} is not a list of AssistantTurn")
+    if not turns:
+        raise AssertionError(f"{what}: no turns")
+    results = _play(env.episode(task), turns, what)
+    if not results[-1].done or len(results) != len(turns):
+        raise AssertionError(
+            f"{what}: its {len(turns)} turns ended the episode after {len(results)} "
+            f"(done: {results[-1].done})"
+        )
+    earned = sum(r.reward for r in results)
+    if not earned > 0:
+        raise AssertionError(f"{what} earned {earned}")
+
+
 def check_solution(h: EnvironmentHarness) -> None:
     """The harness's turns play each task to ``done`` at the last turn with a positive
     reward; every result is a StepResult with finite reward, chat-message observations and
-    numeric info; two episodes of one task start alike."""
+    numeric info; two episodes of one task start alike. An environment's demonstration, when
+    it gives one, earns a reward on every task of the harness (the built-in warm start trains
+    on them)."""
     env = h.make_environment()
-    for i, task in enumerate(_tasks(h, env)[:4]):
-        turns = h.solution(task)
+    tasks = _tasks(h, env)
+    for i, task in enumerate(tasks[:4]):
         if env.episode(task).reset() != env.episode(task).reset():
             raise AssertionError(f"task {i}: two episodes of it start with other messages")
-        results = _play(env.episode(task), turns, f"task {i}")
-        if not results[-1].done or len(results) != len(turns):
-            raise AssertionError(
-                f"task {i}: the solution's {len(turns)} turns ended the episode after "
-                f"{len(results)} (done: {results[-1].done})"
-            )
-        if not sum(r.reward for r in results) > 0:
-            earned = sum(r.reward for r in results)
-            raise AssertionError(f"task {i}: the solution earned {earned}")
+        _assert_earns(env, task, h.solution(task), f"task {i}: the solution")
+    for i, task in enumerate(tasks):
+        turns = env.demonstration(task)
+        if turns is not None:
+            _assert_earns(env, task, turns, f"task {i}: the environment's demonstration")
 
 
 def _untrusted_turns(env: Environment) -> dict[str, AssistantTurn]:

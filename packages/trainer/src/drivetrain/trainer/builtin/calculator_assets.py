@@ -2,7 +2,8 @@
 
 Like the addition task's (:mod:`drivetrain.trainer.builtin.addition`), everything is built
 locally from fixed seeds into the cache directory: a character tokenizer whose chat template
-renders tools, tool results and Hermes ``<tool_call>`` markers (single tokens), a small Llama,
+renders tools, tool results and Hermes ``<tool_call>`` markers (single tokens), a small Llama
+(both from :mod:`~drivetrain.trainer.builtin.tool_warm_start`, as its SFT warm start is),
 and multi-turn demonstrations from a careless annotator. A share ``NOISE`` of them slip: the
 annotator answers without the calculator (a near guess), copies a result wrong into the second
 call, or writes the answer with a slip. SFT learns the tool protocol and the slips; the
@@ -14,22 +15,22 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
 from drivetrain.api.environment import ToolCall
-from drivetrain.runtime.atomic_dir import publish, staging_path
 from drivetrain.trainer.agentic.tool_parsers import HermesParser
-from drivetrain.trainer.builtin import calculator
+from drivetrain.trainer.builtin import calculator, tool_warm_start
 from drivetrain.trainer.builtin.addition import cache_dir
 from drivetrain.trainer.builtin.build_once import build_once
-from drivetrain.trainer.builtin.char_tokenizer import ROLES, build_char_tokenizer
-from drivetrain.trainer.builtin.tiny_model import build_llama_model
-from drivetrain.trainer.console import plain_console
+from drivetrain.trainer.builtin.tool_warm_start import (
+    HERMES_MARKERS,
+    ToolTaskAssets,
+    build_tool_model,
+    chat_template,
+)
 
 ASSETS_VERSION = "calculator-v1"
 SFT_SIZE = 20000
@@ -43,49 +44,18 @@ MODEL_SHAPE = {
     "num_key_value_heads": 2,
     "max_position_embeddings": 256,
 }
-SFT_MODEL = "sft-model"
-SFT_REPORT = "drivetrain_sft_report.json"
 SFT_CONFIG = Path(__file__).parent / "calculator_sft.yaml"
 #: single tokens: the Hermes markers, and the fixed JSON around a calculator call's
 #: expression (as a BPE vocabulary would merge frequent strings): a call is a few tokens plus
 #: its expression, so the small model spends its capacity on the numbers it must copy
 WORDS = (
-    "<tool_call>",
-    "</tool_call>",
+    *HERMES_MARKERS,
     '{"name":"calculator","arguments":{"expression":"',
     '"}}',
     "calculator",
 )
-#: tools named in a system turn; tool results as ``<|tool|>`` turns; an assistant turn's
-#: ``tool_calls`` (OpenAI agents send them back) in the Hermes form the model writes
-CHAT_TEMPLATE = (
-    "{% if tools %}<|system|>tools:{% for t in tools %} {{ t['function']['name'] }}"
-    "{% endfor %}<|end|>{% endif %}"
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] or '' }}"
-    "{% for c in m.get('tool_calls') or [] %}<tool_call>"
-    '{"name":"{{ c["function"]["name"] }}","arguments":'
-    "{% if c['function']['arguments'] is string %}{{ c['function']['arguments'] }}"
-    "{% else %}{{ c['function']['arguments'] | tojson }}{% endif %}}</tool_call>"
-    "{% endfor %}<|end|>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-
-
-@dataclass(frozen=True)
-class CalculatorAssets:
-    root: Path
-
-    @property
-    def model_dir(self) -> Path:
-        return self.root / "model"
-
-    @property
-    def sft_path(self) -> Path:
-        return self.root / "sft.jsonl"
-
-    @property
-    def sft_model(self) -> Path:
-        return self.root / SFT_MODEL
+#: the tools named in a system turn (``tools: calculator``)
+CHAT_TEMPLATE = chat_template(" {{ t['function']['name'] }}")
 
 
 def _call(expression: str) -> str:
@@ -123,11 +93,11 @@ def demonstration(task: dict[str, Any], rng: random.Random, noise: float) -> dic
     return {"messages": messages, "tools": [calculator.CALCULATOR.schema()]}
 
 
-def assets_at(root: Path | None = None) -> CalculatorAssets:
-    return CalculatorAssets((root or cache_dir()) / ASSETS_VERSION)
+def assets_at(root: Path | None = None) -> ToolTaskAssets:
+    return ToolTaskAssets((root or cache_dir()) / ASSETS_VERSION, "calculator")
 
 
-def ensure_assets(root: Path | None = None) -> CalculatorAssets:
+def ensure_assets(root: Path | None = None) -> ToolTaskAssets:
     """Build the tokenizer, model and demonstrations once; later calls reuse them."""
     assets = assets_at(root)
     build_once(assets.root, _build)
@@ -139,19 +109,11 @@ def _build(staging: Path) -> None:
     with open(staging / "sft.jsonl", "w") as f:
         for task in calculator.tasks(SFT_SIZE, seed=20):
             f.write(json.dumps(demonstration(task, rng, NOISE)) + "\n")
-    model = staging / "model"
-    build_char_tokenizer(
-        model, roles=(*ROLES, "<|tool|>"), words=WORDS, chat_template=CHAT_TEMPLATE
-    )
-    build_llama_model(model, tokenizer_dir=model, **MODEL_SHAPE)
-
-
-def cached_sft_model(assets: CalculatorAssets) -> Path | None:
-    return assets.sft_model if (assets.sft_model / SFT_REPORT).is_file() else None
+    build_tool_model(staging / "model", words=WORDS, template=CHAT_TEMPLATE, shape=MODEL_SHAPE)
 
 
 def ensure_sft_model(
-    assets: CalculatorAssets,
+    assets: ToolTaskAssets,
     console: Console | None,
     *,
     engine: str = "fsdp2",
@@ -159,32 +121,6 @@ def ensure_sft_model(
 ) -> Path:
     """The tool-using SFT model, trained on ``engine`` first when it is not cached; without
     ``train``, only where it will be."""
-    cached = cached_sft_model(assets)
-    if cached is not None or not train:
-        return assets.sft_model
-    from drivetrain.trainer.sft.job import load_sft_job, prepare, run_sft
-
-    console = console or plain_console()
-    console.print(
-        "no cached calculator SFT model: training the tool-using warm start first "
-        f"(drivetrain sft on {assets.sft_path}, --engine {engine})"
+    return tool_warm_start.ensure_sft_model(
+        assets, console, config=SFT_CONFIG, engine=engine, train=train
     )
-    work = staging_path(assets.sft_model)
-    job = load_sft_job(
-        engine,
-        overrides=[
-            f"engine.model.path={assets.model_dir}",
-            f"data.train_path={assets.sft_path}",
-            f"run.output_dir={work}",
-        ],
-        files=[SFT_CONFIG],
-    )
-    result = run_sft(prepare(job), resume="none", console=console)
-    assert result is not None and result.hf_dir is not None
-    staging = staging_path(assets.sft_model)
-    shutil.copytree(result.hf_dir, staging)
-    report = {"steps": result.final_step, "val_loss": result.val_loss}
-    (staging / SFT_REPORT).write_text(json.dumps(report, indent=2))
-    publish(staging, assets.sft_model)
-    shutil.rmtree(work, ignore_errors=True)
-    return assets.sft_model

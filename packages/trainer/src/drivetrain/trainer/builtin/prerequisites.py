@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
-from drivetrain.trainer.builtin import addition, calculator_assets
+from drivetrain.trainer.builtin import addition
 from drivetrain.trainer.builtin.student import STUDENT_SFT_STEPS, cached_student_model
+from drivetrain.trainer.builtin.tool_warm_start import ToolTaskAssets, cached_sft_model
 from drivetrain.trainer.job_config import TaskLayers
 
 
@@ -27,13 +28,14 @@ def untrained_prerequisites(
     return lines
 
 
-def untrained_calculator(assets: calculator_assets.CalculatorAssets, *, engine: str) -> list[str]:
-    """The built-in agentic job's line, when its tool-using SFT model is not cached."""
-    if calculator_assets.cached_sft_model(assets) is not None:
+def untrained_tool_task(assets: ToolTaskAssets, *, engine: str) -> list[str]:
+    """A built-in agentic job's line (``env=calculator``, or an environment's demonstrated
+    warm start), when its tool-using SFT model is not cached."""
+    if cached_sft_model(assets) is not None:
         return []
     return [
-        f"the calculator task's SFT model {assets.sft_model} does not exist yet: the run trains "
-        f"it first ({assets.sft_path}, --engine {engine})"
+        f"the {assets.task} task's SFT model {assets.sft_model} does not exist yet: the run "
+        f"trains it first ({assets.sft_path}, --engine {engine})"
     ]
 
 
@@ -41,6 +43,6 @@ def untrained(task: TaskLayers | None, *, engine: str, student: bool = False) ->
     """The lines of the built-in task a job runs (none for the user's own data and model)."""
     if task is None:
         return []
-    if isinstance(task.assets, calculator_assets.CalculatorAssets):
-        return untrained_calculator(task.assets, engine=engine)
+    if isinstance(task.assets, ToolTaskAssets):
+        return untrained_tool_task(task.assets, engine=engine)
     return untrained_prerequisites(task.assets, engine=engine, student=student)

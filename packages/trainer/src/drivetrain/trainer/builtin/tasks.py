@@ -56,15 +56,30 @@ def addition_dpo(engine: str, console: Console | None) -> DPOTask:
 
 def rl_task(algorithm: str, *, engine: str, rollout: str, console: Console | None) -> RLTask:
     """The addition task from the built-in SFT model (distill: that model teaches a smaller
-    student), or with ``env=calculator`` the agentic task from its tool-using SFT model.
+    student), or with ``env=calculator`` the agentic task from its tool-using SFT model, or
+    with another ``env=`` that environment's own tasks from a tiny model warmed up on its
+    demonstrations (:mod:`~drivetrain.trainer.builtin.demonstrated`).
     Nothing is built for a config that is only shown: it names where the files will be."""
 
     def layers(config: RLConfig, train: bool) -> TaskLayers:
         if config.episodic:
-            if config.env != CALCULATOR:
+            if not config.env:  # an agent plays data rows: nothing to demonstrate
                 raise ConfigError(
-                    f"actor.model.path is required with env={config.env or '(none)'} (a "
-                    f"built-in model comes with env={CALCULATOR} only)"
+                    "actor.model.path is required with agent.command and no env (a built-in "
+                    f"model comes with env={CALCULATOR}, or an env that demonstrates its task)"
+                )
+            if config.env != CALCULATOR:
+                # the environment's demonstrations warm a tiny model up (refused in one line
+                # when it has none); imported here: it loads the environment, with torch
+                from drivetrain.trainer.builtin import demonstrated
+
+                env, model = demonstrated.ensure_warm_start(
+                    config, console, engine=engine, train=train
+                )
+                return TaskLayers(
+                    files=for_rollout(rollout, demonstrated.GRPO_CONFIG),
+                    overrides=(f"actor.model.path={model}",),
+                    assets=env,
                 )
             env = calculator_assets.ensure_assets() if train else calculator_assets.assets_at()
             model = calculator_assets.ensure_sft_model(env, console, engine=engine, train=train)
