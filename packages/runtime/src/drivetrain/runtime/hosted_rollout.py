@@ -100,7 +100,7 @@ class HostedRollout:
 
     @property
     def where(self) -> str:
-        return f"rollout.python={self.python}"
+        return _where(self.python)
 
     def transport_problem(self, transport: str) -> str:
         """Why weights cannot reach the rollout over ``transport`` there (``""``: they can)."""
@@ -163,13 +163,18 @@ class HostedRollout:
         )
 
 
+def _where(python: str) -> str:
+    """How every message names the environment: by the key that chose it."""
+    return f"rollout.python={python}"
+
+
 def describe_in(
     python: str, name: str, *, env: Sequence[str] = (), timeout_s: float = 120.0
 ) -> HostedRollout:
     """The rollout ``name`` as the interpreter ``python`` has it installed, or a one-line
     :class:`PluginError` saying what is missing there and how to install it (``env``:
     ``rollout.env``, e.g. a ``DRIVETRAIN_PLUGINS`` for that environment)."""
-    where = f"rollout.python={python}"
+    where = _where(python)
     exe = Path(python).expanduser()
     if not exe.is_file() or not os.access(exe, os.X_OK):
         raise PluginError(f"{where} is not an executable interpreter; make one with: {MAKE_ENV}")
@@ -217,7 +222,7 @@ def describe_in(
 def _refusal(name: str, python: str, answer: Mapping[str, Any]) -> str:
     """One line: the rollout missing in that environment (and how to install it there), or
     its registry's own reason it cannot be used there."""
-    where = f"rollout.python={python}"
+    where = _where(python)
     if answer.get("installed", True):
         return f"rollout {name!r} cannot be used in the environment of {where}: {answer['error']}"
     try:  # installed here too: its own hint names the distribution
