@@ -196,7 +196,7 @@ def _observations(known: list[dict[str, Any]], messages: list[dict[str, Any]]) -
 
 def _reply(done: Future[dict[str, Any]]) -> dict[str, Any]:
     """The run's reply; a sidecar that died or a run the hub refused raise one line."""
-    reply = done.result()  # a VerifiersError when the sidecar is gone
+    reply = done.result()  # done already (its callback queued it); raises if the sidecar died
     if "error" in reply:
         raise VerifiersError(f"verifiers: the hub refused the run: {reply['error']}")
     return reply
