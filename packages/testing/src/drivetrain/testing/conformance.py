@@ -50,6 +50,7 @@ from drivetrain.testing.steps import (
     assert_weights_close,
     close,
     data,
+    fresh_step,
     gather,
     rows,
     sample_data,
@@ -166,7 +167,7 @@ def check_micro_batch_invariance(h: EngineHarness) -> None:
         MicroBatchConfig(micro_batch_size=3),
         MicroBatchConfig(max_tokens=max(LENGTHS) + 4),
     ]
-    runs = [(split, train_step(h, h.make_engine(split), batch)) for split in splits]
+    runs = [(split, fresh_step(h, split, batch)) for split in splits]
     _, base = runs[0]
     for split, run in runs[1:]:
         assert_close(h, run.loss, base.loss, f"loss with {split} vs one micro-batch")
@@ -271,12 +272,14 @@ def check_packed_matches_padded(h: EngineHarness) -> None:
     """Packed input gives the padded input's outputs, sample for sample."""
     if not getattr(h, "packed", True):
         raise unittest.SkipTest("the harness says its engine does not take packed batches")
-    engine = h.make_engine(MicroBatchConfig(micro_batch_size=3))
     batch = data(h)
+    # the fresh engine's step first: closing it while another engine is open would take the
+    # process-wide state of engines such as megatron's with it
+    padded_run = fresh_step(h, MicroBatchConfig(micro_batch_size=3), batch)
+    engine = h.make_engine(MicroBatchConfig(micro_batch_size=3))
     spec = OutputSpec(log_probs=True, entropy=True)
     padded = _infer_rows(h, engine, batch, spec)
     packed = _infer_rows(h, engine, batch.to_packed(), spec)
-    padded_run = train_step(h, h.make_engine(MicroBatchConfig(micro_batch_size=3)), batch)
     packed_run = train_step(h, engine, batch.to_packed())
     engine.close()
     _assert_same_results(h, spec, (packed, packed_run), (padded, padded_run), "packed", "padded")
@@ -313,11 +316,11 @@ def check_shared_prefix_is_only_a_hint(h: EngineHarness) -> None:
     plain = h.make_batch(sequences, masks)
     hinted = plain.with_columns(**{SHARED_PREFIX_LEN: shared})
     config = MicroBatchConfig(max_tokens=10_000)  # one micro-batch: all groups together
+    want_run = fresh_step(h, config, plain)  # first: see check_packed_matches_padded
     engine = h.make_engine(config)
     spec = OutputSpec(log_probs=True, entropy=True)
     want = _infer_rows(h, engine, plain, spec)
     got = _infer_rows(h, engine, hinted, spec)
-    want_run = train_step(h, h.make_engine(config), plain)
     got_run = train_step(h, engine, hinted)
     engine.close()
     _assert_same_results(

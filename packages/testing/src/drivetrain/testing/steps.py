@@ -112,6 +112,17 @@ def train_step(
     return Run(result.loss, grad_norm, lr, result, weights(h, engine))
 
 
+def fresh_step(h: EngineHarness, micro_batch: MicroBatchConfig, batch: Batch) -> Run:
+    """One training step on a new engine, which is closed after it. An engine left to the
+    garbage collector is finalised at a different moment on each rank: the megatron_fsdp kit
+    runs that leaked five engines desynchronised its two ranks' collectives (a hang, or heap
+    corruption when gloo paired all-gathers of different sizes)."""
+    engine = h.make_engine(micro_batch)
+    run = train_step(h, engine, batch)
+    engine.close()
+    return run
+
+
 def data(h: EngineHarness) -> Batch:
     return h.make_batch(*sample_data(h.vocab_size))
 
