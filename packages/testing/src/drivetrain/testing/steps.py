@@ -114,9 +114,9 @@ def train_step(
 
 def fresh_step(h: EngineHarness, micro_batch: MicroBatchConfig, batch: Batch) -> Run:
     """One training step on a new engine, which is closed after it. An engine left to the
-    garbage collector is finalised at a different moment on each rank: the megatron_fsdp kit
-    runs that leaked five engines desynchronised its two ranks' collectives (a hang, or heap
-    corruption when gloo paired all-gathers of different sizes)."""
+    garbage collector is finalised at a different moment on each rank: while the kit leaked
+    six, megatron_fsdp's two ranks were caught in different checks (runs hung, and once the
+    heap was corrupted)."""
     engine = h.make_engine(micro_batch)
     run = train_step(h, engine, batch)
     engine.close()
