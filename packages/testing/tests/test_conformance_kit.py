@@ -396,3 +396,27 @@ def test_a_dropout_harness_whose_engine_ignores_it_fails_the_rng_check():
 
     (result,) = run_conformance(IgnoresDropout(), [kit.check_rng_restored])
     assert not result.passed and "trains deterministically" in result.error
+
+
+def test_every_check_closes_every_engine_it_makes():
+    """An engine left to the garbage collector is finalised at a different moment on each
+    rank (see ``steps.fresh_step``): no check may leave one open."""
+    made = []
+
+    class Tracked(FakeEngine):
+        def initialize(self):
+            super().initialize()
+            self.is_open = True
+            made.append(self)
+
+        def close(self):
+            self.is_open = False
+            super().close()
+
+    harness = FakeHarness(engine_class=Tracked)
+    for check in kit.ENGINE_CHECKS:
+        made.clear()
+        (result,) = run_conformance(harness, [check])
+        assert result.passed, result.error
+        left = sum(engine.is_open for engine in made)
+        assert not left, f"{check.__name__} left {left} of its {len(made)} engines open"
