@@ -149,9 +149,15 @@ class OffloadConfig:
     optimizer: bool = False
 
 
+#: ``exact``: the log-probs of a rollout and of an engine, both declaring the capability
+#: ``exact_numerics``, are bitwise equal for every token, whatever the batch, cache and packing
+NUMERICS = ("default", "exact")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    """What every training engine is configured with. Engines subclass it for their own knobs."""
+    """What every training engine is configured with. Engines subclass it for their own knobs
+    (and call this ``__post_init__`` from theirs). ``numerics``: one of :data:`NUMERICS`."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -159,6 +165,10 @@ class EngineConfig:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     device: str = "auto"  # "auto", "cpu", "cuda", "npu"; auto picks the accelerator if present
     seed: int = 0
+    numerics: str = "default"
+
+    def __post_init__(self) -> None:
+        _check_choice("engine", "numerics", self.numerics, NUMERICS)
 
 
 @dataclass(frozen=True)
@@ -170,7 +180,7 @@ class RolloutConfig:
     no call, or produces no token while requests of the trainer run on it, for this long
     fails the run with one line naming it. It bounds a stall; the time one request may take
     is the backend's own (``rollout.request_timeout_s``), and a weight sync's transfer has
-    ``weight_sync.timeout_s``.
+    ``weight_sync.timeout_s``. ``numerics``: one of :data:`NUMERICS`.
     """
 
     model_path: str = ""
@@ -180,9 +190,11 @@ class RolloutConfig:
     device: str = "auto"
     seed: int = 0
     stall_timeout_s: float = 60.0
+    numerics: str = "default"
 
     def __post_init__(self) -> None:
         _check_choice("rollout", "dtype", self.dtype, DTYPES)
+        _check_choice("rollout", "numerics", self.numerics, NUMERICS)
         _check_positive("rollout", "max_model_len", self.max_model_len)
         _check_positive("rollout", "tensor_parallel_size", self.tensor_parallel_size)
         if self.stall_timeout_s < 2:  # a server process says it is alive once a second

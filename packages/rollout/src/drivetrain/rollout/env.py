@@ -94,9 +94,9 @@ def workspace_root() -> Path | None:
 def drivetrain_requirements() -> list[str]:
     """drivetrain's packages for the backend's environment: the api and its runtime, the
     rollout package and the weight-sync transports (a rollout there receives weights through
-    them)."""
+    them), and the engines' core (``numerics=exact`` runs its kernels)."""
     root = workspace_root()
-    folders = ("engine-api", "runtime", "rollout", "ckpt-engine")
+    folders = ("engine-api", "runtime", "engine-core", "rollout", "ckpt-engine")
     if root is not None:
         return [arg for folder in folders for arg in ("-e", str(root / "packages" / folder))]
     pinned = []

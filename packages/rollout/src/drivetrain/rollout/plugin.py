@@ -9,7 +9,9 @@ HF = PluginSpec(
     factory="drivetrain.rollout.factories:HFRolloutFactory",
     config="drivetrain.rollout.config:HFRolloutConfig",
     api=API,
-    capabilities=frozenset({"sleep", "separate_process", "device:cpu", "device:cuda"}),
+    capabilities=frozenset(
+        {"sleep", "separate_process", "exact_numerics", "device:cpu", "device:cuda"}
+    ),
     install_hint="pip install drivetrain-rollout",
     description="transformers generate (batched, sampled log-probs)",
 )

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from transformers import AttentionInterface
 
 from drivetrain.engine.fsdp.sequence_parallel import all_to_all
+from drivetrain.engine_core.exact_attention import attend_ranges, ranges_of_spans
 from drivetrain.engine_core.packed_attention import Span, attend_spans
 from drivetrain.engine_core.packed_kernels import (
     VARLEN_KERNELS,
@@ -31,20 +32,32 @@ from drivetrain.engine_core.packed_kernels import (
 )
 
 NAME = "drivetrain_varlen"
+#: the kernel of ``numerics=exact``: each query over its own keys, the rollout's arithmetic
+#: (:mod:`drivetrain.engine_core.exact_attention`)
+EXACT = "exact"
 
 
 @dataclass(frozen=True)
 class PackedContext:
     spans: tuple[Span, ...]
     sp_group: dist.ProcessGroup | None = None
-    kernel: str = "grouped_sdpa"  # or a name in packed_kernels.VARLEN_KERNELS
+    kernel: str = "grouped_sdpa"  # or a name in packed_kernels.VARLEN_KERNELS, or EXACT
     #: the spans' variable-length layout per device, built by the first layer, reused by the rest
     layouts: dict[torch.device, VarlenLayout] = field(default_factory=dict, compare=False)
+    #: each query's visible key ranges per device (``EXACT``), likewise built once
+    ranges: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, compare=False
+    )
 
     @property
     def total(self) -> int:
         """The row's length (spans cover every position once)."""
         return sum(s.length for s in self.spans)
+
+    def key_ranges(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self.ranges:
+            self.ranges[device] = ranges_of_spans(self.spans, device)
+        return self.ranges[device]
 
     def layout(self, device: torch.device) -> VarlenLayout:
         if device not in self.layouts:
@@ -100,7 +113,9 @@ def varlen_attention(
     if query.shape[2] != ctx.total:
         raise RuntimeError(f"packed row has {query.shape[2]} tokens, its spans say {ctx.total}")
     dropout = dropout if module.training else 0.0
-    if ctx.kernel == "grouped_sdpa" or (dropout and ctx.kernel == "torch_varlen"):
+    if ctx.kernel == EXACT:
+        out = _attend_exact(ctx, query, key, value, dropout, scaling)
+    elif ctx.kernel == "grouped_sdpa" or (dropout and ctx.kernel == "torch_varlen"):
         out = attend_spans(query, key, value, ctx.spans, dropout, scaling)
     else:  # one call for the whole row
         kernel = VARLEN_KERNELS[ctx.kernel]
@@ -108,6 +123,22 @@ def varlen_attention(
     if ctx.sp_group is not None:  # back to [1, h, s/sp, d]
         out = all_to_all(out, ctx.sp_group, 2, 1)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _attend_exact(
+    ctx: PackedContext,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout: float,
+    scaling: float | None,
+) -> torch.Tensor:
+    if dropout:
+        raise RuntimeError("numerics=exact has no attention dropout: set the model's to 0")
+    starts, counts = ctx.key_ranges(query.device)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, h, d]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return attend_ranges(q, k, v, starts, counts, scale).transpose(0, 1).unsqueeze(0)
 
 
 AttentionInterface.register(NAME, varlen_attention)

@@ -60,6 +60,7 @@ class FSDPConfig(EngineConfig):
         return max(1, self.logits_chunk_mib * 2**20 // (4 * vocab_size))
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"strategy={self.strategy!r} is not one of {', '.join(STRATEGIES)}")
         if self.attention not in ATTENTION:

@@ -38,7 +38,13 @@ from drivetrain.engine.fsdp import checkpoint, offload, weights
 from drivetrain.engine.fsdp.attention import set_packed_row
 from drivetrain.engine.fsdp.config import FSDPConfig
 from drivetrain.engine.fsdp.distributed import build_meshes, ensure_process_group
-from drivetrain.engine.fsdp.model import DTYPES, TokenOutputModel, load_hf_model, unwrap_peft
+from drivetrain.engine.fsdp.model import (
+    DTYPES,
+    TokenOutputModel,
+    exact_numerics,
+    load_hf_model,
+    unwrap_peft,
+)
 from drivetrain.engine.fsdp.optim import build_optimizer, clip_grad_norm
 from drivetrain.engine.fsdp.packing import PackedRow, outputs_per_token, pack
 from drivetrain.engine.fsdp.sequence_parallel import gather_sequence, local_slice
@@ -82,8 +88,11 @@ class FSDPEngine(TorchEngine):
         )
         empty = rank0_loads and dist.get_rank() > 0  # built on meta, filled from rank 0
         hf = load_hf_model(cfg.model, cfg.attention, empty=empty)
+        exact = cfg.numerics == "exact"
         self.packed_kernel = "grouped_sdpa"  # attention="varlen": what attends over a packed row
-        if cfg.attention == "varlen":
+        if exact:
+            self.packed_kernel = exact_numerics(hf, cfg, self.device)
+        elif cfg.attention == "varlen":
             self.packed_kernel = engine_kernel(
                 cfg.packed_kernel, self.device.type, cfg.model.dtype, say=dist.get_rank() == 0
             )
@@ -92,6 +101,7 @@ class FSDPEngine(TorchEngine):
             hf,
             value_head=cfg.model.value_head,
             logits_chunk=cfg.chunk_tokens(self.hf_config.vocab_size),
+            exact=exact,
         )
         # rank 0's full weights stay on the host until each rank takes its shard
         full = module.state_dict() if rank0_loads and not empty else None

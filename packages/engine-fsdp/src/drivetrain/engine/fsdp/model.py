@@ -11,12 +11,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from drivetrain.api import ConfigError, ModelConfig
+from drivetrain.engine.fsdp.attention import EXACT
 from drivetrain.engine.fsdp.attention import NAME as VARLEN
+from drivetrain.engine.fsdp.config import FSDPConfig
 from drivetrain.engine.fsdp.token_outputs import next_token_outputs
+from drivetrain.engine_core.exact_modules import exact_linear, make_exact
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -51,6 +55,25 @@ def load_hf_model(config: ModelConfig, attention: str, *, empty: bool = False) -
     if config.lora.enabled:
         model = _add_lora(model, config)
     return model
+
+
+def exact_numerics(hf: nn.Module, config: FSDPConfig, device: torch.device) -> str:
+    """Make ``hf`` batch-invariant for ``numerics=exact`` (the hf rollout runs the same
+    modules); the packed kernel that goes with it. One-line errors for what exact mode does
+    not cover."""
+    if device.type != "cpu":
+        raise ConfigError(
+            f"numerics=exact is proven on the CPU only; this engine runs on {device.type}"
+        )
+    if config.attention != "varlen":
+        raise ConfigError(
+            f"numerics=exact attends with attention='varlen', not {config.attention!r}"
+        )
+    try:
+        make_exact(hf)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return EXACT
 
 
 def _add_lora(model: nn.Module, config: ModelConfig) -> nn.Module:
@@ -94,11 +117,14 @@ class TokenOutputModel(nn.Module):
     outputs for more (position, next token) pairs after the row's own.
     """
 
-    def __init__(self, hf: nn.Module, *, value_head: bool, logits_chunk: int) -> None:
+    def __init__(
+        self, hf: nn.Module, *, value_head: bool, logits_chunk: int, exact: bool = False
+    ) -> None:
         super().__init__()
         self.hf = hf
         self.value_head = value_head
         self.logits_chunk = logits_chunk
+        self.head_linear = exact_linear if exact else F.linear  # numerics=exact: the rollout's
 
     def forward(
         self,
@@ -134,5 +160,6 @@ class TokenOutputModel(nn.Module):
             temperature=temperature,
             want_entropy=want_entropy,
             chunk=self.logits_chunk,
+            linear=self.head_linear,
         )
         return {"log_probs": log_probs, "entropy": entropy}

@@ -12,6 +12,7 @@ _CAPABILITIES = frozenset(
         "sequence_parallel",
         "offload",
         "resharding_checkpoint",
+        "exact_numerics",
         "device:cpu",
         "device:cuda",
         "device:npu",

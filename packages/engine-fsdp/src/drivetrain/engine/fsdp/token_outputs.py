@@ -7,9 +7,13 @@ recomputed during backward instead of being kept.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 def _chunk_outputs(
@@ -19,8 +23,9 @@ def _chunk_outputs(
     targets: torch.Tensor,
     temperature: float,
     want_entropy: bool,
+    linear: Linear,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = F.linear(hidden, weight, bias).float()
+    logits = linear(hidden, weight, bias).float()
     if temperature != 1.0:
         logits = logits / temperature
     # one fused log_softmax (forward and backward) is far cheaper on CPU than logsumexp's
@@ -40,9 +45,11 @@ def next_token_outputs(
     temperature: float,
     want_entropy: bool,
     chunk: int,
+    linear: Linear = F.linear,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """For hidden states ``[T, H]`` and the tokens they predict ``[T]``: ``log p(target)`` and
-    the entropy of the predictive distribution at ``temperature``, both ``[T]`` float32."""
+    the entropy of the predictive distribution at ``temperature``, both ``[T]`` float32.
+    ``linear``: the head's product (``exact_linear`` under ``numerics=exact``)."""
     log_probs, entropies = [], []
     # one chunk holds no more logits than the bound anyway: recomputing it would only cost time
     grad = torch.is_grad_enabled() and hidden.shape[0] > chunk
@@ -50,10 +57,10 @@ def next_token_outputs(
         args = (hidden[start : start + chunk], weight, bias, targets[start : start + chunk])
         if grad:  # keep no logits for backward: recompute this chunk's there
             lp, ent = checkpoint(
-                _chunk_outputs, *args, temperature, want_entropy, use_reentrant=False
+                _chunk_outputs, *args, temperature, want_entropy, linear, use_reentrant=False
             )
         else:
-            lp, ent = _chunk_outputs(*args, temperature, want_entropy)
+            lp, ent = _chunk_outputs(*args, temperature, want_entropy, linear)
         log_probs.append(lp)
         entropies.append(ent)
     if not log_probs:

@@ -43,6 +43,7 @@ class MegatronConfig(EngineConfig):
     packed_kernel: str = "auto"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         names = (
             "tensor_parallel",
             "pipeline_parallel",

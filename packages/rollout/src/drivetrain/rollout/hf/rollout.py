@@ -34,10 +34,18 @@ class HFRollout(TokenizedRollout):
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device, setting="rollout.device", kinds=DEVICES)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
+        exact = config.numerics == "exact"
+        if exact:  # registers the attention it names
+            from drivetrain.rollout.hf.exact import NAME as EXACT_ATTENTION
+            from drivetrain.rollout.hf.exact import make_rollout_exact
         self.model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=getattr(torch, config.dtype), attn_implementation=config.attn_implementation
+            path,
+            dtype=getattr(torch, config.dtype),
+            attn_implementation=EXACT_ATTENTION if exact else config.attn_implementation,
         ).to(self.device)
         self.model.eval().requires_grad_(False)
+        if exact:
+            make_rollout_exact(self.model, self.device)
         if self.device.type == "cpu":
             _own_parameters(self.model)
         self._index_weights()
@@ -58,6 +66,7 @@ class HFRollout(TokenizedRollout):
             share_prefill=config.share_prompt_prefill,
             seed_for=lambda: int(torch.randint(2**62, (1,), generator=self._seeds)),
             decode=self.tokenizer.decode,
+            exact=exact,
         )
         self.requests = RequestQueue(
             self.batcher.step,

@@ -64,6 +64,20 @@ class RLPlugins:
         )
 
 
+def _fit_numerics(c: RLConfig, plugins: RLPlugins) -> RLConfig:
+    """``numerics`` is one setting of the job: the actor's engine (and so its reference) and
+    the rollout get it, after both declare that they honour it."""
+    if c.numerics != "default":
+        asked_by = f"numerics={c.numerics}"
+        require("engine", plugins.actor, "exact_numerics", asked_by)
+        require("rollout", plugins.rollout, "exact_numerics", asked_by)
+    return dataclasses.replace(
+        c,
+        actor=dataclasses.replace(c.actor, numerics=c.numerics),
+        rollout=dataclasses.replace(c.rollout, numerics=c.numerics),
+    )
+
+
 def fit_plugins(c: RLConfig, job_default: RLConfig, plugins: RLPlugins, placement: str) -> RLConfig:
     """``c`` with fixed micro-batches where an engine lacks ``dynamic_batch`` and ``auto``
     devices pinned to one the plugin lists, after refusing what a plugin does not declare.
@@ -90,6 +104,7 @@ def fit_plugins(c: RLConfig, job_default: RLConfig, plugins: RLPlugins, placemen
     check_device("rollout", backend, "rollout.device", c.rollout.device, remote=remote)
     rollout = pinned_device(backend, c.rollout.device, remote=remote)
     c = dataclasses.replace(c, rollout=dataclasses.replace(c.rollout, device=rollout))
+    c = _fit_numerics(c, plugins)
     if python := getattr(c.rollout, "python", ""):  # only some backends have the key
         require("rollout", backend, "separate_process", f"rollout.python={python}")
     # sharing an accelerator, the rollout hands its memory to the training step; on the CPU

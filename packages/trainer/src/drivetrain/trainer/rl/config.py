@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from drivetrain.api.config import (
+    NUMERICS,
     EngineConfig,
     MicroBatchConfig,
     ModelConfig,
@@ -309,8 +310,12 @@ class RLConfig:
     episode: EpisodeConfig = field(default_factory=EpisodeConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     seed: int = 0
+    #: ``exact``: the rollout's log-probs equal the actor's bit for bit (the trainer README's
+    #: "Exact numerics"); the actor's engine and the rollout must declare ``exact_numerics``
+    numerics: str = "default"
 
     def __post_init__(self) -> None:
+        self._check_numerics()
         if self.episodic:
             self._check_episodes()
         # the reference and the KL coefficient must agree: a reference nothing uses, or a KL
@@ -337,6 +342,15 @@ class RLConfig:
             raise ConfigError(
                 f"algorithm.kl.coef={kl_coef} needs a reference model, but reference.mode=none "
                 "(auto, engine or adapter; or algorithm.kl.coef=0)"
+            )
+
+    def _check_numerics(self) -> None:
+        if self.numerics not in NUMERICS:
+            raise ConfigError(f"numerics={self.numerics!r} is not one of {', '.join(NUMERICS)}")
+        if self.numerics == "exact" and (self.sampling.top_k > 0 or self.sampling.top_p < 1):
+            raise ConfigError(
+                "numerics=exact samples from the full distribution the actor computes: unset "
+                "sampling.top_k and sampling.top_p"
             )
 
     def _check_group_size(self) -> None:

@@ -1,0 +1,101 @@
+"""A transformers model whose every token gets the same bits in any batch, cache or packing.
+
+What differs between a rollout's forward and a trainer's for the same token, measured on the
+CPU (this machine's MKL and oneDNN, see the trainer README's exact-mode section):
+
+- ``F.linear`` in float32 gives a row other bits when the call has 1-3 rows (MKL's small-``M``
+  path), or when the rows are a strided view; from 4 contiguous rows on, a row's bits do not
+  depend on the others. :func:`exact_linear` pads
+  a call to :data:`MIN_ROWS` rows.
+- SiLU (and sigmoid) compute the last elements of a buffer with the scalar formula instead of
+  the vectorised one: the same value gets other bits depending on where it sits. ``exp``,
+  division and addition do not: :class:`ExactSiLU` is built from them.
+- The rotary tables are computed from the positions of the call; here once for every position,
+  then looked up.
+- Attention: :mod:`drivetrain.engine_core.exact_attention`.
+
+RMSNorm, the embedding, softmax and log-softmax were measured row-invariant as they are.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+#: a linear call with fewer rows is padded to this many (MKL's row-invariant shapes start here)
+MIN_ROWS = 4
+#: rotary types whose tables depend on the position alone (dynamic ones rescale per call)
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+
+
+def exact_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear`` whose rows do not depend on how many rows the call has (nor on the input's
+    strides: a strided view, such as the last position of each prompt, is copied first)."""
+    rows = x.numel() // max(1, x.shape[-1])
+    if rows >= MIN_ROWS:
+        return F.linear(x.contiguous(), weight, bias)
+    flat = x.reshape(rows, x.shape[-1])
+    padded = torch.cat([flat, flat.new_zeros(MIN_ROWS - rows, flat.shape[-1])])
+    return F.linear(padded, weight, bias)[:rows].reshape(*x.shape[:-1], weight.shape[0])
+
+
+class ExactSiLU(nn.Module):
+    """``x * sigmoid(x)`` as ``x / (1 + exp(-x))`` in float32: the same bits wherever ``x``
+    sits in its tensor."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = x.float()
+        return (wide / (1.0 + torch.exp(-wide))).to(x.dtype)
+
+
+def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return exact_linear(x, self.weight, self.bias)
+
+
+def make_exact(model: nn.Module) -> nn.Module:
+    """Switch ``model``'s linears, SiLU activations and rotary tables to their batch-invariant
+    forms, in place (attention is the caller's: it registers its implementation). A rotary
+    type that rescales per call is a one-line error."""
+    for name, module in list(model.named_modules()):
+        if type(module) is nn.Linear:
+            module.forward = types.MethodType(_linear_forward, module)
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.SiLU) or type(child).__name__ == "SiLUActivation":
+                setattr(module, child_name, ExactSiLU())
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            _table_rotary(module, name)
+    return model
+
+
+def _table_rotary(module: nn.Module, name: str) -> None:
+    rope = getattr(module, "rope_type", "default")
+    if rope not in STATIC_ROPE:
+        raise ValueError(
+            f"numerics=exact: {name or 'the model'} uses rotary type {rope!r}, which rescales "
+            f"per call; exact mode takes {', '.join(STATIC_ROPE)}"
+        )
+    computed = module.forward
+    tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+    limits = ("max_seq_len_cached", "original_max_seq_len")
+    longest = max(int(getattr(module, attr, 0) or 0) for attr in limits)
+    if longest < 1:
+        raise ValueError(f"numerics=exact: {name or 'the model'}'s rotary has no position limit")
+
+    def forward(x: torch.Tensor, position_ids: torch.Tensor) -> Any:
+        if x.device not in tables:
+            every = torch.arange(longest, device=x.device)[None]
+            with torch.no_grad():
+                cos, sin = computed(torch.zeros(1, device=x.device), every)
+            tables[x.device] = (cos[0], sin[0])
+        if int(position_ids.max()) >= longest:
+            raise RuntimeError(f"position {int(position_ids.max())} is past the model's {longest}")
+        cos, sin = tables[x.device]
+        return cos[position_ids].to(x.dtype), sin[position_ids].to(x.dtype)
+
+    module.forward = forward
