@@ -62,6 +62,19 @@ class RolloutHarness(abc.ABC):
         does. The default calls ``destination.copy_(value)`` (torch-like tensors)."""
         destination.copy_(value)
 
+    def exact_rollout(self) -> Rollout | None:
+        """Opt in to the check ``exact_numerics``: a fresh rollout configured with
+        ``numerics=exact`` and the initial weights (the kit shuts it down). ``None``, the
+        default: the check is skipped."""
+        return None
+
+    def exact_log_probs(
+        self, prompt_ids: Sequence[int], token_ids: Sequence[int], temperature: float, changed: bool
+    ) -> list[float]:
+        """The training engine's log-probs of ``token_ids`` under ``numerics=exact`` (as
+        :meth:`reference_log_probs` otherwise), each the float the engine computed."""
+        raise NotImplementedError("a harness with exact_rollout() implements exact_log_probs")
+
     def chat_prompt_ids(self, messages: Sequence[Mapping[str, str]]) -> tuple[int, ...] | None:
         """The token ids the rollout's chat template gives ``messages`` with the generation
         prompt added, or ``None`` (the default) when the rollout takes token ids only: then the
@@ -128,6 +141,18 @@ def run(h: RolloutHarness, rollout: Rollout, requests: list[Request]) -> list[Co
     for r in requests:
         collector.track(r)
     rollout.submit(requests)
+    drain(rollout, collector, h)
+    return collector.completions()
+
+
+def staggered(h: RolloutHarness, rollout: Rollout, requests: list[Request]) -> list[Completion]:
+    """Submit ``requests`` one per poll, each joining while the earlier ones run."""
+    collector = Collector()
+    for r in requests:
+        collector.track(r)
+    for r in requests:
+        rollout.submit([r])
+        collector.add(rollout.poll(0.0))
     drain(rollout, collector, h)
     return collector.completions()
 

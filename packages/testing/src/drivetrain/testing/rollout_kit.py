@@ -28,9 +28,11 @@ from drivetrain.testing.rollout_harness import (
     greedy,
     requests_for,
     run,
+    staggered,
     with_rollout,
 )
 from drivetrain.testing.rollout_kit_background import check_background_generation
+from drivetrain.testing.rollout_kit_exact import check_exact_numerics
 
 __all__ = [
     "ROLLOUT_CHECKS",
@@ -51,8 +53,8 @@ def check_greedy_determinism(h: RolloutHarness) -> None:
     def check(rollout: Rollout) -> None:
         together = run(h, rollout, requests_for(h, greedy(16), "all-"))
         alone = [run(h, rollout, [r])[0] for r in requests_for(h, greedy(16), "one-")]
-        staggered = _staggered(h, rollout, requests_for(h, greedy(16), "join-"))
-        for i, (a, b, c) in enumerate(zip(together, alone, staggered, strict=True)):
+        joining = staggered(h, rollout, requests_for(h, greedy(16), "join-"))
+        for i, (a, b, c) in enumerate(zip(together, alone, joining, strict=True)):
             if not a.token_ids == b.token_ids == c.token_ids:
                 raise AssertionError(
                     f"prompt {i}: greedy tokens depend on the batch: together {a.token_ids}, "
@@ -63,17 +65,6 @@ def check_greedy_determinism(h: RolloutHarness) -> None:
             assert_log_probs(h, a, 0, False, f"greedy prompt {i}")
 
     with_rollout(h, check)
-
-
-def _staggered(h: RolloutHarness, rollout: Rollout, requests: list[Request]) -> list[Completion]:
-    collector = Collector()
-    for r in requests:
-        collector.track(r)
-    for r in requests:  # one joins after every poll, while the earlier ones run
-        rollout.submit([r])
-        collector.add(rollout.poll(0.0))
-    drain(rollout, collector, h)
-    return collector.completions()
 
 
 def check_sampled_log_probs(h: RolloutHarness) -> None:
@@ -354,6 +345,7 @@ ROLLOUT_CHECKS: dict[str, Callable[[RolloutHarness], None]] = {
     "pause_abort": limits.check_pause_abort,
     "background_generation": check_background_generation,
     "sleep": limits.check_sleep,
+    "exact_numerics": check_exact_numerics,  # opt-in (RolloutHarness.exact_rollout)
 }
 
 

@@ -19,8 +19,8 @@ carries none). The actor loss computes it on each micro-batch (:func:`correct`),
 
 Each returns a :class:`Corrected`: the weights and 0/1 flags per token or per sequence (what
 was truncated or masked); :func:`correct` turns them into metrics every correction reports
-(weight mean and max over response tokens, fraction masked, the log-prob gap), as shares of
-the mini-batch's global counts like every loss metric.
+(weight mean and max over response tokens, fraction masked, the log-prob gap, the fraction of
+tokens without one), as shares of the mini-batch's global counts like every loss metric.
 """
 
 from __future__ import annotations
@@ -151,6 +151,9 @@ def correct(
         "is_weight_max": weights.max(),  # weights >= 0 and 0 off the response; *_max: by max
         "masked_frac": ((weights == 0).to(torch.float32) * mask).sum() / tokens,
         "log_prob_gap": gap.sum() / tokens,
+        # tokens whose two log-probs are the same bits: the correction is a no-op on them
+        # (all of them under numerics=exact for tokens sampled from the current weights)
+        "exact_frac": ((gap == 0).to(torch.float32) * mask).sum() / tokens,
     }
     for key, flags in found.token_flags.items():
         metrics[key] = (flags.to(torch.float32) * mask).sum() / tokens

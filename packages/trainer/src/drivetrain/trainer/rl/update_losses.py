@@ -59,6 +59,9 @@ class ActorLoss:
     #: the off-policy correction of the rollout↔trainer gap (rl/off_policy.py), per token
     correction: str = "none"
     correction_config: CorrectionConfig = field(default_factory=CorrectionConfig)
+    #: the step's first optimizer update: its log-probs and the old ones come from the same
+    #: weights, so their ratio is 1 up to numerics (``actor/first_update_log_ratio_max``)
+    first_update: bool = False
     #: the batch columns it reads beside the engine's own, where the batch has them: what an
     #: update sends
     reads: ClassVar[tuple[str, ...]] = (
@@ -122,6 +125,10 @@ class ActorLoss:
         if ROLLOUT_LOG_PROBS in mb:  # the rollout sampled from the weights being trained
             diff = (mb[ROLLOUT_LOG_PROBS].to(log_probs.dtype) - log_probs.detach()).abs()
             metrics["actor/rollout_log_prob_diff"] = agg(diff, "token-mean")
+            metrics["actor/rollout_log_prob_diff_max"] = (diff * mask).max()
+        if self.first_update and not self.on_policy:  # (on-policy, old is this very forward)
+            gap = (log_probs.detach() - old).abs() * mask
+            metrics["actor/first_update_log_ratio_max"] = gap.max()
         if self.entropy_coef != 0.0:
             loss = loss - self.entropy_coef * entropy
         # on-policy, this pass is the old policy: KL(old ‖ ref) is measured here, since the

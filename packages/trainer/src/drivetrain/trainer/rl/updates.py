@@ -4,6 +4,7 @@ controller's."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +43,10 @@ class Update:
                 random.Random(config.seed * 7919 + step * 131 + epoch).shuffle(order)
             for start in range(0, len(order), size):
                 mini = view.select(order[start : start + size])
-                stats.append(group.run_sharded(RoleWorker.train, mini, self.role, self.loss))
+                loss = self.loss
+                if not stats and hasattr(loss, "first_update"):
+                    loss = dataclasses.replace(loss, first_update=True)
+                stats.append(group.run_sharded(RoleWorker.train, mini, self.role, loss))
         return mean_stats(stats)
 
     def metrics(self, stats: StepStats) -> dict[str, float]:
