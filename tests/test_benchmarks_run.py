@@ -41,6 +41,7 @@ BENCHMARKS = {
         900,
     ),
     "dapo": ((), ("dapo_reward_per_token_vs_grpo",), 900),
+    "exact_numerics": ((), ("exact_step_time_ratio",), 600),
     "shared_prompts": ((), ("generate_speedup", "update_speedup"), 600),
     "rollout": (("--vllm-python", "VLLM"), ("continuous_vs_batch.hf",), 900),
     "rollout_weight_update": (("--vllm-python", "VLLM"), ("vllm_vs_hf",), 900),
@@ -53,7 +54,7 @@ BENCHMARKS = {
 
 
 #: benchmarks that start from the built-in SFT model: they take the session's (builtin_run.py)
-FROM_BUILTIN_SFT = {"async_grpo", "dapo", "grpo", "rollout", "shared_prompts"}
+FROM_BUILTIN_SFT = {"async_grpo", "dapo", "exact_numerics", "grpo", "rollout", "shared_prompts"}
 #: benchmarks whose processes keep deadlines on each other (weight-sync peers, vLLM's update):
 #: run alone. The others only run slower beside another test (--quick checks no timing), and
 #: the built-in run's group must hold no serial test: its fixture would run alone too.

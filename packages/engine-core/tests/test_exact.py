@@ -11,12 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from drivetrain.engine_core.exact_attention import (
-    KEY_BUCKET,
-    attend_ranges,
-    ranges_of_mask,
-    ranges_of_spans,
-)
+from drivetrain.engine_core.exact_attention import attend_blocks, blocks_of_mask, blocks_of_spans
 from drivetrain.engine_core.exact_modules import ROW_MULTIPLE, ExactSiLU, exact_linear, make_exact
 from drivetrain.engine_core.packed_attention import Span, attend_spans
 
@@ -71,6 +66,11 @@ def test_exact_silu_is_silu_and_position_independent():
     assert ExactSiLU()(x.bfloat16()).dtype == torch.bfloat16
 
 
+def attend(q, k, v, blocks, scale):
+    """Rows ``[N, heads, dim]`` as one batch row."""
+    return attend_blocks(q[None], k[None], v[None], blocks, scale)
+
+
 def _packed(lengths: list[int], heads: int = 4, dim: int = 16, dtype=torch.float32):
     total = sum(lengths)
     q, k, v = (torch.randn(total, heads, dim, dtype=dtype) for _ in range(3))
@@ -82,8 +82,7 @@ def _packed(lengths: list[int], heads: int = 4, dim: int = 16, dtype=torch.float
 def test_attention_matches_causal_sdpa_per_document(dtype):
     torch.manual_seed(0)
     q, k, v, spans = _packed([5, 17, 40, 1], dtype=dtype)
-    starts, counts = ranges_of_spans(spans, q.device)
-    exact = attend_ranges(q, k, v, starts, counts, 16**-0.5)
+    exact = attend(q, k, v, blocks_of_spans(spans, q.device), 16**-0.5)
     as_rows = (t.transpose(0, 1)[None] for t in (q, k, v))
     expected = attend_spans(*as_rows, spans, 0.0, None)[0].transpose(0, 1)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
@@ -91,31 +90,38 @@ def test_attention_matches_causal_sdpa_per_document(dtype):
     assert torch.allclose(exact.float(), expected.float(), atol=tolerance)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_query_gets_the_same_bits_whatever_else_is_attended(dtype):
-    """One document alone, in a packed row with others, and as the rollout meets it: a decode
-    step of one query over a left-padded cache row (a boolean mask)."""
+def test_a_query_gets_the_same_bits_whatever_else_is_attended(dtype, threads):
+    """One document alone, in a packed row with others, and as the rollout meets it: its
+    prefill in a left-padded batch, and a decode step of one query over a left-padded cache
+    row beside another row (boolean masks)."""
     torch.manual_seed(1)
     q, k, v, spans = _packed([7, 23, 12], dtype=dtype)
-    starts, counts = ranges_of_spans(spans, q.device)
-    packed = attend_ranges(q, k, v, starts, counts, 0.25)
-    doc = slice(7, 30)  # the second document alone
-    s, c = ranges_of_spans([Span(0, 23)], q.device)
-    alone = attend_ranges(q[doc], k[doc], v[doc], s, c, 0.25)
-    assert torch.equal(alone, packed[doc])
-    # decode: its last query over a cache row padded on the left by 9, beside another row
-    width = 9 + 23
-    cache_k = torch.zeros(2, width, *k.shape[1:], dtype=dtype)
-    cache_v = torch.zeros_like(cache_k)
-    cache_k[0, 9:], cache_v[0, 9:] = k[doc], v[doc]
-    cache_k[1], cache_v[1] = torch.randn_like(cache_k[1]), torch.randn_like(cache_v[1])
-    visible = torch.zeros(2, 1, width, dtype=torch.bool)
-    visible[0, 0, 9:] = True
-    visible[1, 0, 3:] = True
-    s, c = ranges_of_mask(visible)
-    queries = torch.stack([q[29], torch.randn_like(q[29])])
-    decoded = attend_ranges(queries, cache_k.flatten(0, 1), cache_v.flatten(0, 1), s, c, 0.25)
-    assert torch.equal(decoded[0], packed[29])
+    with _threads(threads):
+        packed = attend(q, k, v, blocks_of_spans(spans, q.device), 0.25)
+        doc = slice(7, 30)  # the second document alone
+        alone = attend(q[doc], k[doc], v[doc], blocks_of_spans([Span(0, 23)], q.device), 0.25)
+        assert torch.equal(alone, packed[doc])
+        # prefill: the document left-padded by 9 in a batch with a full row of 32
+        width = 9 + 23
+        cache_q, cache_k, cache_v = (
+            torch.randn(2, width, *k.shape[1:], dtype=dtype) for _ in range(3)
+        )
+        cache_q[0, 9:], cache_k[0, 9:], cache_v[0, 9:] = q[doc], k[doc], v[doc]
+        visible = torch.ones(2, width, width, dtype=torch.bool).tril()
+        visible[0, :, :9] = False
+        visible[0, :9] = False
+        blocks = blocks_of_mask(visible)
+        prefill = attend_blocks(cache_q, cache_k, cache_v, blocks, 0.25)
+        assert torch.equal(prefill[9:width], packed[doc])
+        assert torch.equal(prefill[:9], torch.zeros_like(prefill[:9]))  # padding queries
+        # decode: the last query over its cache row (the other row sees its last 20 keys)
+        step = visible[:, -1:].clone()
+        step[1, 0, :12] = False
+        queries = torch.stack([q[29], cache_q[1, -1]])[:, None]  # [2, 1, h, d]
+        decoded = attend_blocks(queries, cache_k, cache_v, blocks_of_mask(step), 0.25)
+        assert torch.equal(decoded[0], packed[29])
 
 
 def test_a_shared_prefix_is_attended_as_the_same_keys_in_place():
@@ -123,23 +129,26 @@ def test_a_shared_prefix_is_attended_as_the_same_keys_in_place():
     packed as one document."""
     torch.manual_seed(2)
     q, k, v, _ = _packed([10 + 6])
-    one = ranges_of_spans([Span(0, 16)], q.device)
-    whole = attend_ranges(q, k, v, *one, 0.25)
-    prefixed = ranges_of_spans([Span(0, 10), Span(10, 6, prefix_start=0, prefix_len=10)], q.device)
-    assert prefixed[0].shape == (16, 2)
-    assert torch.equal(attend_ranges(q, k, v, *prefixed, 0.25)[10:], whole[10:])
+    whole = attend(q, k, v, blocks_of_spans([Span(0, 16)], q.device), 0.25)
+    prefixed = blocks_of_spans([Span(0, 10), Span(10, 6, prefix_start=0, prefix_len=10)], q.device)
+    assert torch.equal(attend(q, k, v, prefixed, 0.25)[10:], whole[10:])
 
 
-def test_buckets_and_padding_queries():
-    torch.manual_seed(3)
-    q, k, v, spans = _packed([KEY_BUCKET + 1])
-    starts, counts = ranges_of_spans(spans, q.device)
-    counts[0, 1] = 0  # a query that sees nothing (a padding position): zeros
-    out = attend_ranges(q, k, v, starts, counts, 0.25)
-    assert torch.equal(out[0], torch.zeros_like(out[0]))
+def test_a_mask_that_is_not_a_padded_causal_one_is_refused():
     gaps = torch.tensor([[[True, False, True]]])
     with pytest.raises(RuntimeError, match="contiguous"):
-        ranges_of_mask(gaps)
+        blocks_of_mask(gaps)
+    not_causal = torch.ones(1, 2, 3, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="one more key"):
+        blocks_of_mask(not_causal)
+
+
+def test_gradients_flow_and_stay_finite():
+    torch.manual_seed(3)
+    q, k, v, spans = _packed([3, 18])
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    attend(q, k, v, blocks_of_spans(spans, q.device), 0.25).sum().backward()
+    assert all(bool(t.grad.isfinite().all()) and t.grad.abs().sum() > 0 for t in (q, k, v))
 
 
 def _tiny_llama(rope_type: str = "default"):

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from transformers import AttentionInterface
 
 from drivetrain.engine.fsdp.sequence_parallel import all_to_all
-from drivetrain.engine_core.exact_attention import attend_ranges, ranges_of_spans
+from drivetrain.engine_core.exact_attention import Blocks, attend_blocks, blocks_of_spans
 from drivetrain.engine_core.packed_attention import Span, attend_spans
 from drivetrain.engine_core.packed_kernels import (
     VARLEN_KERNELS,
@@ -44,20 +44,18 @@ class PackedContext:
     kernel: str = "grouped_sdpa"  # or a name in packed_kernels.VARLEN_KERNELS, or EXACT
     #: the spans' variable-length layout per device, built by the first layer, reused by the rest
     layouts: dict[torch.device, VarlenLayout] = field(default_factory=dict, compare=False)
-    #: each query's visible key ranges per device (``EXACT``), likewise built once
-    ranges: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = field(
-        default_factory=dict, compare=False
-    )
+    #: the spans as exact attention's blocks per device (``EXACT``), likewise built once
+    blocks: dict[torch.device, Blocks] = field(default_factory=dict, compare=False)
 
     @property
     def total(self) -> int:
         """The row's length (spans cover every position once)."""
         return sum(s.length for s in self.spans)
 
-    def key_ranges(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if device not in self.ranges:
-            self.ranges[device] = ranges_of_spans(self.spans, device)
-        return self.ranges[device]
+    def exact_blocks(self, device: torch.device) -> Blocks:
+        if device not in self.blocks:
+            self.blocks[device] = blocks_of_spans(self.spans, device)
+        return self.blocks[device]
 
     def layout(self, device: torch.device) -> VarlenLayout:
         if device not in self.layouts:
@@ -107,22 +105,35 @@ def varlen_attention(
         if kv_heads % sp:  # too few KV heads to split: send them repeated
             key, value = _repeat_kv(key, heads // kv_heads), _repeat_kv(value, heads // kv_heads)
         query, key, value = (all_to_all(t, ctx.sp_group, 1, 2) for t in (query, key, value))
-    # each rank's query heads map onto its own KV heads (GQA groups stay whole)
-    key = _repeat_kv(key, query.shape[1] // key.shape[1])
-    value = _repeat_kv(value, query.shape[1] // value.shape[1])
     if query.shape[2] != ctx.total:
         raise RuntimeError(f"packed row has {query.shape[2]} tokens, its spans say {ctx.total}")
     dropout = dropout if module.training else 0.0
-    if ctx.kernel == EXACT:
+    if ctx.kernel == EXACT:  # GQA inside, as the rollout's (the same product shapes)
         out = _attend_exact(ctx, query, key, value, dropout, scaling)
-    elif ctx.kernel == "grouped_sdpa" or (dropout and ctx.kernel == "torch_varlen"):
+    else:
+        out = _attend_packed(ctx, query, key, value, dropout, scaling)
+    if ctx.sp_group is not None:  # back to [1, h, s/sp, d]
+        out = all_to_all(out, ctx.sp_group, 2, 1)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _attend_packed(
+    ctx: PackedContext,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout: float,
+    scaling: float | None,
+) -> torch.Tensor:
+    # each rank's query heads map onto its own KV heads (GQA groups stay whole)
+    key = _repeat_kv(key, query.shape[1] // key.shape[1])
+    value = _repeat_kv(value, query.shape[1] // value.shape[1])
+    if ctx.kernel == "grouped_sdpa" or (dropout and ctx.kernel == "torch_varlen"):
         out = attend_spans(query, key, value, ctx.spans, dropout, scaling)
     else:  # one call for the whole row
         kernel = VARLEN_KERNELS[ctx.kernel]
         out = attend_varlen(query, key, value, ctx.layout(query.device), kernel, dropout, scaling)
-    if ctx.sp_group is not None:  # back to [1, h, s/sp, d]
-        out = all_to_all(out, ctx.sp_group, 2, 1)
-    return out.transpose(1, 2).contiguous(), None
+    return out
 
 
 def _attend_exact(
@@ -135,10 +146,10 @@ def _attend_exact(
 ) -> torch.Tensor:
     if dropout:
         raise RuntimeError("numerics=exact has no attention dropout: set the model's to 0")
-    starts, counts = ctx.key_ranges(query.device)
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, h, d]
+    blocks = ctx.exact_blocks(query.device)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [1, T, h, d] views
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return attend_ranges(q, k, v, starts, counts, scale).transpose(0, 1).unsqueeze(0)
+    return attend_blocks(q, k, v, blocks, scale).transpose(0, 1).unsqueeze(0)
 
 
 AttentionInterface.register(NAME, varlen_attention)

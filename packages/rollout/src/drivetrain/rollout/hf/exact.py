@@ -1,12 +1,11 @@
 """The hf rollout under ``numerics=exact``: the trainer's batch-invariant arithmetic.
 
 Registered with transformers as the attention ``drivetrain_exact`` (and a mask function that
-always builds the boolean ``[batch, 1, queries, keys]`` mask, never skips it): each query
-attends over its own visible keys with :func:`~drivetrain.engine_core.exact_attention.
-attend_ranges`, the function the fsdp engine's packed rows call, so a token's log-prob is the
-same bits in a decode step over a left-padded cache, a prompt's prefill and the trainer's packed
-row. The linears, activations and rotary tables are :func:`~drivetrain.engine_core.
-exact_modules.make_exact`'s.
+always builds the boolean ``[batch, 1, queries, keys]`` mask, never skips it): each cache row
+is a block of :func:`~drivetrain.engine_core.exact_attention.attend_blocks`, the function the
+fsdp engine's packed rows call, so a token's log-prob is the same bits in a decode step over a
+left-padded cache, a prompt's prefill and the trainer's packed row. The linears, activations
+and rotary tables are :func:`~drivetrain.engine_core.exact_modules.make_exact`'s.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from drivetrain.api.errors import ConfigError
-from drivetrain.engine_core.exact_attention import attend_ranges, ranges_of_mask
+from drivetrain.engine_core.exact_attention import Blocks, attend_blocks, blocks_of_mask
 from drivetrain.engine_core.exact_modules import make_exact
 
 NAME = "drivetrain_exact"
@@ -48,16 +47,23 @@ def exact_attention(
         visible = visible.tril(keys - queries)[None].expand(batch, -1, -1)
     else:
         visible = attention_mask[:, 0].expand(batch, queries, keys).bool()
-    starts, counts = ranges_of_mask(visible)
-    groups = heads // key.shape[1]
-    key, value = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (key, value))
-
-    def rows(t: torch.Tensor) -> torch.Tensor:  # [B, h, L, d] -> [B * L, h, d]
-        return t.transpose(1, 2).reshape(-1, heads, dim)
-
+    blocks = _blocks(visible, attention_mask)
     scale = scaling if scaling is not None else dim**-0.5
-    out = attend_ranges(rows(query), rows(key), rows(value), starts, counts, scale)
+    views = (t.transpose(1, 2) for t in (query, key, value))  # [B, L, heads, dim], no copy
+    out = attend_blocks(*views, blocks, scale)
     return out.reshape(batch, queries, heads, dim), None
+
+
+#: the last mask's blocks: every layer of one forward gets the same mask object
+_last: list[tuple[torch.Tensor | None, Blocks]] = []
+
+
+def _blocks(visible: torch.Tensor, mask: torch.Tensor | None) -> Blocks:
+    if mask is not None and _last and _last[0][0] is mask:
+        return _last[0][1]
+    blocks = blocks_of_mask(visible)
+    _last[:] = [(mask, blocks)]
+    return blocks
 
 
 def _boolean_mask(*args: Any, **kwargs: Any) -> Any:
