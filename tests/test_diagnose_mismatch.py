@@ -1,6 +1,7 @@
 """``drivetrain diagnose mismatch`` names the place of each planted fault between an engine
 (fsdp2) and an ``hf`` rollout: a perturbed layer in the rollout's copy, a bucket that never
-arrived, weights rounded through another dtype; a healthy pair agrees (the CLI exits 0)."""
+arrived, weights rounded through another dtype, one op of the rollout's forward computing
+something else; a healthy pair agrees (the CLI exits 0), in exact numerics on every op."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import pytest
 import torch
 
 from cli_run import run_cli
-from drivetrain.api import Prompt, SamplingParams
-from drivetrain.api.registry import rollouts
+from drivetrain.api import ModelConfig, Prompt, SamplingParams
+from drivetrain.api.registry import engines, rollouts
 from drivetrain.rollout.config import HFRolloutConfig
 from drivetrain.trainer.diagnose import diagnose
 from rollout_support import CHAT_PROMPTS, build_model, fsdp_engine, train_step
@@ -55,7 +56,8 @@ def test_a_healthy_sync_agrees_at_every_stage(trained):
     model_dir, engine = trained
     found = diagnose(engine, synced(model_dir, engine), PROMPTS)
     assert found.first_divergence is None, found.summary()
-    assert [s.agrees for s in found.stages] == [True, True, None]
+    assert [s.agrees for s in found.stages] == [True, True, True]
+    assert found.stages[2].name == "ops" and "ops" in found.stages[2].detail
 
 
 def test_a_perturbed_layer_in_the_rollouts_copy_is_named(trained):
@@ -101,3 +103,48 @@ def test_the_command_reports_each_stage_and_exits_by_the_verdict(trained):
     other = build_model(model_dir.parent / "other", seed=1)  # another checkpoint, as served
     done = run_cli(*cmd, "--rollout-model", str(other), timeout=240)
     assert done.returncode == 1 and "first divergence: weights: tensor" in done.stdout + done.stderr
+
+
+def planted(rollout, op: str, shift: float) -> None:
+    """One op of the rollout's model computes something else: ``shift`` added to its output."""
+    module = rollout.model.get_submodule(op)
+    module.register_forward_hook(lambda _m, _args, out: out + shift)
+
+
+@pytest.mark.parametrize("numerics", ["exact", "default"])
+def test_a_planted_one_op_difference_is_named(tmp_path, numerics):
+    """The weights agree; one op of the rollout's forward (layer 1's activation) is shifted.
+    In exact mode every op before it agrees bit for bit, so it is the first to differ; in
+    default numerics the earlier ops differ by rounding only, and it is the first beyond the
+    tolerance."""
+    model_dir = build_model(tmp_path / "model")
+    config_cls = engines.load_config_class("fsdp2", object)
+    engine = engines.load("fsdp2")(
+        config_cls(model=ModelConfig(path=str(model_dir)), device="cpu", numerics=numerics)
+    )
+    engine.initialize()
+    rollout = rollouts.load("hf")(
+        HFRolloutConfig(model_path=str(model_dir), max_model_len=128, numerics=numerics)
+    )
+    try:
+        op = "model.layers.1.mlp.act_fn"
+        planted(rollout, op, 0.05)
+        found = diagnose(engine, rollout, PROMPTS)
+        weights, _, ops = found.stages
+        assert weights.agrees is True and ops.agrees is False, ops.detail
+        assert f"first beyond tolerance 0.002: {op} (" in ops.detail, ops.detail
+        if numerics == "exact":
+            assert f"first to differ: {op} (" in ops.detail, ops.detail
+            assert "layer 1: mlp.act_fn 5.00e-02" in ops.detail
+            assert "layer 0:" not in ops.detail  # layer 0 agrees bit for bit
+    finally:
+        rollout.shutdown()
+        engine.close()
+
+
+def test_exact_sides_agree_on_every_op(tmp_path):
+    model_dir = build_model(tmp_path / "model")
+    done = run_cli("diagnose", "mismatch", str(model_dir), "--numerics", "exact", timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    out = done.stdout + done.stderr
+    assert "ops            agrees       all" in out and "ops equal bit for bit" in out

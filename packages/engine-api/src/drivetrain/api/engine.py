@@ -156,6 +156,13 @@ class Engine(abc.ABC):
         ``input_ids``) and no others; ``None`` on other ranks. Micro-batching is the engine's.
         """
 
+    def trace_ops(self, batch: Batch) -> Mapping[str, Any] | None:
+        """Optional (``drivetrain diagnose mismatch``): for a batch of one sequence, in eval
+        mode, each op's output (the model's modules by their Hugging Face names, in the order
+        they first ran) at every position, ``[positions, ...]`` host tensors, and the
+        ``log_probs`` ``infer`` gives. ``None``, the default: this engine cannot tell."""
+        return None
+
     @abc.abstractmethod
     def optimizer_zero_grad(self) -> None:
         """Clear accumulated gradients."""

@@ -191,6 +191,15 @@ class Rollout(abc.ABC):
         checked."""
         return None
 
+    def trace_ops(
+        self, prompt_ids: Sequence[int], token_ids: Sequence[int]
+    ) -> Mapping[str, Any] | None:
+        """Optional, as :meth:`Engine.trace_ops`: each op's output at every position of
+        ``prompt_ids + token_ids[:-1]`` as this rollout computes it generating ``token_ids``
+        (its prefill, then a decode step per token), and ``log_probs`` of ``token_ids`` at
+        temperature 1. ``None``, the default: it cannot tell."""
+        return None
+
     @property
     @abc.abstractmethod
     def weight_version(self) -> int:

@@ -5,23 +5,29 @@ stage, through the contracts alone (any engine, any rollout):
    fingerprint (``Rollout.weights_fingerprint``; a rollout that cannot tell is not checked);
 2. **log_probs**: the rollout samples a few prompts (seeded, temperature 1); the engine scores
    the same tokens; the first token whose log-probs differ beyond the tolerance;
-3. **hidden_states**: per layer, where a rollout exposes them (an optional capability no
-   built-in rollout offers yet: reported as not checked).
+3. **ops**: one completion's forward on both sides (``Rollout.trace_ops``,
+   ``Engine.trace_ops``: optional; a side that cannot trace leaves it not checked), op by op
+   in the order they ran: the first op whose outputs differ at all, the first beyond the
+   tolerance, and per layer the first that differs and by how much
+   (:mod:`drivetrain.trainer.op_diff`).
 
 The first stage that diverges is where to look: a weight names the lost, perturbed or cast
-tensor; log-probs with equal weights point at sampling (temperature, top-p/top-k, the dtype
-the rollout computes in).
+tensor; log-probs with equal weights point at the forward or at sampling, and the ops stage
+says which: attention, a norm, the MLP, the head (equal ops with unequal log-probs: the
+sampler).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from drivetrain.api import Engine, OutputSpec, Prompt, SamplingParams
 from drivetrain.api.engine import NamedTensor
 from drivetrain.api.rollout import Completion, Rollout
 from drivetrain.runtime.fingerprint import fingerprints, first_difference
+from drivetrain.trainer.op_diff import compare_ops
 from drivetrain.trainer.rollout_batch import completions_to_batch
 
 #: How far a rollout's log-probs may sit from the trainer's for the same tokens: float32 on
@@ -75,15 +81,11 @@ def compare_weights(export: Iterable[NamedTensor], rollout: Rollout) -> Stage:
 
 def compare_log_probs(
     engine: Engine,
-    rollout: Rollout,
-    prompts: Sequence[Prompt],
+    completions: Sequence[Completion],
     *,
     tolerance: float,
-    max_new_tokens: int = 16,
     pad_token_id: int = 0,
 ) -> Stage:
-    params = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, seed=0)
-    completions = rollout.generate(prompts, params)
     worst = 0.0
     for index, (completion, scored) in enumerate(
         zip(completions, _scored(engine, completions, pad_token_id), strict=True)
@@ -120,6 +122,24 @@ def _scored(
     return rows
 
 
+def trace_both(
+    engine: Engine, rollout: Rollout, completion: Completion, pad_token_id: int
+) -> tuple[Mapping[str, Any] | None, Mapping[str, Any] | None]:
+    """The rollout's and the engine's ops over ``completion`` (``trace_ops``; ``None`` where a
+    side cannot trace); the engine's ``log_probs`` cut to the generated tokens."""
+    import torch
+
+    served = rollout.trace_ops(completion.prompt_ids, completion.token_ids)
+    batch = completions_to_batch([completion], pad_token_id=pad_token_id, as_tensor=torch.tensor)
+    with engine.eval_mode():
+        trained = engine.trace_ops(batch)
+    if trained is not None and "log_probs" in trained:
+        start = len(completion.prompt_ids)
+        cut = trained["log_probs"][start : start + len(completion.token_ids)]
+        trained = {**trained, "log_probs": cut}
+    return served, trained
+
+
 def diagnose(
     engine: Engine,
     rollout: Rollout,
@@ -128,14 +148,22 @@ def diagnose(
     dtype: str = "float32",
     tolerance: float | None = None,
     pad_token_id: int = 0,
+    max_new_tokens: int = 16,
 ) -> Diagnosis:
     """Every stage, in order (each runs even when an earlier one diverged: the later ones
     say how far the divergence reaches)."""
     tolerance = tolerance if tolerance is not None else log_prob_tolerance(dtype)
     with engine.eval_mode():
         weights = compare_weights(engine.export_weights(), rollout)
+    params = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, seed=0)
+    completions = rollout.generate(prompts, params)
     log_probs = compare_log_probs(
-        engine, rollout, prompts, tolerance=tolerance, pad_token_id=pad_token_id
+        engine, completions, tolerance=tolerance, pad_token_id=pad_token_id
     )
-    hidden = Stage("hidden_states", None, "the rollout does not expose per-layer hidden states")
-    return Diagnosis((weights, log_probs, hidden))
+    traced = next((c for c in completions if len(c.token_ids) > 1), None)
+    if traced is None:
+        ops = Stage("ops", None, "no completion of two tokens or more to trace")
+    else:
+        served, trained = trace_both(engine, rollout, traced, pad_token_id)
+        ops = Stage("ops", *compare_ops(served, trained, tolerance))
+    return Diagnosis((weights, log_probs, ops))

@@ -57,6 +57,7 @@ from drivetrain.engine_core import (
     to_layout,
 )
 from drivetrain.engine_core.base import TorchEngine
+from drivetrain.engine_core.op_trace import trace_modules
 from drivetrain.engine_core.packed_kernels import engine_kernel
 from drivetrain.runtime.devices import resolve_device
 from drivetrain.runtime.micro_batching import loss_totals, plan_micro_batches
@@ -275,6 +276,16 @@ class FSDPEngine(TorchEngine):
                 micro = on_device(batch.select(indices), self.device)
                 collected.add(indices, micro, self._outputs(micro, outputs))
         return collected.result(outputs.names) if self.parallel.is_output_rank else None
+
+    def trace_ops(self, batch: Batch) -> Mapping[str, Any] | None:
+        if len(batch) != 1:
+            raise ValueError(f"trace_ops takes a batch of one sequence, got {len(batch)}")
+        with trace_modules(unwrap_peft(self._inner.hf)) as trace:
+            out = self.infer(batch, OutputSpec(log_probs=True))
+        ops: dict[str, Any] = trace.outputs()
+        if out is not None:
+            ops["log_probs"] = out[LOG_PROBS][0].float()
+        return ops
 
     def optimizer_zero_grad(self) -> None:
         self._require("train", "optimizer_zero_grad")

@@ -100,6 +100,14 @@ class HFRollout(TokenizedRollout):
         are looked up again after every move."""
         self._weights = self.model.state_dict(keep_vars=True)
 
+    def trace_ops(
+        self, prompt_ids: Sequence[int], token_ids: Sequence[int]
+    ) -> Mapping[str, Any] | None:
+        from drivetrain.rollout.hf.trace import trace_generation
+
+        with self.requests.lock:  # not while a step or an update runs
+            return trace_generation(self.model, prompt_ids, token_ids)
+
     # ---- memory -------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> bool:
         """On CUDA: abort what runs (its KV cache goes with it) and move the weights to host

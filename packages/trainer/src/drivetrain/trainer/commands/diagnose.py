@@ -35,9 +35,12 @@ def mismatch(
     tolerance: Annotated[
         float | None, typer.Option(help="log-prob tolerance (default from the dtype).")
     ] = None,
+    numerics: Annotated[
+        str, typer.Option(help="default, or exact (both sides: the ops should all agree).")
+    ] = "default",
 ) -> None:
-    """Name the first stage (weights, log-probs, hidden states) where a rollout and the
-    trainer diverge; exits 1 when one does."""
+    """Name the first stage (weights, log-probs, ops) where a rollout and the trainer
+    diverge, and the op where their forwards part; exits 1 when one diverges."""
     from drivetrain.api import ModelConfig, Prompt, registry
     from drivetrain.api.config import EngineConfig, RolloutConfig, coerce_config
     from drivetrain.trainer.diagnose import diagnose
@@ -46,13 +49,16 @@ def mismatch(
     try:
         engine_cls = registry.engines.load_config_class(engine, EngineConfig)
         trainer = registry.engines.load(engine)(
-            engine_cls(model=ModelConfig(path=str(model), dtype=dtype), device=device)
+            engine_cls(
+                model=ModelConfig(path=str(model), dtype=dtype), device=device, numerics=numerics
+            )
         )
         trainer.initialize()
         rollout_cls = registry.rollouts.load_config_class(rollout, RolloutConfig)
         served = str(rollout_model or model)
         config = coerce_config(
-            RolloutConfig(model_path=served, dtype=dtype, device=device), rollout_cls
+            RolloutConfig(model_path=served, dtype=dtype, device=device, numerics=numerics),
+            rollout_cls,
         )
         sampler = registry.rollouts.load(rollout)(config)
         try:
