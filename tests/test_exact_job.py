@@ -8,6 +8,7 @@ built-in run (default numerics, float32) shows the gap this closes."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -47,3 +48,50 @@ def test_the_builtin_job_is_bitwise_on_policy(tmp_path, builtin_addition, dtype)
 def test_default_numerics_have_the_gap(builtin_addition):
     gaps = [r["actor/rollout_log_prob_diff"] for r in steps_of(builtin_addition.out)]
     assert len(gaps) == 120 and max(gaps) > 0, max(gaps)
+
+
+def test_async_tokens_of_the_current_weights_are_bitwise(tmp_path, builtin_addition):
+    """Async with partial rollouts (the scripted schedule: two rounds of generation during
+    each update, samples up to 2 versions behind): the tokens sampled by the weights the
+    update starts from have the trainer's log-probs bit for bit; the stale ones differ (other
+    weights), which is what the off-policy correction is for."""
+    out = tmp_path / "async"
+    done = run_cli(
+        "grpo", "numerics=exact", "algorithm.mode=async", "algorithm.ahead.max_staleness=2",
+        "algorithm.ahead.scripted_rounds=2", "run.steps=8", "data.val_size=8",
+        f"run.output_dir={out}", "logging.progress=false",
+        env=builtin_addition.env(), cwd=tmp_path, timeout=800,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    steps = steps_of(out)
+    assert [r["actor/current_weights_log_prob_diff_max"] for r in steps] == [0.0] * 8
+    mixed = [r for r in steps if 0 < r.get("async/staleness_frac/0", 0) < 1]
+    assert mixed and all(r["actor/rollout_log_prob_diff_max"] > 0 for r in mixed), steps
+
+
+def test_a_rollout_server_process_is_bitwise(tmp_path, builtin_addition):
+    """The hf rollout in a server process (``rollout.python``: weights cross as bytes, tokens
+    and log-probs as plain data): its log-probs still agree with the trainer's bit for bit."""
+    out = tmp_path / "served"
+    done = run_cli(
+        "grpo", "numerics=exact", f"rollout.python={sys.executable}", "run.steps=4",
+        "data.val_size=8", f"run.output_dir={out}", "logging.progress=false",
+        env=builtin_addition.env(), cwd=tmp_path, timeout=800,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert [r["actor/rollout_log_prob_diff_max"] for r in steps_of(out)] == [0.0] * 4
+
+
+def test_two_epochs_start_from_a_ratio_of_exactly_one(tmp_path, builtin_addition):
+    """With two PPO epochs the old log-probs come from a forward of their own: they equal the
+    rollout's bit for bit, and the first update's ratio to them is exactly 1."""
+    out = tmp_path / "epochs"
+    done = run_cli(
+        "grpo", "numerics=exact", "algorithm.ppo_epochs=2", "run.steps=4", "data.val_size=8",
+        f"run.output_dir={out}", "logging.progress=false",
+        env=builtin_addition.env(), cwd=tmp_path, timeout=800,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    steps = steps_of(out)
+    assert [r["rollout/log_prob_diff_max"] for r in steps] == [0.0] * 4
+    assert [r["actor/first_update_log_ratio_max"] for r in steps] == [0.0] * 4

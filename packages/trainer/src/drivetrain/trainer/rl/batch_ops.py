@@ -98,6 +98,18 @@ def stream_stats(taken: Taken) -> dict[str, float]:
     return out
 
 
+#: a token column of async batches: 1 where the token was sampled by the weights the step's
+#: update starts from (numerics=exact makes their rollout log-probs the trainer's, bit for bit)
+CURRENT_WEIGHTS = "current_weights"
+
+
+def mark_current_weights(batch: Batch, trainer_version: int) -> Batch:
+    """``batch`` with :data:`CURRENT_WEIGHTS`: which response tokens ``trainer_version``'s
+    weights sampled."""
+    current = (batch[TOKEN_WEIGHT_VERSION] == trainer_version) & batch[LOSS_MASK].bool()
+    return batch.with_columns(token_keys=[CURRENT_WEIGHTS], current_weights=current.float())
+
+
 def staleness_stats(batch: Batch, trainer_version: int) -> dict[str, float]:
     """How many versions each response token lags the trainer's weights: mean, max, the
     histogram (fraction of tokens per lag) and the fraction of samples spanning versions."""

@@ -13,6 +13,7 @@ from typing import Any
 from drivetrain.api import SamplingParams
 from drivetrain.trainer.metrics import StepLog
 from drivetrain.trainer.rl.batch_ops import (
+    mark_current_weights,
     sample_versions,
     staleness_stats,
     stream_stats,
@@ -81,6 +82,7 @@ class GenerationAhead(Source):
         versions = sample_versions(drawn.batch)
         self.samples.write({"step": step + 1, "trainer_version": step, "versions": versions})
         drawn.source_metrics = {**stream_stats(taken), **staleness_stats(drawn.batch, step)}
+        drawn.batch = mark_current_weights(drawn.batch, step)
         return drawn
 
     def training(self, step: int) -> AbstractContextManager[Any]:

@@ -97,6 +97,7 @@ class OldLogProbs(_Inference):
         return {
             "actor/entropy_old": masked_mean(step.old_entropy, mask),
             "rollout/log_prob_diff": masked_mean(diff, mask),
+            "rollout/log_prob_diff_max": float((diff * mask).max()) if diff.numel() else 0.0,
         }
 
 

@@ -27,6 +27,7 @@ from drivetrain.api.columns import (
     VALUES,
 )
 from drivetrain.trainer.rl.aggregation import aggregate
+from drivetrain.trainer.rl.batch_ops import CURRENT_WEIGHTS
 from drivetrain.trainer.rl.kl import KLConfig, kl_penalty
 from drivetrain.trainer.rl.off_policy import CorrectionConfig, CorrectionInputs, correct
 from drivetrain.trainer.rl.policy_losses import POLICY_LOSSES, ClipConfig, PolicyLossInputs
@@ -69,6 +70,7 @@ class ActorLoss:
         ADVANTAGES,
         REF_LOG_PROBS,
         ROLLOUT_LOG_PROBS,
+        CURRENT_WEIGHTS,
     )
 
     @property
@@ -126,6 +128,10 @@ class ActorLoss:
             diff = (mb[ROLLOUT_LOG_PROBS].to(log_probs.dtype) - log_probs.detach()).abs()
             metrics["actor/rollout_log_prob_diff"] = agg(diff, "token-mean")
             metrics["actor/rollout_log_prob_diff_max"] = (diff * mask).max()
+        if CURRENT_WEIGHTS in mb and ROLLOUT_LOG_PROBS in mb:  # async: the current version's
+            # tokens against the trainer's log-probs under the same weights
+            gap = (mb[ROLLOUT_LOG_PROBS].to(old.dtype) - old).abs() * mb[CURRENT_WEIGHTS]
+            metrics["actor/current_weights_log_prob_diff_max"] = gap.max()
         if self.first_update and not self.on_policy:  # (on-policy, old is this very forward)
             gap = (log_probs.detach() - old).abs() * mask
             metrics["actor/first_update_log_ratio_max"] = gap.max()
