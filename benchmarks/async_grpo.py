@@ -46,10 +46,7 @@ Usage: uv run python benchmarks/async_grpo.py [--pairs N] [--steps N] [--gen-hea
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -62,6 +59,7 @@ from timing import (
     print_result,
     ratio_fields,
     rounds_of,
+    run_grpo,
     speedup,
 )
 
@@ -102,20 +100,11 @@ def gen_heavy_args(quick: bool) -> list[str]:
 
 
 def run(workload: list[str], mode: list[str], steps: int, out: Path) -> dict[str, float]:
-    args = [
-        sys.executable, "-m", "drivetrain.trainer", "grpo", *workload, *mode,
-        f"run.steps={steps}", f"run.output_dir={out}", f"rollout.python={sys.executable}",
-        "run.save_every=0", "run.export_hf=false", "logging.progress=false",
-        "logging.tensorboard=false", "data.val_size=1",
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=3600)
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(mode) or 'sync'} failed:\n{done.stderr[-3000:]}")
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
-    lengths = [r["response/length_mean"] for r in rows if "response/length_mean" in r]
+    args = [*workload, *mode, f"run.steps={steps}", f"rollout.python={sys.executable}"]
+    job = run_grpo([*args, "data.val_size=1"], out, " ".join(mode) or "sync")
+    summary, rows = job.summary, job.rows
+    rewards = [r["reward/mean"] for r in job.steps("reward/mean")]
+    lengths = [r["response/length_mean"] for r in job.steps("response/length_mean")]
     return {
         "seconds": summary["loop_seconds"],
         "run_seconds": summary["seconds"],

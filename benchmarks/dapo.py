@@ -25,33 +25,19 @@ Usage: uv run python benchmarks/dapo.py [--pairs N] [--steps N] [--quick]
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from timing import Ratio, add_arguments, order, print_result, ratio_fields, rounds_of
+from timing import Ratio, add_arguments, order, print_result, ratio_fields, rounds_of, run_grpo
 
 METHODS = {"grpo": [], "dapo": ["--preset", "dapo"]}
 
 
 def run(method: str, steps: int, seed: int, out: Path) -> list[dict[str, float]]:
     """The run's per-step metrics."""
-    args = [
-        sys.executable, "-m", "drivetrain.trainer", "grpo", *METHODS[method],
-        f"run.steps={steps}", f"seed={seed}", f"run.output_dir={out}", "run.save_every=0",
-        "run.export_hf=false", "logging.progress=false", "logging.tensorboard=false",
-        "data.val_size=1",
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=3600)
-    if done.returncode != 0:
-        raise SystemExit(f"{method} failed:\n{done.stderr[-3000:]}")
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "sampling/generated_tokens" in r]
+    args = [*METHODS[method], f"run.steps={steps}", f"seed={seed}", "data.val_size=1"]
+    return run_grpo(args, out, method).steps("sampling/generated_tokens")
 
 
 def tokens(steps: list[dict[str, float]]) -> float:

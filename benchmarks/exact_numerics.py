@@ -19,36 +19,21 @@ Usage: uv run python benchmarks/exact_numerics.py [--pairs N] [--steps N] [--qui
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from timing import Ratio, add_arguments, order, print_result, rounds_of
+from timing import Ratio, add_arguments, order, print_result, rounds_of, run_grpo
 
 MODES = {"default": [], "exact": ["numerics=exact"]}
 
 
 def run(mode: str, steps: int, seed: int, out: Path, val_size: int) -> dict[str, object]:
     """The run's summary line, with its steps' largest log-prob gap."""
-    args = [
-        sys.executable, "-m", "drivetrain.trainer", "grpo", *MODES[mode],
-        f"run.steps={steps}", f"seed={seed}", f"run.output_dir={out}", "run.save_every=0",
-        "run.export_hf=false", "logging.progress=false", "logging.tensorboard=false",
-        f"data.val_size={val_size}",
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=3600)
-    if done.returncode != 0:
-        raise SystemExit(f"{mode} failed:\n{done.stderr[-3000:]}")
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    gaps = [r["actor/rollout_log_prob_diff_max"] for r in rows if "actor/loss" in r]
-    summary["gap_max"] = max(gaps)
-    return summary
+    args = [*MODES[mode], f"run.steps={steps}", f"seed={seed}", f"data.val_size={val_size}"]
+    job = run_grpo(args, out, mode)
+    gaps = [r["actor/rollout_log_prob_diff_max"] for r in job.steps("actor/loss")]
+    return {**job.summary, "gap_max": max(gaps)}
 
 
 def main() -> None:

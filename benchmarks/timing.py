@@ -19,10 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 MIN_PAIRS = 5
 
@@ -152,3 +157,31 @@ def print_result(ratios: Mapping[str, Ratio], **fields: object) -> dict[str, obj
     result = {**ratio_fields(ratios), **fields}
     print(json.dumps(result), flush=True)
     return result
+
+
+@dataclass(frozen=True)
+class JobRun:
+    """A finished ``drivetrain`` job: its summary (the JSON last line) and metric rows."""
+
+    summary: dict[str, Any]
+    rows: list[dict[str, Any]]
+
+    def steps(self, key: str) -> list[dict[str, Any]]:
+        """The rows that carry ``key`` (one per step for a per-step metric)."""
+        return [r for r in self.rows if key in r]
+
+
+def run_grpo(args: Sequence[str], out: Path, what: str) -> JobRun:
+    """``drivetrain grpo *args`` in a fresh process on one thread, writing ``out``, without
+    checkpoints, export or TensorBoard; a failure ends the benchmark naming ``what``."""
+    command = [
+        sys.executable, "-m", "drivetrain.trainer", "grpo", *args, f"run.output_dir={out}",
+        "run.save_every=0", "run.export_hf=false", "logging.progress=false",
+        "logging.tensorboard=false",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise SystemExit(f"{what} failed:\n{done.stderr[-3000:]}")
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return JobRun(json.loads(done.stdout.strip().splitlines()[-1]), rows)
