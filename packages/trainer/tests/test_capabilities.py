@@ -200,3 +200,30 @@ def test_a_rollout_process_of_its_own_needs_separate_process():
     user = load_config(own, overrides=["rollout.python=/venv/bin/python"])
     message = refused("separate_process", fit_plugins, user, rl(), plugins(rollout=CPU_ONLY), "x")
     assert message.startswith("rollout.python=/venv/bin/python needs the 'separate_process'")
+
+
+EXACT = spec("exact", "exact_numerics", "device:cpu")
+
+
+def test_numerics_exact_reaches_the_actor_and_the_rollout_that_declare_it():
+    fitted = fit_plugins(rl("numerics=exact"), rl(), plugins(EXACT, rollout=EXACT), "inprocess")
+    assert (fitted.actor.numerics, fitted.rollout.numerics) == ("exact", "exact")
+    fitted = fit_plugins(rl(), rl(), plugins(EXACT, rollout=EXACT), "inprocess")
+    assert (fitted.actor.numerics, fitted.rollout.numerics) == ("default", "default")
+
+
+@pytest.mark.parametrize("side", ["engine", "rollout"])
+def test_numerics_exact_is_refused_by_a_plugin_without_the_capability(side):
+    chosen = plugins(CPU_ONLY, rollout=EXACT) if side == "engine" else plugins(EXACT, rollout=BARE)
+    message = refused("exact_numerics", fit_plugins, rl("numerics=exact"), rl(), chosen, "x")
+    assert f"numerics=exact needs the 'exact_numerics' capability, which {side}" in message
+
+
+def test_numerics_is_one_setting_of_the_job():
+    message = refused(
+        "the job's one setting", fit_plugins, rl("rollout.numerics=exact"), rl(),
+        plugins(EXACT, rollout=EXACT), "x",
+    )  # fmt: skip
+    assert message.startswith("rollout.numerics=exact: set numerics=exact")
+    refused("unset sampling.top_k and sampling.top_p", rl, "numerics=exact", "sampling.top_k=5")
+    refused("is not one of default, exact", rl, "numerics=bitwise")

@@ -74,6 +74,7 @@ class VLLMRolloutConfig(BackendConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _refuse_exact(self, "vllm")
         if self.weight_transfer not in ("auto", "api", "reload"):
             raise ConfigError(
                 f"rollout.weight_transfer must be auto, api or reload, got {self.weight_transfer!r}"
@@ -111,9 +112,17 @@ class SGLangRolloutConfig(BackendConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _refuse_exact(self, "sglang")
         if self.max_running_requests < 1:
             raise ConfigError("rollout.max_running_requests must be >= 1")
         if not 0 < self.mem_fraction_static <= 1:
             raise ConfigError("rollout.mem_fraction_static must be in (0, 1]")
         if self.weight_bucket_bytes < 1:
             raise ConfigError("rollout.weight_bucket_bytes must be >= 1")
+
+
+def _refuse_exact(config: BackendConfig, backend: str) -> None:
+    """A backend without the ``exact_numerics`` capability refuses the setting rather than
+    ignore it."""
+    if config.numerics != "default":
+        raise ConfigError(f"rollout.numerics={config.numerics} is not implemented by {backend}")

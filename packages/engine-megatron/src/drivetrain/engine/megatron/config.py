@@ -44,6 +44,8 @@ class MegatronConfig(EngineConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.numerics != "default":  # no exact_numerics capability: refuse, never ignore
+            raise ConfigError(f"numerics={self.numerics} is not implemented by megatron engines")
         names = (
             "tensor_parallel",
             "pipeline_parallel",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from drivetrain.api import registry
+from drivetrain.api import ConfigError, registry
 from drivetrain.api.plugin import PluginSpec
 from drivetrain.trainer.capabilities import (
     check_device,
@@ -67,6 +67,12 @@ class RLPlugins:
 def _fit_numerics(c: RLConfig, plugins: RLPlugins) -> RLConfig:
     """``numerics`` is one setting of the job: the actor's engine (and so its reference) and
     the rollout get it, after both declare that they honour it."""
+    for key, value in (("actor", c.actor.numerics), ("rollout", c.rollout.numerics)):
+        if value not in ("default", c.numerics):
+            raise ConfigError(
+                f"{key}.numerics={value}: set numerics={value}, the job's one setting (it sets "
+                "the actor's engine and the rollout alike)"
+            )
     if c.numerics != "default":
         asked_by = f"numerics={c.numerics}"
         require("engine", plugins.actor, "exact_numerics", asked_by)
