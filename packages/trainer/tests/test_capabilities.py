@@ -227,3 +227,4 @@ def test_numerics_is_one_setting_of_the_job():
     assert message.startswith("rollout.numerics=exact: set numerics=exact")
     refused("unset sampling.top_k and sampling.top_p", rl, "numerics=exact", "sampling.top_k=5")
     refused("is not one of default, exact", rl, "numerics=bitwise")
+    refused("other arithmetic", rl, "numerics=exact", "actor.model.lora.rank=8")

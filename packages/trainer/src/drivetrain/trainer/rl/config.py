@@ -352,6 +352,12 @@ class RLConfig:
                 "numerics=exact samples from the full distribution the actor computes: unset "
                 "sampling.top_k and sampling.top_p"
             )
+        if self.numerics == "exact" and self.actor.model.lora.enabled:
+            raise ConfigError(
+                "numerics=exact with actor.model.lora: the rollout serves the merged weights "
+                "(W + BA) while the actor computes Wx + BAx, other arithmetic; train without "
+                "LoRA for exact numerics"
+            )
 
     def _check_group_size(self) -> None:
         """A group-relative estimator over groups of one trains without a baseline (or not at
