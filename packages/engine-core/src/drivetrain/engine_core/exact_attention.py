@@ -120,7 +120,8 @@ def attend_blocks(
         rows += -rows % QUERY_ROWS
         q_index, counts = _query_slots(blocks, group, rows, batch * length)
         k_index = _key_slots(blocks, group, w)
-        at = q_index.clamp(max=batch * length - 1)  # padding rows read row 0's last query
+        # a padding slot reads its block's first query (finite; its result is dropped)
+        at = torch.where(q_index < batch * length, q_index, blocks.query_start[group, None])
         q = _fold_heads(query[at // length, at % length].float(), groups)
         k, v = (
             t[k_index // t.shape[1], k_index % t.shape[1]].float().transpose(1, 2)
@@ -131,7 +132,7 @@ def attend_blocks(
         hidden = hidden.repeat(1, groups, 1)[:, None]  # the rows of every head of a group
         weights = scores.masked_fill(hidden, float("-inf")).softmax(-1)
         attended = _unfold_heads(torch.matmul(weights, v), groups)  # [G, rows, heads, dim]
-        out = out.index_copy(0, q_index.flatten(), attended.flatten(0, 1))
+        out.index_copy_(0, q_index.flatten(), attended.flatten(0, 1))
     return out[:-1].to(query.dtype)
 
 

@@ -68,9 +68,7 @@ class ContinuousBatcher:
     """The ``step`` of a :class:`~drivetrain.runtime.request_queue.RequestQueue` for an HF model.
 
     ``eos_ids`` end a request unless it sets ``ignore_eos``; ``seed_for`` gives an unseeded
-    request its seed; ``decode`` renders tokens for stop strings; ``exact``: ``numerics=exact``
-    (a request that truncates the distribution with top-k or top-p is refused: the trainer
-    computes the full one).
+    request its seed; ``decode`` renders tokens for stop strings.
     """
 
     def __init__(
@@ -82,10 +80,8 @@ class ContinuousBatcher:
         share_prefill: bool,
         seed_for: Callable[[], int],
         decode: Callable[[Sequence[int]], str],
-        exact: bool = False,
     ) -> None:
         self.model = model
-        self.exact = exact
         self.device = next(model.parameters()).device
         self.pad_id = pad_id
         self.eos_ids = eos_ids
@@ -162,12 +158,6 @@ class ContinuousBatcher:
 
     # ---- joining and decoding ---------------------------------------------------------------
     def _new_row(self, request: Request) -> _Row:
-        params = request.params
-        if self.exact and not params.greedy and (params.top_k > 0 or params.top_p < 1):
-            raise ValueError(
-                "numerics=exact samples from the full distribution: this request sets "
-                f"top_k={params.top_k}, top_p={params.top_p}"
-            )
         seed = request.params.seed if request.params.seed is not None else self.seed_for()
         generator = torch.Generator(device=self.device)
         generator.manual_seed(seed)

@@ -59,8 +59,9 @@ _last: list[tuple[torch.Tensor | None, Blocks]] = []
 
 
 def _blocks(visible: torch.Tensor, mask: torch.Tensor | None) -> Blocks:
-    if mask is not None and _last and _last[0][0] is mask:
-        return _last[0][1]
+    last = _last[0] if _last else None  # one read: another rollout may replace it
+    if mask is not None and last is not None and last[0] is mask:
+        return last[1]
     blocks = blocks_of_mask(visible)
     _last[:] = [(mask, blocks)]
     return blocks

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from drivetrain.api.engine import NamedTensor
+from drivetrain.api.requests import Request
 from drivetrain.api.rollout import MEMORY_TAGS
 from drivetrain.rollout.config import HFRolloutConfig
 from drivetrain.rollout.devices import model_dir
@@ -66,14 +67,23 @@ class HFRollout(TokenizedRollout):
             share_prefill=config.share_prompt_prefill,
             seed_for=lambda: int(torch.randint(2**62, (1,), generator=self._seeds)),
             decode=self.tokenizer.decode,
-            exact=exact,
         )
+        self.exact = exact
         self.requests = RequestQueue(
             self.batcher.step,
             lambda: self._version,
             capacity=config.max_batch_size,
             reset=self.batcher.reset,
         )
+
+    def validate_request(self, request: Request) -> None:
+        super().validate_request(request)
+        params = request.params
+        if self.exact and not params.greedy and (params.top_k > 0 or params.top_p < 1):
+            raise ValueError(
+                "numerics=exact samples from the full distribution the trainer computes: "
+                f"request {request.request_id!r} sets top_k={params.top_k}, top_p={params.top_p}"
+            )
 
     @property
     def weight_version(self) -> int:
