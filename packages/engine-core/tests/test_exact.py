@@ -187,3 +187,44 @@ def test_make_exact_keeps_the_model_and_tables_its_rotary():
 def test_a_rotary_that_rescales_per_call_is_refused():
     with pytest.raises(ValueError, match="rotary type 'dynamic'"):
         make_exact(_tiny_llama("dynamic"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_query_heads_use_their_own_kv_head(dtype):
+    """4 query heads over 2 KV heads: query head ``h`` attends with KV head ``h // 2``, as
+    transformers' ``repeat_kv`` pairs them."""
+    torch.manual_seed(4)
+    spans = [Span(0, 9), Span(9, 21)]
+    q = torch.randn(30, 4, 16, dtype=dtype)
+    k, v = (torch.randn(30, 2, 16, dtype=dtype) for _ in range(2))
+    exact = attend(q, k, v, blocks_of_spans(spans, q.device), 0.25)
+    rows = (
+        t.transpose(0, 1)[None] for t in (q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1))
+    )
+    expected = attend_spans(*rows, spans, 0.0, 0.25)[0].transpose(0, 1)
+    assert torch.allclose(
+        exact.float(), expected.float(), atol=1e-5 if dtype == torch.float32 else 2e-2
+    )
+
+
+def test_a_decode_step_over_a_narrower_block_gets_the_same_bits():
+    """A query that sees 13 keys decodes over a block 16 keys wide; in the packed row it sat in
+    a block 32 wide (its document's): the same bits."""
+    torch.manual_seed(5)
+    q, k, v, spans = _packed([30])
+    packed = attend(q, k, v, blocks_of_spans(spans, q.device), 0.25)
+    step = torch.zeros(1, 1, 30, dtype=torch.bool)
+    step[0, 0, :13] = True
+    decoded = attend_blocks(q[12][None, None], k[None], v[None], blocks_of_mask(step), 0.25)
+    assert torch.equal(decoded[0], packed[12])
+
+
+def test_modules_without_a_batch_invariant_form_are_refused():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    with pytest.raises(ValueError, match="no batch-invariant form of LayerNorm"):
+        make_exact(model)
+    mlp = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())
+    with pytest.raises(ValueError, match="activation GELU"):
+        make_exact(mlp)

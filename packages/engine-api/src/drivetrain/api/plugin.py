@@ -49,6 +49,7 @@ KNOWN_CAPABILITIES = frozenset(
         "resharding_checkpoint",  # load a checkpoint saved at another world size/layout
         "sleep",  # rollouts: sleep() frees accelerator memory (colocated placement needs it)
         "separate_process",  # rollouts: runs in a process/environment of its own
+        "exact_numerics",  # numerics=exact: log-probs bitwise equal to a peer that declares it
         "device:cpu",  # runs on that device; a plugin listing no device:* makes no claim
         "device:cuda",
         "device:npu",

@@ -66,9 +66,12 @@ def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 def make_exact(model: nn.Module) -> nn.Module:
     """Switch ``model``'s linears, SiLU activations and rotary tables to their batch-invariant
-    forms, in place (attention is the caller's: it registers its implementation). A rotary
-    type that rescales per call is a one-line error."""
+    forms, in place (attention is the caller's: it registers its implementation). A module
+    with no batch-invariant form here (another activation, a layer norm, a fused or
+    ``nn.Linear``-derived layer, a rotary type that rescales per call) is a one-line
+    ``ValueError`` naming it: refused, never left inexact."""
     for name, module in list(model.named_modules()):
+        _check_supported(module, name)
         if type(module) is nn.Linear:
             module.forward = types.MethodType(_linear_forward, module)
         for child_name, child in list(module.named_children()):
@@ -77,6 +80,31 @@ def make_exact(model: nn.Module) -> nn.Module:
         if type(module).__name__.endswith("RotaryEmbedding"):
             _table_rotary(module, name)
     return model
+
+
+#: modules with their own parameters that are exact as they are or made so here
+_PARAMETERISED = (nn.Linear, nn.Embedding)
+#: activations that are exact elementwise (no transcendental function), or replaced
+_ACTIVATIONS_OK = (nn.SiLU, nn.ReLU, nn.Identity)
+
+
+def _check_supported(module: nn.Module, name: str) -> None:
+    kind = type(module)
+    own = next(module.parameters(recurse=False), None) is not None
+    norm = kind.__name__.endswith("RMSNorm")
+    if own and not (kind in _PARAMETERISED or norm):
+        raise ValueError(
+            f"numerics=exact has no batch-invariant form of {kind.__name__} ({name}): "
+            "it covers Linear, Embedding and RMSNorm layers"
+        )
+    activation = kind.__module__.startswith("torch.nn.modules.activation") or (
+        kind.__name__.endswith(("Activation", "GELU", "GELUTanh"))
+    )
+    if activation and kind.__name__ != "SiLUActivation" and not issubclass(kind, _ACTIVATIONS_OK):
+        raise ValueError(
+            f"numerics=exact has no batch-invariant form of the activation {kind.__name__} "
+            f"({name}): it covers SiLU and ReLU"
+        )
 
 
 def _table_rotary(module: nn.Module, name: str) -> None:

@@ -92,7 +92,7 @@ class FSDPEngine(TorchEngine):
         exact = cfg.numerics == "exact"
         self.packed_kernel = "grouped_sdpa"  # attention="varlen": what attends over a packed row
         if exact:
-            self.packed_kernel = exact_numerics(hf, cfg, self.device)
+            self.packed_kernel = exact_numerics(hf, cfg, self.device, fsdp1=self.fsdp1)
         elif cfg.attention == "varlen":
             self.packed_kernel = engine_kernel(
                 cfg.packed_kernel, self.device.type, cfg.model.dtype, say=dist.get_rank() == 0

@@ -57,10 +57,14 @@ def load_hf_model(config: ModelConfig, attention: str, *, empty: bool = False) -
     return model
 
 
-def exact_numerics(hf: nn.Module, config: FSDPConfig, device: torch.device) -> str:
+def exact_numerics(hf: nn.Module, config: FSDPConfig, device: torch.device, *, fsdp1: bool) -> str:
     """Make ``hf`` batch-invariant for ``numerics=exact`` (the hf rollout runs the same
     modules); the packed kernel that goes with it. One-line errors for what exact mode does
     not cover."""
+    if fsdp1:
+        raise ConfigError("numerics=exact is built and tested on the fsdp2 engine, not fsdp")
+    if config.ulysses_size > 1:  # its all-to-alls may repeat KV heads: other product shapes
+        raise ConfigError("numerics=exact does not take ulysses_size > 1")
     if device.type != "cpu":
         raise ConfigError(
             f"numerics=exact is proven on the CPU only; this engine runs on {device.type}"

@@ -12,7 +12,6 @@ _CAPABILITIES = frozenset(
         "sequence_parallel",
         "offload",
         "resharding_checkpoint",
-        "exact_numerics",
         "device:cpu",
         "device:cuda",
         "device:npu",
@@ -24,7 +23,7 @@ FSDP2 = PluginSpec(
     factory="drivetrain.engine.fsdp.engine:FSDP2Engine",
     config="drivetrain.engine.fsdp.config:FSDPConfig",
     api=">=0.1,<0.2",
-    capabilities=_CAPABILITIES,
+    capabilities=_CAPABILITIES | {"exact_numerics"},  # fsdp2 only: tested there
     install_hint="pip install drivetrain-engine-fsdp",
     description="PyTorch FSDP2 (fully_shard) over Hugging Face causal LMs",
 )

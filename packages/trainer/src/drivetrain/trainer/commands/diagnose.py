@@ -47,6 +47,11 @@ def mismatch(
     from drivetrain.trainer.preflight import load_tokenizer
 
     try:
+        if numerics != "default":  # refused by a side that does not build it, never ignored
+            from drivetrain.trainer.capabilities import require
+
+            require("engine", registry.engines.spec(engine), "exact_numerics", "--numerics")
+            require("rollout", registry.rollouts.spec(rollout), "exact_numerics", "--numerics")
         engine_cls = registry.engines.load_config_class(engine, EngineConfig)
         trainer = registry.engines.load(engine)(
             engine_cls(
