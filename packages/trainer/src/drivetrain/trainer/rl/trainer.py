@@ -131,7 +131,7 @@ class RLTrainer(Job[RLResult]):
         )
         self.kept = RLResult(self.out, final_step=0)  # what record() keeps of each step
         threshold = c.run.log_prob_alarm or log_prob_tolerance(c.actor.model.dtype, c.rollout.dtype)
-        self.alarm = LogProbAlarm(threshold, self.console.print)
+        self.alarm = LogProbAlarm(threshold, self.console.print, exact=c.numerics == "exact")
 
     # ---- the algorithm ------------------------------------------------------------------
     def step(self, step: int) -> dict[str, float]:
