@@ -28,17 +28,25 @@ def steps_of(out) -> list[dict]:
     return [r for r in rows if "actor/rollout_log_prob_diff" in r]
 
 
-@pytest.mark.parametrize("dtype", sorted(SETTINGS))
-def test_the_builtin_job_is_bitwise_on_policy(tmp_path, builtin_addition, dtype):
+def exact_steps(tmp_path, builtin_addition, *args: str) -> list[dict]:
+    """``drivetrain grpo numerics=exact *args`` from the session's cached SFT model: its steps'
+    metric rows."""
     out = tmp_path / "exact"
     done = run_cli(
-        "grpo", "numerics=exact", "run.steps=20", "run.prompts_per_step=12",
-        "rollout.max_batch_size=40", "actor.micro_batch.max_tokens=700", "data.val_size=16",
-        f"run.output_dir={out}", "logging.progress=false", *SETTINGS[dtype],
+        "grpo", "numerics=exact", f"run.output_dir={out}", "logging.progress=false", *args,
         env=builtin_addition.env(), cwd=tmp_path, timeout=800,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
-    steps = steps_of(out)
+    return steps_of(out)
+
+
+@pytest.mark.parametrize("dtype", sorted(SETTINGS))
+def test_the_builtin_job_is_bitwise_on_policy(tmp_path, builtin_addition, dtype):
+    steps = exact_steps(
+        tmp_path, builtin_addition, "run.steps=20", "run.prompts_per_step=12",
+        "rollout.max_batch_size=40", "actor.micro_batch.max_tokens=700", "data.val_size=16",
+        *SETTINGS[dtype],
+    )  # fmt: skip
     assert len(steps) == 20
     gaps = [(r["actor/rollout_log_prob_diff"], r["actor/rollout_log_prob_diff_max"]) for r in steps]
     assert gaps == [(0.0, 0.0)] * 20, gaps
@@ -55,15 +63,10 @@ def test_async_tokens_of_the_current_weights_are_bitwise(tmp_path, builtin_addit
     each update, samples up to 2 versions behind): the tokens sampled by the weights the
     update starts from have the trainer's log-probs bit for bit; the stale ones differ (other
     weights), which is what the off-policy correction is for."""
-    out = tmp_path / "async"
-    done = run_cli(
-        "grpo", "numerics=exact", "algorithm.mode=async", "algorithm.ahead.max_staleness=2",
+    steps = exact_steps(
+        tmp_path, builtin_addition, "algorithm.mode=async", "algorithm.ahead.max_staleness=2",
         "algorithm.ahead.scripted_rounds=2", "run.steps=8", "data.val_size=8",
-        f"run.output_dir={out}", "logging.progress=false",
-        env=builtin_addition.env(), cwd=tmp_path, timeout=800,
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
-    steps = steps_of(out)
     assert [r["actor/current_weights_log_prob_diff_max"] for r in steps] == [0.0] * 8
     mixed = [r for r in steps if 0 < r.get("async/staleness_frac/0", 0) < 1]
     assert mixed and all(r["actor/rollout_log_prob_diff_max"] > 0 for r in mixed), steps
@@ -72,26 +75,18 @@ def test_async_tokens_of_the_current_weights_are_bitwise(tmp_path, builtin_addit
 def test_a_rollout_server_process_is_bitwise(tmp_path, builtin_addition):
     """The hf rollout in a server process (``rollout.python``: weights cross as bytes, tokens
     and log-probs as plain data): its log-probs still agree with the trainer's bit for bit."""
-    out = tmp_path / "served"
-    done = run_cli(
-        "grpo", "numerics=exact", f"rollout.python={sys.executable}", "run.steps=4",
-        "data.val_size=8", f"run.output_dir={out}", "logging.progress=false",
-        env=builtin_addition.env(), cwd=tmp_path, timeout=800,
+    steps = exact_steps(
+        tmp_path, builtin_addition, f"rollout.python={sys.executable}", "run.steps=4",
+        "data.val_size=8",
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert [r["actor/rollout_log_prob_diff_max"] for r in steps_of(out)] == [0.0] * 4
+    assert [r["actor/rollout_log_prob_diff_max"] for r in steps] == [0.0] * 4
 
 
 def test_two_epochs_start_from_a_ratio_of_exactly_one(tmp_path, builtin_addition):
     """With two PPO epochs the old log-probs come from a forward of their own: they equal the
     rollout's bit for bit, and the first update's ratio to them is exactly 1."""
-    out = tmp_path / "epochs"
-    done = run_cli(
-        "grpo", "numerics=exact", "algorithm.ppo_epochs=2", "run.steps=4", "data.val_size=8",
-        f"run.output_dir={out}", "logging.progress=false",
-        env=builtin_addition.env(), cwd=tmp_path, timeout=800,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
-    steps = steps_of(out)
+    steps = exact_steps(
+        tmp_path, builtin_addition, "algorithm.ppo_epochs=2", "run.steps=4", "data.val_size=8"
+    )
     assert [r["rollout/log_prob_diff_max"] for r in steps] == [0.0] * 4
     assert [r["actor/first_update_log_ratio_max"] for r in steps] == [0.0] * 4

@@ -51,16 +51,15 @@ def blocks_of_spans(spans: Sequence[Span], device: torch.device) -> Blocks:
     """A packed row's spans, one block each: the shared prefix, then the span's own keys."""
     spans = [s for s in spans if s.length > 0]
     table = torch.tensor(
-        [[s.start, s.length, s.prefix_start, s.prefix_len, s.start, s.length] for s in spans],
-        dtype=torch.long,
-    ).reshape(-1, 6)
-    table = table.to(device)
+        [[s.start, s.length, s.prefix_start, s.prefix_len] for s in spans], dtype=torch.long
+    ).reshape(-1, 4)
+    start, length, prefix_start, prefix_len = table.to(device).unbind(1)
     return Blocks(
-        query_start=table[:, 0],
-        queries=table[:, 1],
-        key_starts=table[:, [2, 4]],
-        key_lens=table[:, [3, 5]],
-        first=table[:, 3] + 1,
+        query_start=start,
+        queries=length,
+        key_starts=torch.stack([prefix_start, start], 1),
+        key_lens=torch.stack([prefix_len, length], 1),
+        first=prefix_len + 1,
     )
 
 

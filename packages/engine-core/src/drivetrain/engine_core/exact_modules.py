@@ -8,7 +8,7 @@ CPU (this machine's MKL and oneDNN, see the trainer README's exact-mode section)
   too), when the rows are a strided view, or when the bias is added inside the product. With
   a multiple of 4 contiguous rows and the bias added after, a row's bits depend on nothing
   else, at 1, 2, 4 or 8 threads alike (measured up to K=2048, N=8192). :func:`exact_linear` pads
-  a call to :data:`MIN_ROWS` rows.
+  a call's rows to a multiple of :data:`ROW_MULTIPLE` and adds the bias after.
 - SiLU (and sigmoid) compute the last elements of a buffer with the scalar formula instead of
   the vectorised one: the same value gets other bits depending on where it sits. ``exp``,
   division and addition do not: :class:`ExactSiLU` is built from them.

@@ -44,7 +44,7 @@ class Update:
             for start in range(0, len(order), size):
                 mini = view.select(order[start : start + size])
                 loss = self.loss
-                if not stats and hasattr(loss, "first_update"):
+                if not stats and isinstance(loss, ActorLoss):  # the step's first update
                     loss = dataclasses.replace(loss, first_update=True)
                 stats.append(group.run_sharded(RoleWorker.train, mini, self.role, loss))
         return mean_stats(stats)
