@@ -12,7 +12,9 @@ and after.
 The last line is JSON: ``exact_step_time_ratio`` (goal <= 1.3 on the CPU) and its ``_spread``,
 ``step_seconds`` (median per mode), ``accuracy_after`` (median greedy exact-match per mode),
 ``accuracy_before``, ``rollout_log_prob_diff_max`` (the largest per-token gap over every step
-of every run, per mode: 0 for exact), ``rounds``, ``steps``.
+of every run, per mode: 0 for exact), ``phase_seconds`` (``<mode>.generate`` and
+``<mode>.update_actor``: medians over runs of each run's median step phase), ``rounds``,
+``steps``.
 Usage: uv run python benchmarks/exact_numerics.py [--pairs N] [--steps N] [--quick]
 """
 
@@ -26,14 +28,18 @@ from pathlib import Path
 from timing import Ratio, add_arguments, order, print_result, rounds_of, run_grpo
 
 MODES = {"default": [], "exact": ["numerics=exact"]}
+PHASES = ("generate", "update_actor")
 
 
 def run(mode: str, steps: int, seed: int, out: Path, val_size: int) -> dict[str, object]:
     """The run's summary line, with its steps' largest log-prob gap."""
     args = [*MODES[mode], f"run.steps={steps}", f"seed={seed}", f"data.val_size={val_size}"]
     job = run_grpo(args, out, mode)
-    gaps = [r["actor/rollout_log_prob_diff_max"] for r in job.steps("actor/loss")]
-    return {**job.summary, "gap_max": max(gaps)}
+    steps = job.steps("actor/loss")
+    gaps = [r["actor/rollout_log_prob_diff_max"] for r in steps]
+    # where the time goes: each phase's median over the steps (the first warms up)
+    phases = {p: statistics.median(r[f"time/{p}_s"] for r in steps[1:] or steps) for p in PHASES}
+    return {**job.summary, "gap_max": max(gaps), "phases": phases}
 
 
 def main() -> None:
@@ -48,6 +54,7 @@ def main() -> None:
     before: dict[str, list[float]] = {m: [] for m in MODES}
     after: dict[str, list[float]] = {m: [] for m in MODES}
     gap: dict[str, float] = dict.fromkeys(MODES, 0.0)
+    phases: dict[str, list[float]] = {f"{m}.{p}": [] for m in MODES for p in PHASES}
     with tempfile.TemporaryDirectory(prefix="exact-") as tmp:
         for seed in range(rounds):
             for mode in order(list(MODES), seed):
@@ -56,6 +63,8 @@ def main() -> None:
                 before[mode].append(summary["val_before"]["val/exact_match"])
                 after[mode].append(summary["val_after"]["val/exact_match"])
                 gap[mode] = max(gap[mode], summary["gap_max"])
+                for phase, value in summary["phases"].items():
+                    phases[f"{mode}.{phase}"].append(value)
                 print(
                     f"round {seed} {mode}: {seconds[mode][-1]:.3f} s/step, greedy accuracy "
                     f"{before[mode][-1]:.3f} -> {after[mode][-1]:.3f}, largest log-prob gap "
@@ -70,6 +79,7 @@ def main() -> None:
         accuracy_before={m: round(statistics.median(v), 4) for m, v in before.items()},
         accuracy_after={m: round(statistics.median(v), 4) for m, v in after.items()},
         rollout_log_prob_diff_max=gap,
+        phase_seconds={k: round(statistics.median(v), 4) for k, v in phases.items()},
         rounds=rounds,
         steps=steps,
     )
