@@ -101,11 +101,16 @@ def test_an_explicit_resume_from_another_runs_step_keeps_this_runs_id(trained, t
 # own once a checkpoint is published: files the run holds open still take writes (the
 # metrics file), new ones and reopened ones (TensorBoard reopens its event file for every
 # record, a checkpoint's staging is new) fail with EROFS, as on a file system remounted
-# read-only. Root bypasses chmod, so this is how the test takes writes away.
+# read-only. Root bypasses chmod, so this is how the test takes writes away. The remount is
+# refused (EBUSY, "mount point is busy") while the run holds a file open for writing through
+# the new bind mount (one it opened between the two mounts: with a checkpoint every step it
+# often does), so it is retried until it takes or the run ends.
 READ_ONLY = (
     "{run} > {log}.out 2> {log}.err & pid=$!; "
     "while [ ! -d {ready} ]; do kill -0 $pid 2>/dev/null || break; sleep 0.02; done; "
-    "mount --bind {out} {out} && mount -o remount,bind,ro {out}; "
+    "mount --bind {out} {out} && "
+    "until mount -o remount,bind,ro {out} 2>/dev/null; "
+    "do kill -0 $pid 2>/dev/null || break; sleep 0.01; done; "
     "wait $pid"
 )
 
