@@ -11,5 +11,6 @@ def test_every_named_column_has_a_dtype():
     }
     assert set(columns.DTYPES) == named
     assert named >= columns.TOKEN_COLUMNS
-    assert set(columns.DTYPES.values()) == {"int64", "float32"}
+    assert set(columns.DTYPES.values()) == {"int64", "float32", "int16"}
+    assert columns.DTYPES[columns.ROUTED_EXPERTS] == "int16"  # 2 bytes per layer and pick
     assert columns.DTYPES[columns.LOSS_MASK] == "float32"  # losses multiply by it

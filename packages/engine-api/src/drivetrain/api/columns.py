@@ -41,6 +41,11 @@ SHARED_PREFIX_LEN = "shared_prefix_len"
 #: preference pair, whose loss needs both). The :class:`~drivetrain.api.batch.Batch`
 #: partitioning methods honour it; the conformance kit checks an engine does.
 SAMPLE_GROUP = "sample_group"
+#: Per token, ``[layers, top_k]``: the experts a mixture-of-experts rollout routed the token to
+#: in each MoE layer (-1 where nothing was recorded: the sequence's last token, padding), for an
+#: engine with ``routing_replay`` to use instead of its own router's choice
+#: (:mod:`drivetrain.api.routing`). Int16: 2 bytes per layer and pick.
+ROUTED_EXPERTS = "routed_experts"
 
 #: Columns holding one value per token (the rest hold one value per sample).
 TOKEN_COLUMNS = frozenset(
@@ -59,6 +64,7 @@ TOKEN_COLUMNS = frozenset(
         RETURNS,
         REWARDS,
         TOKEN_WEIGHT_VERSION,
+        ROUTED_EXPERTS,
     }
 )
 
@@ -85,5 +91,6 @@ DTYPES: Mapping[str, str] = MappingProxyType(
         TOKEN_WEIGHT_VERSION: "int64",
         SHARED_PREFIX_LEN: "int64",
         SAMPLE_GROUP: "int64",
+        ROUTED_EXPERTS: "int16",
     }
 )

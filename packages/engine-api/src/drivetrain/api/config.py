@@ -181,6 +181,9 @@ class RolloutConfig:
     fails the run with one line naming it. It bounds a stall; the time one request may take
     is the backend's own (``rollout.request_timeout_s``), and a weight sync's transfer has
     ``weight_sync.timeout_s``. ``numerics``: one of :data:`NUMERICS`.
+    ``return_routed_experts``: report the experts a mixture-of-experts model routed every
+    position to (:mod:`drivetrain.api.routing`), for an engine to replay; a backend without the
+    ``routed_experts`` capability refuses it.
     """
 
     model_path: str = ""
@@ -191,6 +194,7 @@ class RolloutConfig:
     seed: int = 0
     stall_timeout_s: float = 60.0
     numerics: str = "default"
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("rollout", "dtype", self.dtype, DTYPES)

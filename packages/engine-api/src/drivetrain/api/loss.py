@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from drivetrain.api.batch import Batch
-from drivetrain.api.columns import ENTROPY, LOG_PROBS, VALUES
+from drivetrain.api.columns import ENTROPY, LOG_PROBS, ROUTED_EXPERTS, VALUES
 
 
 @dataclass(frozen=True)
@@ -24,12 +24,16 @@ class OutputSpec:
     ``log_probs`` and ``entropy`` are taken from logits divided by ``temperature`` (matching
     the rollout's sampling distribution). Engines compute them in chunks so that full-vocabulary
     logits never exist for the whole batch at once. ``values`` needs a value-head model.
+    ``routed_experts`` (an engine with ``routing_replay``, a mixture-of-experts model): the
+    experts its routers chose themselves for each token (``[.., layers, top_k]`` int16, the
+    column's layout), also where the batch's ``routed_experts`` made them use others.
     """
 
     log_probs: bool = True
     entropy: bool = False
     values: bool = False
     temperature: float = 1.0
+    routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if self.temperature <= 0:
@@ -37,7 +41,12 @@ class OutputSpec:
 
     @property
     def names(self) -> tuple[str, ...]:
-        wanted = ((LOG_PROBS, self.log_probs), (ENTROPY, self.entropy), (VALUES, self.values))
+        wanted = (
+            (LOG_PROBS, self.log_probs),
+            (ENTROPY, self.entropy),
+            (VALUES, self.values),
+            (ROUTED_EXPERTS, self.routed_experts),
+        )
         return tuple(name for name, on in wanted if on)
 
 

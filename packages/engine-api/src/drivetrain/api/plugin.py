@@ -50,6 +50,8 @@ KNOWN_CAPABILITIES = frozenset(
         "sleep",  # rollouts: sleep() frees accelerator memory (colocated placement needs it)
         "separate_process",  # rollouts: runs in a process/environment of its own
         "exact_numerics",  # numerics=exact: log-probs bitwise equal to a peer that declares it
+        "routing_replay",  # engines: replay a batch's routed_experts; report their own routing
+        "routed_experts",  # rollouts: rollout.return_routed_experts (mixture-of-experts models)
         "device:cpu",  # runs on that device; a plugin listing no device:* makes no claim
         "device:cuda",
         "device:npu",

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from drivetrain.api.rollout import FinishReason, SamplingParams
+from drivetrain.api.routing import RoutedExperts
 
 if TYPE_CHECKING:
     pass
@@ -55,13 +56,15 @@ class Chunk:
     """Tokens of one request generated since the previous poll, with their log-probs (as in
     :class:`~drivetrain.api.rollout.Completion`) and the weight version they were sampled
     under. ``finish_reason`` is set on a request's last chunk only; an aborted request's last
-    chunk may hold no tokens."""
+    chunk may hold no tokens. ``routed_experts``: the routing of the positions these tokens'
+    steps computed (a rollout asked to return it; :mod:`drivetrain.api.routing`)."""
 
     request_id: str
     token_ids: tuple[int, ...]
     log_probs: tuple[float, ...]
     weight_version: int
     finish_reason: FinishReason | None = None
+    routed_experts: RoutedExperts | None = None
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.log_probs):

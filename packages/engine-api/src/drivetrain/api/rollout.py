@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from drivetrain.api.config import RolloutConfig
 from drivetrain.api.engine import NamedTensor
+from drivetrain.api.routing import RoutedExperts
 
 if TYPE_CHECKING:
     from drivetrain.api.requests import Chunk, Request
@@ -102,6 +103,8 @@ class Completion:
     ``text`` is optional: the request path (``drivetrain.runtime.collector``, which
     ``generate_with_requests`` and the trainer use) leaves it ``None``, and the trainer decodes
     ``token_ids`` itself; a backend's own batch ``generate`` may fill it for its callers.
+    ``routed_experts`` (a rollout asked to return it) covers positions ``0 ..
+    len(prompt_ids) + len(token_ids) - 2`` (:mod:`drivetrain.api.routing`).
     """
 
     prompt_index: int
@@ -113,6 +116,7 @@ class Completion:
     text: str | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
     token_versions: tuple[int, ...] = ()
+    routed_experts: RoutedExperts | None = None
 
 
 class Rollout(abc.ABC):

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 
 from drivetrain.api.requests import Chunk, Request, sample_seed
 from drivetrain.api.rollout import Completion, FinishReason, SamplingParams
+from drivetrain.api.routing import RoutedExperts, join_routing
 
 
 @dataclass
@@ -21,6 +22,7 @@ class _Progress:
     last_version: int = 0  # of the latest chunk, tokens or not
     finish_reason: FinishReason | None = None
     aliases: list[str] = field(default_factory=list)  # its segments' ids, the first one first
+    routed_experts: RoutedExperts | None = None
 
 
 class Collector:
@@ -56,6 +58,7 @@ class Collector:
             progress.log_probs += chunk.log_probs
             progress.versions += [chunk.weight_version] * len(chunk.token_ids)
             progress.last_version = chunk.weight_version
+            progress.routed_experts = join_routing(progress.routed_experts, chunk.routed_experts)
             if chunk.finish_reason is not None:
                 progress.finish_reason = chunk.finish_reason
                 finished.append(key)
@@ -120,6 +123,7 @@ class Collector:
             # a request aborted before its first token reports the version of its last chunk
             weight_version=versions[0] if versions else progress.last_version,
             token_versions=versions,
+            routed_experts=progress.routed_experts,
         )
 
     def pop(self, request_id: str) -> Completion:

@@ -29,32 +29,49 @@ from dataclasses import dataclass, field
 
 from drivetrain.api.requests import Chunk, Request
 from drivetrain.api.rollout import FinishReason, Rollout
+from drivetrain.api.routing import RoutedExperts, join_routing
 from drivetrain.runtime.fair_lock import FairRLock
 
 
 @dataclass
 class TokenEvent:
-    """New tokens of one running request from one step (``finish_reason`` when it ended)."""
+    """New tokens of one running request from one step (``finish_reason`` when it ended), and
+    the routing of the positions the step computed for it (when the rollout records it)."""
 
     request_id: str
     token_ids: list[int]
     log_probs: list[float]
     finish_reason: FinishReason | None = None
+    routed_experts: RoutedExperts | None = None
+
+
+@dataclass
+class _Segment:
+    version: int
+    tokens: list[int]
+    log_probs: list[float]
+    routed_experts: RoutedExperts | None
 
 
 @dataclass
 class _Pending:
     """Tokens generated since the last poll, by weight version."""
 
-    segments: list[tuple[int, list[int], list[float]]] = field(default_factory=list)
+    segments: list[_Segment] = field(default_factory=list)
     finish_reason: FinishReason | None = None
 
-    def add(self, version: int, tokens: list[int], log_probs: list[float]) -> None:
-        if self.segments and self.segments[-1][0] == version:
-            self.segments[-1][1].extend(tokens)
-            self.segments[-1][2].extend(log_probs)
-        elif tokens:
-            self.segments.append((version, list(tokens), list(log_probs)))
+    def add(self, version: int, event: TokenEvent) -> None:
+        last = self.segments[-1] if self.segments else None
+        if last is not None and last.version == version:
+            last.tokens.extend(event.token_ids)
+            last.log_probs.extend(event.log_probs)
+            last.routed_experts = join_routing(last.routed_experts, event.routed_experts)
+        elif event.token_ids:
+            self.segments.append(
+                _Segment(
+                    version, list(event.token_ids), list(event.log_probs), event.routed_experts
+                )
+            )
 
 
 Step = Callable[[list[Request], list[str]], list[TokenEvent]]
@@ -279,7 +296,7 @@ class RequestQueue:
                     f"the backend reported tokens of {event.request_id!r}, which is not running"
                 )
             pending = self._pending.setdefault(event.request_id, _Pending())
-            pending.add(version, event.token_ids, event.log_probs)
+            pending.add(version, event)
             if event.finish_reason is not None:
                 self._running.discard(event.request_id)
                 pending.finish_reason = event.finish_reason
@@ -292,16 +309,17 @@ class RequestQueue:
         for request_id, pending in self._pending.items():
             if not pending.segments and pending.finish_reason is None:
                 continue
-            segments = pending.segments or [(self._version(), [], [])]
-            for i, (version, tokens, log_probs) in enumerate(segments):
+            segments = pending.segments or [_Segment(self._version(), [], [], None)]
+            for i, segment in enumerate(segments):
                 last = i == len(segments) - 1
                 chunks.append(
                     Chunk(
                         request_id,
-                        tuple(tokens),
-                        tuple(log_probs),
-                        version,
+                        tuple(segment.tokens),
+                        tuple(segment.log_probs),
+                        segment.version,
                         pending.finish_reason if last else None,
+                        segment.routed_experts,
                     )
                 )
         self._pending.clear()

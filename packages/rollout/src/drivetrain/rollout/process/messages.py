@@ -17,6 +17,7 @@ from drivetrain.api.config import LoraConfig, RolloutConfig, WeightSyncConfig
 from drivetrain.api.errors import PluginError
 from drivetrain.api.requests import Chunk, Request
 from drivetrain.api.rollout import Completion, FinishReason, Prompt, SamplingParams
+from drivetrain.api.routing import RoutedExperts
 from drivetrain.api.weight_sync import SyncStats, Topology
 from drivetrain.rollout.config import BackendConfig
 from drivetrain.rollout.errors import ProtocolError
@@ -48,6 +49,7 @@ CODEC = Codec(
         Completion,
         Request,
         Chunk,
+        RoutedExperts,
         SyncStats,
         Topology,
         LoraConfig,
