@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -60,9 +61,15 @@ class TorchEngine(ModalEngine):
             return OutputSpec(log_probs=False, values=True)
         return OutputSpec()
 
+    #: whether the engine replays a batch's ``routed_experts`` and reports its routers' choice
+    replays_routing: ClassVar[bool] = False
+
     def _check_outputs(self, spec: OutputSpec) -> None:
-        """A value-head model gives values only; a causal LM gives log-probs and entropy."""
+        """A value-head model gives values only; a causal LM gives log-probs and entropy; the
+        routers' choice needs an engine that replays routing."""
         value_head = self.config.model.value_head
         if spec.values != value_head or (spec.values and (spec.log_probs or spec.entropy)):
             kind = "value-head" if value_head else "causal LM"
             raise EngineStateError(f"a {kind} engine cannot compute {spec.names}")
+        if spec.routed_experts and not self.replays_routing:
+            raise EngineStateError(f"{type(self).__name__} does not report routed experts")

@@ -18,13 +18,13 @@ def flat_column(batch: Batch, name: str) -> torch.Tensor:
     return torch.cat([value[i, :n] for i, n in enumerate(batch.seq_lens)])
 
 
-def to_layout(flat: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """A flat per-token tensor in ``batch``'s layout (padded: right-padded with zeros to the
-    width of ``batch["input_ids"]``)."""
+def to_layout(flat: torch.Tensor, batch: Batch, fill: float = 0) -> torch.Tensor:
+    """A flat per-token tensor (``[tokens, ...]``) in ``batch``'s layout (padded:
+    right-padded with ``fill`` to the width of ``batch["input_ids"]``)."""
     if batch.layout is Layout.PACKED:
         return flat
     width = batch[INPUT_IDS].shape[1]
-    out = flat.new_zeros(len(batch), width)
+    out = flat.new_full((len(batch), width, *flat.shape[1:]), fill)
     lens = torch.tensor(batch.seq_lens, device=flat.device)
     out[torch.arange(width, device=flat.device)[None, :] < lens[:, None]] = flat
     return out

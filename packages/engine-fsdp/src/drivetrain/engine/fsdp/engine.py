@@ -32,8 +32,9 @@ from drivetrain.api import (
     StepResult,
     merge_metrics,
 )
-from drivetrain.api.columns import ENTROPY, INPUT_IDS, LOG_PROBS, VALUES
+from drivetrain.api.columns import ENTROPY, INPUT_IDS, LOG_PROBS, ROUTED_EXPERTS, VALUES
 from drivetrain.api.config import coerce_config
+from drivetrain.api.routing import NOT_RECORDED
 from drivetrain.engine.fsdp import checkpoint, offload, weights
 from drivetrain.engine.fsdp.attention import set_packed_row
 from drivetrain.engine.fsdp.config import FSDPConfig
@@ -46,17 +47,19 @@ from drivetrain.engine.fsdp.model import (
     unwrap_peft,
 )
 from drivetrain.engine.fsdp.optim import build_optimizer, clip_grad_norm
-from drivetrain.engine.fsdp.packing import PackedRow, outputs_per_token, pack
+from drivetrain.engine.fsdp.packing import PackedRow, outputs_per_token, pack, row_routing
 from drivetrain.engine.fsdp.sequence_parallel import gather_sequence, local_slice
 from drivetrain.engine.fsdp.sharding import broadcast_from_rank0, wrap_fsdp1, wrap_fsdp2
 from drivetrain.engine_core import (
     InferOutputs,
     TorchCollectives,
+    flat_column,
     loss_free_batch,
     on_device,
     to_layout,
 )
 from drivetrain.engine_core.base import TorchEngine
+from drivetrain.engine_core.moe_routing import RoutingRecorder, routing_hooks
 from drivetrain.engine_core.op_trace import trace_modules
 from drivetrain.engine_core.packed_kernels import engine_kernel
 from drivetrain.runtime.devices import resolve_device
@@ -67,6 +70,7 @@ class FSDPEngine(TorchEngine):
     """Shared implementation; :class:`FSDP2Engine` and :class:`FSDP1Engine` pick the wrapper."""
 
     fsdp1: ClassVar[bool] = False
+    replays_routing = True
     config: FSDPConfig
 
     def __init__(self, config: EngineConfig) -> None:
@@ -184,7 +188,31 @@ class FSDPEngine(TorchEngine):
     def _run_model(
         self, micro: Batch, spec: OutputSpec
     ) -> tuple[dict[str, torch.Tensor], PackedRow]:
+        replay = ROUTED_EXPERTS in micro
+        if not (replay or spec.routed_experts):
+            return self._forward(micro, spec, None)
+        if self.meshes.sp_size > 1:
+            raise ConfigError("routing replay under Ulysses (ulysses_size > 1) is not supported")
+        recorder = RoutingRecorder() if spec.routed_experts else None
+        raw, row = self._forward(micro, spec, recorder)
+        if recorder is not None:
+            own = recorder.take()  # [rows as the routers saw them, layers, top_k]
+            if not self.config.remove_padding:  # [samples x width]: the real tokens
+                own = own.reshape(len(micro), -1, *own.shape[1:])
+                own = torch.cat([own[i, :n] for i, n in enumerate(micro.seq_lens)])
+            else:
+                own = own[row.token_rows]
+            raw[ROUTED_EXPERTS] = own
+        return raw, row
+
+    def _forward(
+        self, micro: Batch, spec: OutputSpec, recorder: RoutingRecorder | None
+    ) -> tuple[dict[str, torch.Tensor], PackedRow]:
+        """The model on ``micro``: packed (or padded) row outputs, and the row. A batch with
+        ``routed_experts`` makes the routers pick those experts; ``recorder`` gets what they
+        chose themselves."""
         cfg, m = self.config, self.meshes
+        hf = unwrap_peft(self._inner.hf)
         if cfg.remove_padding:
             # extra outputs index the whole row: not under Ulysses, where a rank holds a slice
             share = cfg.share_prefixes and cfg.attention == "varlen" and m.sp_size == 1
@@ -193,16 +221,20 @@ class FSDPEngine(TorchEngine):
                 local_slice(t, m.sp_group) for t in (row.input_ids, row.position_ids, row.targets)
             )
             set_packed_row(row.spans, m.sp_group, self.packed_kernel)
-            raw = self.model(
-                ids[None],
-                pos[None],
-                tgt,
-                None,
-                spec.temperature,
-                spec.entropy,
-                row.extra_src,
-                row.extra_targets,
-            )
+            replay = None
+            if ROUTED_EXPERTS in micro:
+                replay = row_routing(flat_column(micro, ROUTED_EXPERTS), row)
+            with routing_hooks(hf, record=recorder, replay=replay):
+                raw = self.model(
+                    ids[None],
+                    pos[None],
+                    tgt,
+                    None,
+                    spec.temperature,
+                    spec.entropy,
+                    row.extra_src,
+                    row.extra_targets,
+                )
             raw = {name: gather_sequence(value, m.sp_group) for name, value in raw.items()}
             return raw, row
         padded = micro.to_padded()
@@ -212,9 +244,13 @@ class FSDPEngine(TorchEngine):
         lens = torch.tensor(padded.seq_lens, device=self.device)
         mask = (torch.arange(width, device=self.device)[None, :] < lens[:, None]).long()
         positions = torch.arange(width, device=self.device).expand_as(ids)
-        raw = self.model(
-            ids, positions, row.targets[: row.num_tokens], mask, spec.temperature, spec.entropy
-        )
+        replay = None
+        if ROUTED_EXPERTS in padded:
+            replay = padded[ROUTED_EXPERTS].reshape(ids.numel(), *padded[ROUTED_EXPERTS].shape[2:])
+        with routing_hooks(hf, record=recorder, replay=replay):
+            raw = self.model(
+                ids, positions, row.targets[: row.num_tokens], mask, spec.temperature, spec.entropy
+            )
         return raw, row
 
     def _outputs(self, micro: Batch, spec: OutputSpec) -> dict[str, torch.Tensor]:
@@ -222,11 +258,14 @@ class FSDPEngine(TorchEngine):
         self._check_outputs(spec)
         raw, row = self._run_model(micro, spec)
         wanted = {LOG_PROBS: "log_probs", ENTROPY: "entropy", VALUES: "values"}
-        return {
+        out = {
             column: to_layout(outputs_per_token(raw[key], row), micro)
             for column, key in wanted.items()
             if column in spec.names
         }
+        if spec.routed_experts:  # about each token itself, not the token it predicts
+            out[ROUTED_EXPERTS] = to_layout(raw[ROUTED_EXPERTS], micro, fill=NOT_RECORDED)
+        return out
 
     def forward_backward(
         self, batch: Batch, loss_fn: LossFn, *, outputs: OutputSpec | None = None

@@ -37,6 +37,8 @@ class PackedRow:
     extra_src: torch.Tensor  # [E] row positions whose hidden state predicts ...
     extra_targets: torch.Tensor  # [E] ... these tokens (a shared prompt's next tokens)
     output_index: torch.Tensor  # [num_tokens]: each token's output in cat(row, extras, [0])
+    sources: torch.Tensor  # [row length without padding]: the flat token each position holds
+    token_rows: torch.Tensor  # [num_tokens]: the row position holding each token
 
     @property
     def shared_tokens(self) -> int:
@@ -89,7 +91,8 @@ def pack(
                     )
         elif i not in followers and n:
             builder.add(offsets[i], n, 0)
-    row_ids = ids[torch.cat(builder.sources)] if builder.sources else ids[:0]
+    sources = torch.cat(builder.sources) if builder.sources else ids[:0]
+    row_ids = ids[sources]
     positions = torch.cat(builder.positions) if builder.positions else ids[:0]
     spans = list(builder.spans)
     length = builder.length
@@ -103,8 +106,25 @@ def pack(
         ids, builder.row_of_token, offsets, len(row_ids)
     )
     return PackedRow(
-        row_ids, positions, targets, tuple(spans), real, extra_src, extra_targets, index
+        row_ids,
+        positions,
+        targets,
+        tuple(spans),
+        real,
+        extra_src,
+        extra_targets,
+        index,
+        sources,
+        builder.row_of_token,
     )
+
+
+def row_routing(flat: torch.Tensor, row: PackedRow) -> torch.Tensor:
+    """Per-token routing ``[num_tokens, layers, top_k]`` laid out as the row's positions (a
+    shared prefix's positions hold its first sample's), -1 on the padding tail."""
+    rows = flat[row.sources.to(flat.device)]
+    pad = len(row.input_ids) - len(rows)
+    return torch.cat([rows, rows.new_full((pad, *rows.shape[1:]), -1)]) if pad else rows
 
 
 def _output_index(

@@ -23,7 +23,7 @@ FSDP2 = PluginSpec(
     factory="drivetrain.engine.fsdp.engine:FSDP2Engine",
     config="drivetrain.engine.fsdp.config:FSDPConfig",
     api=">=0.1,<0.2",
-    capabilities=_CAPABILITIES | {"exact_numerics"},  # fsdp2 only: tested there
+    capabilities=_CAPABILITIES | {"exact_numerics", "routing_replay"},  # fsdp2 only: tested there
     install_hint="pip install drivetrain-engine-fsdp",
     description="PyTorch FSDP2 (fully_shard) over Hugging Face causal LMs",
 )
