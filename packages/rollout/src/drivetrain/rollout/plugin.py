@@ -10,7 +10,14 @@ HF = PluginSpec(
     config="drivetrain.rollout.config:HFRolloutConfig",
     api=API,
     capabilities=frozenset(
-        {"sleep", "separate_process", "exact_numerics", "device:cpu", "device:cuda"}
+        {
+            "sleep",
+            "separate_process",
+            "exact_numerics",
+            "routed_experts",
+            "device:cpu",
+            "device:cuda",
+        }
     ),
     install_hint="pip install drivetrain-rollout",
     description="transformers generate (batched, sampled log-probs)",

@@ -18,11 +18,17 @@ the distribution it was sampled from (the unscaled one for greedy). Why not tran
 continuous batching (``generate_batch``): it has no per-request seed, cannot mix greedy and
 sampled requests, does not share a prompt's prefill between its samples, and its cancel
 returns nothing of what was generated.
+
+With ``record_routing`` (a mixture-of-experts model, ``rollout.return_routed_experts``) every
+forward records the experts each router chose: a joining request gets its prompt's positions
+(its own rows of the shared prefill), every decode step the position of the token it consumed
+(:mod:`drivetrain.api.routing`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+import contextlib
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +36,8 @@ from transformers import DynamicCache
 
 from drivetrain.api.requests import Request
 from drivetrain.api.rollout import FinishReason, SamplingParams
+from drivetrain.api.routing import RoutedExperts
+from drivetrain.engine_core.moe_routing import RoutingRecorder, routing_hooks
 from drivetrain.runtime.request_queue import TokenEvent
 
 
@@ -80,8 +88,10 @@ class ContinuousBatcher:
         share_prefill: bool,
         seed_for: Callable[[], int],
         decode: Callable[[Sequence[int]], str],
+        record_routing: bool = False,
     ) -> None:
         self.model = model
+        self.routing = RoutingRecorder() if record_routing else None
         self.device = next(model.parameters()).device
         self.pad_id = pad_id
         self.eos_ids = eos_ids
@@ -150,11 +160,41 @@ class ContinuousBatcher:
         return tokens.tolist(), picked.tolist()
 
     def _emit(
-        self, rows: list[_Row], tokens: list[int], log_probs: list[float], events: list[TokenEvent]
+        self,
+        rows: list[_Row],
+        tokens: list[int],
+        log_probs: list[float],
+        events: list[TokenEvent],
+        routed: Sequence[RoutedExperts | None] | None = None,
     ) -> None:
-        for row, token, log_prob in zip(rows, tokens, log_probs, strict=True):
+        routed = routed or [None] * len(rows)
+        for row, token, log_prob, experts in zip(rows, tokens, log_probs, routed, strict=True):
             reason = row.finish_after(token, self.decode)
-            events.append(TokenEvent(row.request.request_id, [token], [log_prob], reason))
+            events.append(TokenEvent(row.request.request_id, [token], [log_prob], reason, experts))
+
+    # ---- routing (mixture-of-experts models) -----------------------------------------------
+    @contextlib.contextmanager
+    def _recording(self) -> Iterator[None]:
+        if self.routing is None:
+            yield
+            return
+        with routing_hooks(self.model, record=self.routing):
+            yield
+
+    def _routed(self, rows: int, spans: Sequence[tuple[int, int, int]]) -> list[RoutedExperts]:
+        """The last forward's routing (``rows`` rows of equal width) as each request's
+        positions: ``(row, first column, first position)`` per request."""
+        if self.routing is None:
+            return []
+        chosen = self.routing.take()
+        layers, top_k = chosen.shape[1], chosen.shape[2]
+        chosen = chosen.reshape(rows, -1, layers, top_k).cpu()
+        return [
+            RoutedExperts(
+                start, layers, top_k, chosen[row, column:].numpy().astype("<i2").tobytes()
+            )
+            for row, column, start in spans
+        ]
 
     # ---- joining and decoding ---------------------------------------------------------------
     def _new_row(self, request: Request) -> _Row:
@@ -185,17 +225,19 @@ class ContinuousBatcher:
         # which a sliding-window layer's own bookkeeping would not follow; a sliding window
         # still applies through the model's attention mask
         cache = DynamicCache()
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        with self._recording():
+            out = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        routed = self._routed(len(prompts), [(g, width - len(prompts[g]), 0) for g in group])
         select = torch.tensor(group, device=self.device)
         tokens, log_probs = self._sample(out.logits[:, -1].float().index_select(0, select), rows)
-        self._emit(rows, tokens, log_probs, events)
+        self._emit(rows, tokens, log_probs, events, routed)
         ended = {e.request_id for e in events if e.finish_reason is not None}
         live = [i for i, row in enumerate(rows) if row.request.request_id not in ended]
         if not live:
@@ -231,16 +273,19 @@ class ContinuousBatcher:
 
     def _decode(self, events: list[TokenEvent]) -> None:
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.rows), 1)], 1)
-        out = self.model(
-            input_ids=self.next_tokens[:, None],
-            attention_mask=self.mask,
-            position_ids=self.positions[:, None],
-            past_key_values=self.cache,
-            use_cache=True,
-        )
+        with self._recording():
+            out = self.model(
+                input_ids=self.next_tokens[:, None],
+                attention_mask=self.mask,
+                position_ids=self.positions[:, None],
+                past_key_values=self.cache,
+                use_cache=True,
+            )
+        consumed = self.positions.tolist() if self.routing is not None else []
+        routed = self._routed(len(self.rows), [(i, 0, p) for i, p in enumerate(consumed)])
         self.positions = self.positions + 1
         tokens, log_probs = self._sample(out.logits[:, -1].float(), self.rows)
-        self._emit(self.rows, tokens, log_probs, events)
+        self._emit(self.rows, tokens, log_probs, events, routed)
         self.next_tokens = torch.tensor(tokens, device=self.device)
 
     def _keep(self, keep: list[int]) -> None:

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from drivetrain.api.engine import NamedTensor
+from drivetrain.api.errors import ConfigError
 from drivetrain.api.requests import Request
 from drivetrain.api.rollout import MEMORY_TAGS
 from drivetrain.rollout.config import HFRolloutConfig
@@ -67,6 +68,7 @@ class HFRollout(TokenizedRollout):
             share_prefill=config.share_prompt_prefill,
             seed_for=lambda: int(torch.randint(2**62, (1,), generator=self._seeds)),
             decode=self.tokenizer.decode,
+            record_routing=_records_routing(self.model, config),
         )
         self.exact = exact
         self.requests = RequestQueue(
@@ -160,6 +162,21 @@ class HFRollout(TokenizedRollout):
         self.model = None  # type: ignore[assignment]
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _records_routing(model: torch.nn.Module, config: HFRolloutConfig) -> bool:
+    """Whether to record routing: asked for, of a mixture-of-experts model (refused in one line
+    for a dense one: there is nothing to replay)."""
+    if not config.return_routed_experts:
+        return False
+    from drivetrain.engine_core.moe_routing import moe_routers
+
+    if not moe_routers(model):
+        raise ConfigError(
+            f"rollout.return_routed_experts: {type(model).__name__} has no mixture-of-experts "
+            "router to record"
+        )
+    return True
 
 
 def _own_parameters(model: torch.nn.Module) -> None:
