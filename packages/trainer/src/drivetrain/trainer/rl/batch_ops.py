@@ -20,6 +20,7 @@ from drivetrain.api.columns import (
 )
 from drivetrain.trainer.column_contract import check_columns
 from drivetrain.trainer.rl.group_stream import Taken
+from drivetrain.trainer.rl.routing import with_routing
 from drivetrain.trainer.rollout_batch import PROMPT_INDEX, PROMPT_LENGTH, completions_to_batch
 from drivetrain.trainer.workers.group import WorkerGroup
 from drivetrain.trainer.workers.role_worker import RoleWorker
@@ -31,6 +32,8 @@ ENGINE_COLUMNS = (INPUT_IDS, LOSS_MASK, SHARED_PREFIX_LEN)
 
 def completions_batch(completions: Sequence[Completion], pad_token_id: int) -> Batch:
     batch = completions_to_batch(completions, pad_token_id=pad_token_id, as_tensor=torch.tensor)
+    if any(c.routed_experts is not None for c in completions):
+        batch = with_routing(batch, completions)
     return batch.with_columns(
         rollout_log_probs=batch[ROLLOUT_LOG_PROBS].to(torch.float32),
         loss_mask=batch[LOSS_MASK].to(torch.float32),

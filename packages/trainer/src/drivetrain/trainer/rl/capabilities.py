@@ -64,6 +64,19 @@ class RLPlugins:
         )
 
 
+def _fit_routing_replay(c: RLConfig, plugins: RLPlugins) -> RLConfig:
+    """Routing replay: the actor's engine replays, the rollout records (both declare it)."""
+    mode = c.algorithm.routing_replay
+    if mode == "off":
+        return c
+    asked_by = f"algorithm.routing_replay={mode}"
+    require("engine", plugins.actor, "routing_replay", asked_by)
+    require("rollout", plugins.rollout, "routed_experts", asked_by)
+    return dataclasses.replace(
+        c, rollout=dataclasses.replace(c.rollout, return_routed_experts=True)
+    )
+
+
 def _fit_numerics(c: RLConfig, plugins: RLPlugins) -> RLConfig:
     """``numerics`` is one setting of the job: the actor's engine (and so its reference) and
     the rollout get it, after both declare that they honour it."""
@@ -111,6 +124,7 @@ def fit_plugins(c: RLConfig, job_default: RLConfig, plugins: RLPlugins, placemen
     rollout = pinned_device(backend, c.rollout.device, remote=remote)
     c = dataclasses.replace(c, rollout=dataclasses.replace(c.rollout, device=rollout))
     c = _fit_numerics(c, plugins)
+    c = _fit_routing_replay(c, plugins)
     if python := getattr(c.rollout, "python", ""):  # only some backends have the key
         require("rollout", backend, "separate_process", f"rollout.python={python}")
     # sharing an accelerator, the rollout hands its memory to the training step; on the CPU

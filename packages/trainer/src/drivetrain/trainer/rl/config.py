@@ -30,6 +30,7 @@ from drivetrain.trainer.rl.group_stream import AheadConfig
 from drivetrain.trainer.rl.kl import KLConfig
 from drivetrain.trainer.rl.off_policy import CorrectionConfig
 from drivetrain.trainer.rl.policy_losses import ClipConfig
+from drivetrain.trainer.rl.routing import MODES as ROUTING_MODES
 
 REFERENCE_MODES = ("auto", "none", "engine", "adapter")
 MODES = ("sync", "one_step_off", "async")
@@ -87,8 +88,15 @@ class AlgorithmConfig:
     ahead: AheadConfig = field(default_factory=AheadConfig)  # rl/group_stream.py
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)  # rl/off_policy.py
     dapo: DAPOConfig = field(default_factory=DAPOConfig)  # rl/dapo.py
+    #: mixture-of-experts models: off | rollout (the actor's forwards use the experts the
+    #: rollout chose) | old_policy (the updates use the old log-probs' forward's) (rl/routing.py)
+    routing_replay: str = "off"
 
     def __post_init__(self) -> None:
+        if self.routing_replay not in ROUTING_MODES:
+            raise ConfigError(
+                f"algorithm.routing_replay={self.routing_replay!r} is not one of {ROUTING_MODES}"
+            )
         self._check_loss()
         self._check_generation_ahead()
         self._check_dapo()

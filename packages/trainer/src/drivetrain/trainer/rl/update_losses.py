@@ -24,6 +24,7 @@ from drivetrain.api.columns import (
     REF_LOG_PROBS,
     RETURNS,
     ROLLOUT_LOG_PROBS,
+    ROUTED_EXPERTS,
     VALUES,
 )
 from drivetrain.trainer.rl.aggregation import aggregate
@@ -31,6 +32,7 @@ from drivetrain.trainer.rl.batch_ops import CURRENT_WEIGHTS
 from drivetrain.trainer.rl.kl import KLConfig, kl_penalty
 from drivetrain.trainer.rl.off_policy import CorrectionConfig, CorrectionInputs, correct
 from drivetrain.trainer.rl.policy_losses import POLICY_LOSSES, ClipConfig, PolicyLossInputs
+from drivetrain.trainer.rl.routing import mismatch_metrics
 
 OLD_VALUES = "old_values"  # the critic's values before this update (value clipping)
 
@@ -63,6 +65,9 @@ class ActorLoss:
     #: the step's first optimizer update: its log-probs and the old ones come from the same
     #: weights, so their ratio is 1 up to numerics (``actor/first_update_log_ratio_max``)
     first_update: bool = False
+    #: the batch's ``routed_experts`` are replayed (``algorithm.routing_replay``): the update
+    #: sends them, and reports how often its routers would have chosen otherwise
+    replay_routing: bool = False
     #: the batch columns it reads beside the engine's own, where the batch has them: what an
     #: update sends
     reads: ClassVar[tuple[str, ...]] = (
@@ -71,11 +76,21 @@ class ActorLoss:
         REF_LOG_PROBS,
         ROLLOUT_LOG_PROBS,
         CURRENT_WEIGHTS,
+        ROUTED_EXPERTS,
     )
 
     @property
     def outputs(self) -> OutputSpec:
-        return OutputSpec(log_probs=True, entropy=True, temperature=self.temperature)
+        return OutputSpec(
+            log_probs=True,
+            entropy=True,
+            temperature=self.temperature,
+            routed_experts=self.replay_routing,
+        )
+
+    def sends(self, column: str) -> bool:
+        """Whether an update sends the batch's ``column`` (one it reads)."""
+        return column in self.reads and (column != ROUTED_EXPERTS or self.replay_routing)
 
     def __call__(
         self, outputs: Mapping[str, Any], mb: Batch, ctx: LossContext
@@ -132,6 +147,9 @@ class ActorLoss:
             # tokens against the trainer's log-probs under the same weights
             gap = (mb[ROLLOUT_LOG_PROBS].to(old.dtype) - old).abs() * mb[CURRENT_WEIGHTS]
             metrics["actor/current_weights_log_prob_diff_max"] = gap.max()
+        if self.replay_routing and ROUTED_EXPERTS in mb:
+            own = outputs[ROUTED_EXPERTS]
+            metrics.update(mismatch_metrics(own, mb[ROUTED_EXPERTS], mask, ctx.global_tokens))
         if self.first_update and not self.on_policy:  # (on-policy, old is this very forward)
             gap = (log_probs.detach() - old).abs() * mask
             metrics["actor/first_update_log_ratio_max"] = gap.max()

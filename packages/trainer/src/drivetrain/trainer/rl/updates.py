@@ -34,7 +34,8 @@ class Update:
         """``ppo_epochs`` passes over the batch in mini-batches, one optimizer step each (the
         order shuffled per epoch, reproducibly, when there are several)."""
         alg = config.algorithm
-        view = engine_view(batch, *(c for c in self.loss.reads if c in batch))
+        sends = getattr(self.loss, "sends", lambda column: column in self.loss.reads)
+        view = engine_view(batch, *(c for c in batch.columns if sends(c)))
         size = alg.mini_batch_size or len(view)
         stats: list[StepStats] = []
         for epoch in range(alg.ppo_epochs):
@@ -84,6 +85,9 @@ def build_updates(config: RLConfig, *, on_policy: bool, critic: bool) -> list[Up
         on_policy=on_policy,
         correction=alg.correction_name,
         correction_config=alg.correction,
+        # old_policy on-policy: the update's own forward is the old policy; nothing to replay
+        replay_routing=alg.routing_replay == "rollout"
+        or (alg.routing_replay == "old_policy" and not on_policy),
     )
     critic_update = Update(CRITIC, CriticLoss(alg.value_clip, alg.aggregation, max_length))
     return [*([critic_update] if critic else []), Update(ACTOR, actor)]
