@@ -29,11 +29,23 @@ VOCAB = 64
 def build_tiny_model(
     path: str, *, family: str = "qwen2", seed: int = 0, tie: bool = True, hidden: int = 32
 ) -> str:
-    """A 2-layer random model saved as a Hugging Face directory (fp32)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    """A 2-layer random model saved as a Hugging Face directory (fp32): ``qwen2``, ``llama``,
+    or a mixture of experts (``qwen3_moe``, ``mixtral``: 4 experts, top-2)."""
+    from transformers import (
+        AutoModelForCausalLM,
+        LlamaConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen3MoeConfig,
+    )
 
-    config_class = Qwen2Config if family == "qwen2" else LlamaConfig
-    config = config_class(
+    config_class = {"qwen2": Qwen2Config, "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig}
+    moe = {"num_experts_per_tok": 2}
+    if family == "qwen3_moe":
+        moe.update(num_experts=4, moe_intermediate_size=hidden, norm_topk_prob=True)
+    if family == "mixtral":
+        moe.update(num_local_experts=4)
+    config = config_class.get(family, LlamaConfig)(
         vocab_size=VOCAB,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
@@ -45,6 +57,7 @@ def build_tiny_model(
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
+        **(moe if family in ("qwen3_moe", "mixtral") else {}),
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
