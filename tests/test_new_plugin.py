@@ -116,7 +116,7 @@ def sft_cache(tmp_path_factory) -> Path:
 KINDS = [
     ("engine", "acme-torch", "engines", "AcmeTorchEngine", "15 passed, 2 skipped",
      ("engine acme_torch: ", '"steps": 3')),
-    ("rollout", "acme-sampler", "rollouts", "AcmeSamplerRollout", "14 passed, 1 skipped",
+    ("rollout", "acme-sampler", "rollouts", "AcmeSamplerRollout", "14 passed, 2 skipped",
      ("; rollout acme_sampler;", '"steps": 2')),
     ("transport", "acme-sockets", "ckpt_engines", "AcmeSocketsTransport", "5 passed",
      ("weights via acme_sockets", '"steps": 2')),

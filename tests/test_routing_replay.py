@@ -6,12 +6,15 @@ route apart):
 - the fsdp2 engine's experts run exactly the replayed experts (seen at the experts' own input),
   replaying the engine's own routing changes nothing, a planted wrong expert changes the loss;
 - routing crosses the rollout server's wire and a resumed request's positions join;
+- the rollout kit's opt-in ``routed_experts`` check passes the hf rollout and fails one that
+  records a wrong expert;
 - ``drivetrain grpo`` with ``algorithm.routing_replay=rollout`` / ``old_policy`` reports its router
   metrics; an engine or rollout without the capability is refused in one line.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -27,15 +30,18 @@ from drivetrain.api.columns import LOG_PROBS, ROUTED_EXPERTS, SHARED_PREFIX_LEN
 from drivetrain.api.errors import ConfigError
 from drivetrain.api.registry import engines, rollouts
 from drivetrain.api.requests import Chunk, Request
-from drivetrain.api.rollout import FinishReason
+from drivetrain.api.rollout import FinishReason, Rollout
 from drivetrain.api.routing import RoutedExperts
 from drivetrain.engine_core.moe_routing import RoutingRecorder, routing_hooks
 from drivetrain.rollout.config import HFRolloutConfig, VLLMRolloutConfig
 from drivetrain.rollout.process.messages import decode, encode
 from drivetrain.runtime.collector import Collector
+from drivetrain.testing.kit_runner import KitCheckResult, run_checks
+from drivetrain.testing.rollout_kit_routing import check_routed_experts
 from drivetrain.trainer.builtin.char_tokenizer import build_char_tokenizer
 from drivetrain.trainer.builtin.tiny_model import build_moe_model
 from drivetrain.trainer.rl.batch_ops import completions_batch
+from rollout_support import TransformersRolloutHarness
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -239,3 +245,69 @@ def test_routing_replay_is_refused_without_the_capability(models, rl_data, tmp_p
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
     assert "routing_replay" in last and "fsdp" in last, done.stderr[-2000:]
+
+
+class RoutingHarness(TransformersRolloutHarness):
+    """Opts the hf rollout of a MoE model in to the kit's ``routed_experts`` check."""
+
+    def __init__(self, model_dir: Path, wrap=lambda rollout: rollout) -> None:
+        super().__init__(model_dir, lambda: hf(model_dir))
+        self.model_dir, self.wrap = model_dir, wrap
+
+    def changed_weights(self):
+        # by the model's own names: transformers 5 fuses the experts the file holds one by one
+        return [(n, p.detach().clone()) for n, p in self.models[True].named_parameters()]
+
+    def routing_rollout(self):
+        return self.wrap(hf(self.model_dir, return_routed_experts=True))
+
+    def forward_routing(self, ids, changed):
+        return forward_routing(self.models[changed], list(ids)).tolist()
+
+
+class ShiftedRouting(Rollout):
+    """A rollout recording the wrong experts: one expert index off at one position."""
+
+    def __init__(self, inner: Rollout) -> None:
+        self.inner = inner
+
+    def submit(self, requests):
+        self.inner.submit(requests)
+
+    def poll(self, timeout_s=0.0):
+        return [self._shift(chunk) for chunk in self.inner.poll(timeout_s)]
+
+    def _shift(self, chunk: Chunk) -> Chunk:
+        routed = chunk.routed_experts
+        if routed is None or routed.start != 0:  # the prompt's positions: shift the first
+            return chunk
+        values = routed.indices()
+        values[0] = (values[0] + 1) % 4
+        shifted = RoutedExperts.from_indices(0, routed.layers, routed.top_k, values)
+        return dataclasses.replace(chunk, routed_experts=shifted)
+
+    def abort(self, request_ids=None):
+        return self.inner.abort(request_ids)
+
+    def generate(self, prompts, params):
+        raise NotImplementedError
+
+    def update_weights(self, weights, *, version):
+        self.inner.update_weights(weights, version=version)
+
+    @property
+    def weight_version(self):
+        return self.inner.weight_version
+
+    def shutdown(self):
+        self.inner.shutdown()
+
+
+def test_the_rollout_kit_check_passes_hf_and_fails_wrong_experts(models):
+    assert run_checks({"routed_experts": check_routed_experts}, RoutingHarness(models["mixtral"]))[
+        0
+    ] == KitCheckResult("routed_experts", None)
+    failed = run_checks(
+        {"routed_experts": check_routed_experts}, RoutingHarness(models["mixtral"], ShiftedRouting)
+    )[0]
+    assert "the rollout recorded experts" in failed.error and "position 0, layer 0" in failed.error

@@ -103,4 +103,6 @@ def check_parity(runs, case: str) -> None:
     assert set(weights) == set(reference["weights"])
     for name, value in reference["weights"].items():
         diff = (weights[name] - value).abs().max().item()
-        assert diff <= (EXPERT_TOL if ".experts." in name else TOL), f"{case}: {name} differs by {diff:.2e} after {STEPS} steps"
+        assert diff <= (EXPERT_TOL if ".experts." in name else TOL), (
+            f"{case}: {name} differs by {diff:.2e} after {STEPS} steps"
+        )

@@ -75,6 +75,17 @@ class RolloutHarness(abc.ABC):
         :meth:`reference_log_probs` otherwise), each the float the engine computed."""
         raise NotImplementedError("a harness with exact_rollout() implements exact_log_probs")
 
+    def routing_rollout(self) -> Rollout | None:
+        """Opt in to the check ``routed_experts``: a fresh rollout of a mixture-of-experts model
+        configured with ``return_routed_experts`` and the initial weights (the kit shuts it
+        down). ``None``, the default: the check is skipped."""
+        return None
+
+    def forward_routing(self, ids: Sequence[int], changed: bool) -> list[list[list[int]]]:
+        """The experts a plain forward of ``ids`` chooses: ``[position][layer][pick]``, with the
+        initial weights or, ``changed``, those of :meth:`changed_weights`."""
+        raise NotImplementedError("a harness with routing_rollout() implements forward_routing")
+
     def chat_prompt_ids(self, messages: Sequence[Mapping[str, str]]) -> tuple[int, ...] | None:
         """The token ids the rollout's chat template gives ``messages`` with the generation
         prompt added, or ``None`` (the default) when the rollout takes token ids only: then the

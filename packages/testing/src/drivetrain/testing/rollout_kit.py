@@ -33,6 +33,7 @@ from drivetrain.testing.rollout_harness import (
 )
 from drivetrain.testing.rollout_kit_background import check_background_generation
 from drivetrain.testing.rollout_kit_exact import check_exact_numerics
+from drivetrain.testing.rollout_kit_routing import check_routed_experts
 
 __all__ = [
     "ROLLOUT_CHECKS",
@@ -346,6 +347,7 @@ ROLLOUT_CHECKS: dict[str, Callable[[RolloutHarness], None]] = {
     "background_generation": check_background_generation,
     "sleep": limits.check_sleep,
     "exact_numerics": check_exact_numerics,  # opt-in (RolloutHarness.exact_rollout)
+    "routed_experts": check_routed_experts,  # opt-in (RolloutHarness.routing_rollout)
 }
 
 
