@@ -41,6 +41,7 @@ from drivetrain.testing.rollout_kit_routing import check_routed_experts
 from drivetrain.trainer.builtin.char_tokenizer import build_char_tokenizer
 from drivetrain.trainer.builtin.tiny_model import build_moe_model
 from drivetrain.trainer.rl.batch_ops import completions_batch
+from drivetrain.trainer.rl.routing import ROLLOUT_ROUTED_EXPERTS
 from rollout_support import TransformersRolloutHarness
 
 pytestmark = pytest.mark.timeout(300)
@@ -157,10 +158,10 @@ def as_multiset(routing: torch.Tensor) -> list[tuple[int, ...]]:
 def test_fsdp2_runs_exactly_the_replayed_experts(models, family):
     completions = hf(models[family], return_routed_experts=True).generate(PROMPTS, SAMPLED)
     batch = completions_batch(completions, pad_token_id=0)
-    assert batch[ROUTED_EXPERTS].dtype == torch.int16
+    assert batch[ROLLOUT_ROUTED_EXPERTS].dtype == torch.int16
     engine = fsdp2(models[family])
     # without prefix sharing, the experts see one row per token
-    plain = batch.drop(ROUTED_EXPERTS, SHARED_PREFIX_LEN)
+    plain = batch.drop(ROLLOUT_ROUTED_EXPERTS, SHARED_PREFIX_LEN)
     with engine.eval_mode():
         own = engine.infer(plain, OutputSpec(routed_experts=True))
         base = engine.infer(plain, OutputSpec())[LOG_PROBS]
@@ -171,10 +172,14 @@ def test_fsdp2_runs_exactly_the_replayed_experts(models, family):
         planted = own[ROUTED_EXPERTS].clone()
         row, pos = 1, 4
         picks = planted[row, pos, 0].tolist()
-        planted[row, pos, 0] = torch.tensor([next(e for e in range(4) if e not in picks)] * 2)
+        planted[row, pos, 0, 0] = next(e for e in range(4) if e not in picks)  # a new one
         seen = ExpertInputs(engine.model)
-        moved = engine.infer(plain.with_columns(routed_experts=planted), OutputSpec())
+        moved = engine.infer(
+            plain.with_columns(routed_experts=planted), OutputSpec(routed_experts=True)
+        )
         ran = seen.close(layers=2)
+    # the engine reports the experts it used: the planted ones
+    assert torch.equal(moved[ROUTED_EXPERTS], planted)
     real = torch.cat([planted[i, :n] for i, n in enumerate(batch.seq_lens)])
     assert as_multiset(ran) == as_multiset(real)
     delta = (moved[LOG_PROBS] - base).abs()
@@ -222,21 +227,27 @@ def rl_data(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    ("mode", "options", "prefix"),
-    [("rollout", (), "routing/"), ("old_policy", ("algorithm.ppo_epochs=2",), "rollout/")],
+    ("mode", "options"),
+    [
+        ("rollout", ()),
+        ("old_policy", ("algorithm.ppo_epochs=2",)),
+        ("off", ("rollout.return_routed_experts=true",)),
+    ],
 )
-def test_grpo_with_routing_replay_reports_router_metrics(
-    models, rl_data, tmp_path, mode, options, prefix
-):
+def test_grpo_with_routing_replay_reports_router_metrics(models, rl_data, tmp_path, mode, options):
     done = grpo(models["qwen3_moe"], rl_data, tmp_path / "run",
                 f"algorithm.routing_replay={mode}", *options)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert len(steps) == 2
+    shares = [step["routing/mismatch_share"] for step in steps]
     for step in steps:
-        share = step[f"{prefix}mismatch_share"]
-        assert 0 <= share <= 1 and f"{prefix}mismatch_share_layer_01" in step
+        assert {"routing/mismatch_share_layer_00", "routing/mismatch_share_layer_01"} <= set(step)
         assert step["routing/expert_load_max_over_mean"] >= 1
+    if mode == "rollout":  # the update's experts are the rollout's
+        assert shares == [0.0, 0.0]
+    if mode == "off":  # this model's routers disagree with the rollout's on some tokens
+        assert all(0 <= share <= 1 for share in shares)
 
 
 def test_routing_replay_is_refused_without_the_capability(models, rl_data, tmp_path):

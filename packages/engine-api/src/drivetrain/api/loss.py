@@ -25,8 +25,8 @@ class OutputSpec:
     the rollout's sampling distribution). Engines compute them in chunks so that full-vocabulary
     logits never exist for the whole batch at once. ``values`` needs a value-head model.
     ``routed_experts`` (an engine with ``routing_replay``, a mixture-of-experts model): the
-    experts its routers chose themselves for each token (``[.., layers, top_k]`` int16, the
-    column's layout), also where the batch's ``routed_experts`` made them use others.
+    experts its forward used for each token (``[.., layers, top_k]`` int16, the column's
+    layout): those of the batch's ``routed_experts`` where it replays them, else its routers'.
     """
 
     log_probs: bool = True

@@ -61,7 +61,7 @@ class TorchEngine(ModalEngine):
             return OutputSpec(log_probs=False, values=True)
         return OutputSpec()
 
-    #: whether the engine replays a batch's ``routed_experts`` and reports its routers' choice
+    #: whether the engine replays a batch's ``routed_experts`` and reports the experts it used
     replays_routing: ClassVar[bool] = False
 
     def _check_outputs(self, spec: OutputSpec) -> None:

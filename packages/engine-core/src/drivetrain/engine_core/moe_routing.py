@@ -1,6 +1,6 @@
 """The routers of a transformers mixture-of-experts model: record the experts they choose, or
 make them choose given ones (routing replay). The hf rollout records; the fsdp engine replays
-and records (its own choice, for the router mismatch metrics).
+and records the experts its forward used (for the router metrics and ``old_policy`` replay).
 
 transformers 5 routers (``Qwen2MoeTopKRouter``, ``Qwen3MoeTopKRouter``, ``MixtralTopKRouter``)
 take the block's hidden states flattened to ``[rows, hidden]`` and return ``(logits, scores,
@@ -92,9 +92,9 @@ def routing_hooks(
     record: RoutingRecorder | None = None,
     replay: torch.Tensor | None = None,
 ) -> Iterator[None]:
-    """While active, every router of ``model`` records its own choice into ``record`` and,
-    given ``replay`` (``[rows, layers, top_k]``, the rows each router sees in the next
-    forward, -1 to keep its own), picks those experts instead."""
+    """While active, every router of ``model``, given ``replay`` (``[rows, layers, top_k]``, the
+    rows each router sees in the next forward, -1 to keep its own), picks those experts
+    instead of its own, and records the experts it used into ``record``."""
     routers = moe_routers(model)
     if replay is not None and replay.shape[1:] != (
         len(routers),
@@ -109,9 +109,9 @@ def routing_hooks(
     def hook(layer: int) -> Callable[[torch.nn.Module, object, tuple], tuple | None]:
         def after(router: torch.nn.Module, args: object, out: tuple) -> tuple | None:
             logits, scores, own = out
-            if record is not None:
-                record.record(layer, own)
             if replay is None:
+                if record is not None:
+                    record.record(layer, own)
                 return None
             target = replay[:, layer]
             if target.shape[0] != own.shape[0]:
@@ -120,6 +120,8 @@ def routing_hooks(
                     f"{own.shape[0]}"
                 )
             scores, indices = replay_indices(router, logits, scores, own, target)
+            if record is not None:
+                record.record(layer, indices)
             return logits, scores, indices
 
         return after

@@ -196,21 +196,21 @@ class FSDPEngine(TorchEngine):
         recorder = RoutingRecorder() if spec.routed_experts else None
         raw, row = self._forward(micro, spec, recorder)
         if recorder is not None:
-            own = recorder.take()  # [rows as the routers saw them, layers, top_k]
+            used = recorder.take()  # [rows as the routers saw them, layers, top_k]
             if not self.config.remove_padding:  # [samples x width]: the real tokens
-                own = own.reshape(len(micro), -1, *own.shape[1:])
-                own = torch.cat([own[i, :n] for i, n in enumerate(micro.seq_lens)])
+                used = used.reshape(len(micro), -1, *used.shape[1:])
+                used = torch.cat([used[i, :n] for i, n in enumerate(micro.seq_lens)])
             else:
-                own = own[row.token_rows]
-            raw[ROUTED_EXPERTS] = own
+                used = used[row.token_rows]
+            raw[ROUTED_EXPERTS] = used
         return raw, row
 
     def _forward(
         self, micro: Batch, spec: OutputSpec, recorder: RoutingRecorder | None
     ) -> tuple[dict[str, torch.Tensor], PackedRow]:
         """The model on ``micro``: packed (or padded) row outputs, and the row. A batch with
-        ``routed_experts`` makes the routers pick those experts; ``recorder`` gets what they
-        chose themselves."""
+        ``routed_experts`` makes the routers pick those experts; ``recorder`` gets the experts
+        used."""
         cfg, m = self.config, self.meshes
         hf = unwrap_peft(self._inner.hf)
         if cfg.remove_padding:

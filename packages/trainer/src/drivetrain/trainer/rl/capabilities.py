@@ -65,11 +65,15 @@ class RLPlugins:
 
 
 def _fit_routing_replay(c: RLConfig, plugins: RLPlugins) -> RLConfig:
-    """Routing replay: the actor's engine replays, the rollout records (both declare it)."""
+    """Routing replay: the rollout records, the actor's engine replays and reports its own
+    routing (both declare it); recording alone (``rollout.return_routed_experts``, replay off)
+    still has the engine report its routing for the metrics."""
     mode = c.algorithm.routing_replay
-    if mode == "off":
+    if mode == "off" and not c.rollout.return_routed_experts:
         return c
     asked_by = f"algorithm.routing_replay={mode}"
+    if mode == "off":
+        asked_by = "rollout.return_routed_experts (the router metrics)"
     require("engine", plugins.actor, "routing_replay", asked_by)
     require("rollout", plugins.rollout, "routed_experts", asked_by)
     return dataclasses.replace(

@@ -93,6 +93,8 @@ class AlgorithmConfig:
     routing_replay: str = "off"
 
     def __post_init__(self) -> None:
+        if self.routing_replay == "False":  # YAML reads a bare `off` as false
+            object.__setattr__(self, "routing_replay", "off")
         if self.routing_replay not in ROUTING_MODES:
             raise ConfigError(
                 f"algorithm.routing_replay={self.routing_replay!r} is not one of {ROUTING_MODES}"

@@ -1,16 +1,23 @@
-"""Routing replay in an RL step (``algorithm.routing_replay``): the rollout's routing as the
-batch column engines replay, and the router metrics.
+"""Routing replay in an RL step (``algorithm.routing_replay``) and the router metrics.
+
+A rollout asked for routing (``rollout.return_routed_experts``, which replay sets) gives the
+batch the trainer's column :data:`ROLLOUT_ROUTED_EXPERTS`; the api column ``routed_experts``,
+which engines replay, is set only where a mode replays:
 
 - ``rollout``: the actor's forwards (old log-probs, every update) use the experts the rollout
   chose for each token, so rollout and trainer compute the same mixture.
 - ``old_policy``: the old log-probs' forward routes itself and every update replays that: the
   updates of a step share one routing (on-policy, with one update, there is nothing to replay).
+- ``off``: nothing is replayed; with ``rollout.return_routed_experts`` the metrics still show
+  how the trainer's routing differs from the rollout's.
 
-Metrics, against the routing a forward replayed: ``routing/mismatch_share`` (tokens whose
-top-k set differs from the forward's own choice in any layer), ``routing/layer_mismatch_share``
-(mean over layers and tokens) and its worst layer (``..._max``); and the load of the experts
-the batch routes to (``routing/expert_load_max_over_mean``, 1 when balanced, averaged over
-layers, and its worst layer).
+Metrics of every update against the rollout's routing: ``routing/mismatch_share`` (tokens
+whose experts the update's forward used differ from the rollout's in any layer: 0 where it
+replays the rollout's, its routers' own disagreement where nothing is replayed), each
+layer's (``routing/mismatch_share_layer_NN``) and their mean (``routing/layer_mismatch_share``);
+and how evenly the routing the step used loads the experts (``routing/expert_load_max_over_mean``:
+the busiest expert's picks over the mean, 1 when balanced, averaged over layers, and the worst
+layer's ``..._max``).
 """
 
 from __future__ import annotations
@@ -27,6 +34,9 @@ from drivetrain.api.routing import NOT_RECORDED
 
 #: ``algorithm.routing_replay`` values
 MODES = ("off", "rollout", "old_policy")
+#: the trainer's token column of the rollout's routing (``[.., layers, top_k]`` int16): what
+#: the metrics compare with; engines replay the api column ``routed_experts`` only
+ROLLOUT_ROUTED_EXPERTS = "rollout_routed_experts"
 
 
 def routing_column(completions: Sequence[Completion], width: int) -> torch.Tensor:
@@ -59,25 +69,36 @@ def routing_column(completions: Sequence[Completion], width: int) -> torch.Tenso
 
 
 def with_routing(batch: Batch, completions: Sequence[Completion]) -> Batch:
-    """``batch`` (built from ``completions``, padded) with their ``routed_experts`` column."""
+    """``batch`` (built from ``completions``, padded) with their routing as
+    :data:`ROLLOUT_ROUTED_EXPERTS`."""
     column = routing_column(completions, batch[INPUT_IDS].shape[1])
-    return batch.with_columns(token_keys=[ROUTED_EXPERTS], **{ROUTED_EXPERTS: column})
+    return batch.with_columns(
+        token_keys=[ROLLOUT_ROUTED_EXPERTS], **{ROLLOUT_ROUTED_EXPERTS: column}
+    )
 
 
-def mismatch(own: torch.Tensor, replayed: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``[..., layers]``: 1.0 where the forward's own top-k set differs from the replayed one,
-    on ``mask`` tokens with replayed routing (0 elsewhere)."""
-    differs = (own.sort(-1).values != replayed.sort(-1).values).any(-1)
-    counted = mask.bool() & (replayed[..., 0] >= 0).all(-1)
+def replay_column(batch: Batch, mode: str) -> Batch:
+    """``batch`` with the column engines replay, where ``mode`` replays the rollout's."""
+    if mode != "rollout" or ROLLOUT_ROUTED_EXPERTS not in batch:
+        return batch
+    return batch.with_columns(**{ROUTED_EXPERTS: batch[ROLLOUT_ROUTED_EXPERTS]})
+
+
+def mismatch(used: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[..., layers]``: 1.0 where the experts a forward used differ (as a set) from the
+    rollout's, on ``mask`` tokens the rollout recorded (0 elsewhere)."""
+    differs = (used.sort(-1).values != rollout.sort(-1).values).any(-1)
+    counted = mask.bool() & (rollout[..., 0] >= 0).all(-1)
     return (differs & counted[..., None]).to(torch.float32)
 
 
 def mismatch_metrics(
-    own: torch.Tensor, replayed: torch.Tensor, mask: torch.Tensor, tokens: float
+    used: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, tokens: float
 ) -> dict[str, torch.Tensor]:
     """The ``routing/*mismatch*`` metrics as shares of ``tokens`` (the loss's global token
-    count: summed over micro-batches and ranks they are the batch's), one per layer too."""
-    per_layer = mismatch(own, replayed, mask)
+    count: summed over micro-batches and ranks they are the batch's; a sequence's last token,
+    which no rollout routes, counts as agreeing), one per layer too."""
+    per_layer = mismatch(used, rollout, mask)
     flat = per_layer.reshape(-1, per_layer.shape[-1])
     layer_share = flat.sum(0) / tokens
     metrics = {
@@ -99,10 +120,14 @@ def expert_count(model_path: str) -> int:
 
 
 def load_metrics(batch: Batch, experts: int) -> dict[str, float]:
-    """How evenly the batch's replayed routing loads the ``experts`` of each layer (at least
-    the highest index it routes to), over the tokens the loss counts: the busiest expert's
-    picks against the mean (1: balanced), averaged over layers, and the worst layer's."""
-    routed, mask = batch[ROUTED_EXPERTS], batch[LOSS_MASK].bool()
+    """How evenly the routing the step used (replayed, else the rollout's) loads the
+    ``experts`` of each layer (at least the highest index it routes to), over the tokens the
+    loss counts: the busiest expert's picks against the mean (1: balanced), averaged over
+    layers, and the worst layer's."""
+    used = ROUTED_EXPERTS if ROUTED_EXPERTS in batch else ROLLOUT_ROUTED_EXPERTS
+    if used not in batch:
+        return {}
+    routed, mask = batch[used], batch[LOSS_MASK].bool()
     picks = routed[mask & (routed[..., 0] >= 0).all(-1)].long()  # [tokens, layers, top_k]
     if not len(picks):
         return {}

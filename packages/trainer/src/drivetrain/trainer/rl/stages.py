@@ -36,7 +36,6 @@ from drivetrain.trainer.rl.batch_ops import (
 from drivetrain.trainer.rl.config import RLConfig
 from drivetrain.trainer.rl.dapo import filter_truncated
 from drivetrain.trainer.rl.kl import kl_penalty
-from drivetrain.trainer.rl.routing import mismatch_metrics
 from drivetrain.trainer.rl.update_losses import OLD_VALUES, CriticLoss, state_values
 from drivetrain.trainer.workers.group import WorkerGroup
 from drivetrain.trainer.workers.role_worker import ACTOR, CRITIC, REWARD_MODEL, TEACHER
@@ -86,34 +85,24 @@ class _Inference(Stage):
 class OldLogProbs(_Inference):
     """``old_log_probs``: the actor's, before the update (skipped on-policy: the update's own
     forward gives them). With routing replay (:mod:`~drivetrain.trainer.rl.routing`) its
-    forward replays the rollout's routing (``rollout``) or routes itself and hands its routing
-    to the updates (``old_policy``); either way it reports how its own routing differs from
-    the rollout's."""
+    forward replays the rollout's routing (``rollout``), or routes itself and hands its
+    routing to the updates as ``routed_experts`` (``old_policy``)."""
 
     phase = "old_log_probs"
 
     def __init__(self, group: WorkerGroup, temperature: float, routing_replay: str) -> None:
         super().__init__(group, temperature)
         self.routing_replay = routing_replay
-        self.routing: dict[str, float] = {}
 
     def run(self, step: StepBatch) -> None:
-        routing = self.routing_replay != "off" and ROUTED_EXPERTS in step.batch
-        spec = OutputSpec(entropy=True, temperature=self.temperature, routed_experts=routing)
-        replay = (ROUTED_EXPERTS,) if routing and self.routing_replay == "rollout" else ()
+        hand_over = self.routing_replay == "old_policy"
+        spec = OutputSpec(entropy=True, temperature=self.temperature, routed_experts=hand_over)
+        replay = (ROUTED_EXPERTS,) if ROUTED_EXPERTS in step.batch else ()
         old = self.infer(step.batch, ACTOR, spec, False, *replay)
         step.batch = step.batch.with_columns(old_log_probs=old[LOG_PROBS])
         step.old_entropy = old[ENTROPY]
-        self.routing = {}
-        if routing:
-            rollout, own = step.batch[ROUTED_EXPERTS], old[ROUTED_EXPERTS]
-            tokens = float(step.batch[LOSS_MASK].sum())
-            measured = mismatch_metrics(own, rollout, step.batch[LOSS_MASK], max(tokens, 1.0))
-            self.routing = {
-                f"rollout/{name.removeprefix('routing/')}": float(v) for name, v in measured.items()
-            }
-            if self.routing_replay == "old_policy":  # the updates replay this forward's
-                step.batch = step.batch.with_columns(**{ROUTED_EXPERTS: own})
+        if hand_over:  # the updates replay this forward's routing
+            step.batch = step.batch.with_columns(**{ROUTED_EXPERTS: old[ROUTED_EXPERTS]})
 
     def report(self, step: StepBatch) -> dict[str, float]:
         assert step.old_entropy is not None
@@ -123,7 +112,6 @@ class OldLogProbs(_Inference):
             "actor/entropy_old": masked_mean(step.old_entropy, mask),
             "rollout/log_prob_diff": masked_mean(diff, mask),
             "rollout/log_prob_diff_max": float((diff * mask).max()) if diff.numel() else 0.0,
-            **self.routing,
         }
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from rich.console import Console
 
 from drivetrain.api import SamplingParams
-from drivetrain.api.columns import LOSS_MASK, ROUTED_EXPERTS
+from drivetrain.api.columns import LOSS_MASK
 from drivetrain.trainer.console import plain_console
 from drivetrain.trainer.diagnose import log_prob_tolerance
 from drivetrain.trainer.metrics import Curve
@@ -25,7 +25,7 @@ from drivetrain.trainer.rl.episode_setup import EpisodeSetup
 from drivetrain.trainer.rl.log_prob_alarm import LogProbAlarm
 from drivetrain.trainer.rl.placement import Placement
 from drivetrain.trainer.rl.prompts import PromptSampler
-from drivetrain.trainer.rl.routing import expert_count, load_metrics
+from drivetrain.trainer.rl.routing import expert_count, load_metrics, replay_column
 from drivetrain.trainer.rl.scoring import SampleScorer
 from drivetrain.trainer.rl.source import Drawn, PhaseTimer, SourceContext
 from drivetrain.trainer.rl.source_choice import choose_source
@@ -140,8 +140,9 @@ class RLTrainer(Job[RLResult]):
         the weights moved; its metrics."""
         timer = PhaseTimer()
         drawn = self.source.draw(step, timer)
+        replayed = replay_column(drawn.batch, self.config.algorithm.routing_replay)
         batch = StepBatch(
-            drawn.batch, drawn.scores, drawn.completions, drawn.played, drawn.reward_metrics
+            replayed, drawn.scores, drawn.completions, drawn.played, drawn.reward_metrics
         )
         trained: dict[str, StepStats] = {}
         with self.source.training(step):
@@ -186,7 +187,7 @@ class RLTrainer(Job[RLResult]):
             metrics["perf/generate_tokens_per_s"] = generated / max(seconds["generate"], 1e-9)
         for stage in self.stages:
             metrics.update(stage.report(batch))
-        if self.config.algorithm.routing_replay != "off" and ROUTED_EXPERTS in batch.batch:
+        if self.config.rollout.return_routed_experts:
             experts = expert_count(self.config.actor.model.path)
             metrics.update(load_metrics(batch.batch, experts))
         return metrics

@@ -32,7 +32,7 @@ from drivetrain.trainer.rl.batch_ops import CURRENT_WEIGHTS
 from drivetrain.trainer.rl.kl import KLConfig, kl_penalty
 from drivetrain.trainer.rl.off_policy import CorrectionConfig, CorrectionInputs, correct
 from drivetrain.trainer.rl.policy_losses import POLICY_LOSSES, ClipConfig, PolicyLossInputs
-from drivetrain.trainer.rl.routing import mismatch_metrics
+from drivetrain.trainer.rl.routing import ROLLOUT_ROUTED_EXPERTS, mismatch_metrics
 
 OLD_VALUES = "old_values"  # the critic's values before this update (value clipping)
 
@@ -65,9 +65,11 @@ class ActorLoss:
     #: the step's first optimizer update: its log-probs and the old ones come from the same
     #: weights, so their ratio is 1 up to numerics (``actor/first_update_log_ratio_max``)
     first_update: bool = False
-    #: the batch's ``routed_experts`` are replayed (``algorithm.routing_replay``): the update
-    #: sends them, and reports how often its routers would have chosen otherwise
+    #: the batch's ``routed_experts`` are replayed (``algorithm.routing_replay``)
     replay_routing: bool = False
+    #: the rollout reports routing: the update asks which experts its forward used and reports
+    #: how often they differ from the rollout's (``routing/mismatch_share``)
+    routing_metrics: bool = False
     #: the batch columns it reads beside the engine's own, where the batch has them: what an
     #: update sends
     reads: ClassVar[tuple[str, ...]] = (
@@ -77,6 +79,7 @@ class ActorLoss:
         ROLLOUT_LOG_PROBS,
         CURRENT_WEIGHTS,
         ROUTED_EXPERTS,
+        ROLLOUT_ROUTED_EXPERTS,
     )
 
     @property
@@ -85,12 +88,13 @@ class ActorLoss:
             log_probs=True,
             entropy=True,
             temperature=self.temperature,
-            routed_experts=self.replay_routing,
+            routed_experts=self.routing_metrics,
         )
 
     def sends(self, column: str) -> bool:
         """Whether an update sends the batch's ``column`` (one it reads)."""
-        return column in self.reads and (column != ROUTED_EXPERTS or self.replay_routing)
+        wanted = {ROUTED_EXPERTS: self.replay_routing, ROLLOUT_ROUTED_EXPERTS: self.routing_metrics}
+        return column in self.reads and wanted.get(column, True)
 
     def __call__(
         self, outputs: Mapping[str, Any], mb: Batch, ctx: LossContext
@@ -147,9 +151,9 @@ class ActorLoss:
             # tokens against the trainer's log-probs under the same weights
             gap = (mb[ROLLOUT_LOG_PROBS].to(old.dtype) - old).abs() * mb[CURRENT_WEIGHTS]
             metrics["actor/current_weights_log_prob_diff_max"] = gap.max()
-        if self.replay_routing and ROUTED_EXPERTS in mb:
-            own = outputs[ROUTED_EXPERTS]
-            metrics.update(mismatch_metrics(own, mb[ROUTED_EXPERTS], mask, ctx.global_tokens))
+        if self.routing_metrics and ROLLOUT_ROUTED_EXPERTS in mb:
+            used, rollout = outputs[ROUTED_EXPERTS], mb[ROLLOUT_ROUTED_EXPERTS]
+            metrics.update(mismatch_metrics(used, rollout, mask, ctx.global_tokens))
         if self.first_update and not self.on_policy:  # (on-policy, old is this very forward)
             gap = (log_probs.detach() - old).abs() * mask
             metrics["actor/first_update_log_ratio_max"] = gap.max()

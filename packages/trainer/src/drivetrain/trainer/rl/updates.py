@@ -88,6 +88,7 @@ def build_updates(config: RLConfig, *, on_policy: bool, critic: bool) -> list[Up
         # old_policy on-policy: the update's own forward is the old policy; nothing to replay
         replay_routing=alg.routing_replay == "rollout"
         or (alg.routing_replay == "old_policy" and not on_policy),
+        routing_metrics=config.rollout.return_routed_experts,
     )
     critic_update = Update(CRITIC, CriticLoss(alg.value_clip, alg.aggregation, max_length))
     return [*([critic_update] if critic else []), Update(ACTOR, actor)]
