@@ -78,7 +78,6 @@ class ActorLoss:
         REF_LOG_PROBS,
         ROLLOUT_LOG_PROBS,
         CURRENT_WEIGHTS,
-        ROUTED_EXPERTS,
         ROLLOUT_ROUTED_EXPERTS,
     )
 
@@ -91,10 +90,10 @@ class ActorLoss:
             routed_experts=self.routing_metrics,
         )
 
-    def sends(self, column: str) -> bool:
-        """Whether an update sends the batch's ``column`` (one it reads)."""
-        wanted = {ROUTED_EXPERTS: self.replay_routing, ROLLOUT_ROUTED_EXPERTS: self.routing_metrics}
-        return column in self.reads and wanted.get(column, True)
+    @property
+    def replays(self) -> tuple[str, ...]:
+        """Columns the engine itself reads for this loss: the routing it replays."""
+        return (ROUTED_EXPERTS,) if self.replay_routing else ()
 
     def __call__(
         self, outputs: Mapping[str, Any], mb: Batch, ctx: LossContext

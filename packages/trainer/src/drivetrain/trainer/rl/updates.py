@@ -34,8 +34,8 @@ class Update:
         """``ppo_epochs`` passes over the batch in mini-batches, one optimizer step each (the
         order shuffled per epoch, reproducibly, when there are several)."""
         alg = config.algorithm
-        sends = getattr(self.loss, "sends", lambda column: column in self.loss.reads)
-        view = engine_view(batch, *(c for c in batch.columns if sends(c)))
+        wanted = (*self.loss.reads, *getattr(self.loss, "replays", ()))
+        view = engine_view(batch, *(c for c in wanted if c in batch))
         size = alg.mini_batch_size or len(view)
         stats: list[StepStats] = []
         for epoch in range(alg.ppo_epochs):
