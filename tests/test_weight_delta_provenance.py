@@ -37,7 +37,7 @@ def model_dir(tmp_path_factory):
 class WeightPath:
     """A trainer-side model, an ``hf`` rollout and the manager between them."""
 
-    def __init__(self, model_dir, *, delta=True) -> None:
+    def __init__(self, model_dir, *, delta=True, provenance=True) -> None:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         config = HFRolloutConfig(model_path=str(model_dir), max_model_len=128, dtype="float32")
         self.rollout = rollouts.load("hf")(config)
@@ -47,7 +47,7 @@ class WeightPath:
         receivers = connect_transport(self.sender, "colocated", [self.rollout])
         export = lambda: self.model.state_dict().items()  # noqa: E731
         sender = engine_sender(export, self.sender, WeightLedger(delta=delta))
-        self.manager = WeightSyncManager(sender, [self.rollout], receivers)
+        self.manager = WeightSyncManager(sender, [self.rollout], receivers, provenance=provenance)
         self.total = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
 
     def nudge(self, names) -> None:
@@ -126,3 +126,21 @@ def test_a_lost_bucket_fails_the_same_sync_naming_the_tensor(model_dir, monkeypa
         assert again.skipped == 0 and again.bytes == path.total
     finally:
         path.close()
+
+
+def test_provenance_off_checks_nothing_though_delta_keeps_fingerprints(model_dir, monkeypatch):
+    """weight_sync.provenance=false with delta on (which keeps fingerprints for itself): a
+    rollout that serves its weights in another form (a bf16 rollout of an fp32 trainer reports
+    other fingerprints) is not checked, where provenance on refuses it."""
+    for provenance in (True, False):
+        path = WeightPath(model_dir, provenance=provenance)
+        other = lambda expected: {name: "float32:crc32:0" for name in expected}  # noqa: E731
+        monkeypatch.setattr(path.rollout, "weights_fingerprint", other)
+        try:
+            if provenance:
+                with pytest.raises(WeightSyncError, match="does not serve weights version 1"):
+                    path.manager.sync(1)
+            else:
+                assert path.manager.sync(1).sent.bytes == path.total
+        finally:
+            path.close()

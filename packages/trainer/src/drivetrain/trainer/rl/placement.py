@@ -118,7 +118,12 @@ def connect_weights(
     receivers = connect_rollouts(sender, endpoint, transport, config, rollouts.rollouts)
     send = functools.partial(group.run_all, SyncingWorker.sync_send)
     return WeightSyncManager(
-        send, rollouts.rollouts, receivers, colocated=colocated, excused=rollouts.excused
+        send,
+        rollouts.rollouts,
+        receivers,
+        colocated=colocated,
+        excused=rollouts.excused,
+        provenance=config.provenance,
     )
 
 

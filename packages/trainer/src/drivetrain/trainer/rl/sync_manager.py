@@ -192,7 +192,9 @@ class WeightSyncManager:
     """Runs :meth:`sync` every step for ``rollouts``, whose connected ``receivers`` (from
     :func:`connect_rollouts`, in the same order) take the weights. ``abort_inflight`` ends
     running requests instead of waiting for them; ``colocated`` puts the rollouts to sleep while
-    the trainer updates (they share its device) and wakes them by tag around the transfer."""
+    the trainer updates (they share its device) and wakes them by tag around the transfer;
+    ``provenance`` checks after each sync that every rollout serves what was sent (when the
+    sender kept fingerprints: ``weight_sync.delta`` keeps them too, for its own use)."""
 
     def __init__(
         self,
@@ -203,6 +205,7 @@ class WeightSyncManager:
         abort_inflight: bool = False,
         colocated: bool = False,
         excused: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
+        provenance: bool = True,
     ) -> None:
         if not rollouts:
             raise ValueError("a weight sync needs at least one rollout")
@@ -213,6 +216,7 @@ class WeightSyncManager:
         self.receivers = tuple(receivers)
         self.abort_inflight = abort_inflight
         self.colocated = colocated
+        self.provenance = provenance
         #: around a sync or an update: the rollouts' silence is ours (their service's
         #: progress deadline does not count it)
         self.excused = excused
@@ -272,7 +276,7 @@ class WeightSyncManager:
             sent, received = self._transfer(version)
             phases["transfer"] = time.perf_counter() - start
             start = time.perf_counter()
-            if sent.fingerprints:
+            if sent.fingerprints and self.provenance:
                 self._check_provenance(version, sent.fingerprints)
                 phases["provenance"] = time.perf_counter() - start
                 start = time.perf_counter()
