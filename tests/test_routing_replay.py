@@ -33,7 +33,7 @@ from drivetrain.api.requests import Chunk, Request
 from drivetrain.api.rollout import FinishReason, Rollout
 from drivetrain.api.routing import RoutedExperts
 from drivetrain.engine_core.moe_routing import RoutingRecorder, routing_hooks
-from drivetrain.rollout.config import HFRolloutConfig, VLLMRolloutConfig
+from drivetrain.rollout.config import HFRolloutConfig
 from drivetrain.rollout.process.messages import decode, encode
 from drivetrain.runtime.collector import Collector
 from drivetrain.testing.kit_runner import KitCheckResult, run_checks
@@ -125,8 +125,6 @@ def test_a_rollout_not_asked_records_nothing_and_a_dense_model_is_refused(models
     dense = build_tiny_chat_model(tmp_path / "dense")
     with pytest.raises(ConfigError, match="has no mixture-of-experts router to record"):
         hf(dense, return_routed_experts=True)
-    with pytest.raises(ConfigError, match="return_routed_experts is not implemented by vllm"):
-        VLLMRolloutConfig(model_path=str(dense), return_routed_experts=True)
 
 
 class ExpertInputs:

@@ -74,7 +74,7 @@ class VLLMRolloutConfig(BackendConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _refuse_unimplemented(self, "vllm")
+        _refuse_exact(self, "vllm")
         if self.weight_transfer not in ("auto", "api", "reload"):
             raise ConfigError(
                 f"rollout.weight_transfer must be auto, api or reload, got {self.weight_transfer!r}"
@@ -112,7 +112,7 @@ class SGLangRolloutConfig(BackendConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _refuse_unimplemented(self, "sglang")
+        _refuse_exact(self, "sglang")
         if self.max_running_requests < 1:
             raise ConfigError("rollout.max_running_requests must be >= 1")
         if not 0 < self.mem_fraction_static <= 1:
@@ -121,10 +121,8 @@ class SGLangRolloutConfig(BackendConfig):
             raise ConfigError("rollout.weight_bucket_bytes must be >= 1")
 
 
-def _refuse_unimplemented(config: BackendConfig, backend: str) -> None:
-    """A backend without the ``exact_numerics`` or ``routed_experts`` capability refuses the
-    setting rather than ignore it."""
+def _refuse_exact(config: BackendConfig, backend: str) -> None:
+    """A backend without the ``exact_numerics`` capability refuses the setting rather than
+    ignore it."""
     if config.numerics != "default":
         raise ConfigError(f"rollout.numerics={config.numerics} is not implemented by {backend}")
-    if config.return_routed_experts:
-        raise ConfigError(f"rollout.return_routed_experts is not implemented by {backend}")

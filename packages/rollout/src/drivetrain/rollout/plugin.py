@@ -29,7 +29,15 @@ VLLM = PluginSpec(
     config="drivetrain.rollout.config:VLLMRolloutConfig",
     api=API,
     capabilities=frozenset(
-        {"lora", "sleep", "tensor_parallel", "separate_process", "device:cpu", "device:cuda"}
+        {
+            "lora",
+            "sleep",
+            "tensor_parallel",
+            "separate_process",
+            "routed_experts",  # on CUDA (vLLM's CPU backend cannot capture them)
+            "device:cpu",
+            "device:cuda",
+        }
     ),
     install_hint=(
         "pip install 'drivetrain-rollout[vllm]' (GPU), or its own environment: "
@@ -43,7 +51,9 @@ SGLANG = PluginSpec(
     factory="drivetrain.rollout.factories:SGLangRolloutFactory",
     config="drivetrain.rollout.config:SGLangRolloutConfig",
     api=API,
-    capabilities=frozenset({"sleep", "tensor_parallel", "separate_process", "device:cuda"}),
+    capabilities=frozenset(
+        {"sleep", "tensor_parallel", "separate_process", "routed_experts", "device:cuda"}
+    ),
     install_hint=(
         "pip install 'drivetrain-rollout[sglang]', or its own environment: "
         "python -m drivetrain.rollout.env sglang .venvs/sglang"

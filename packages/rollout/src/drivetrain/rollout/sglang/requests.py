@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from drivetrain.api.requests import Request
 from drivetrain.api.rollout import FinishReason, SamplingParams
+from drivetrain.rollout.routed import routed_from_base64
 from drivetrain.runtime.request_queue import TokenEvent
 
 #: SGLang's ``MAX_STOP_COUNT`` (sglang.srt.sampling.sampling_params)
@@ -106,11 +108,13 @@ def request_kwargs(
     processor: str | None = None,
     seed: int | None = None,
     lora_name: str | None = None,
+    routed_experts: bool = False,
 ) -> dict[str, Any]:
     """Keyword arguments of ``Engine.async_generate`` streaming one request under SGLang's id
     ``rid`` (see :mod:`drivetrain.rollout.sglang.streams` on why it is not the request's own).
     ``processor`` (:func:`processor_string`) is required when the request filters; ``seed``
-    becomes its ``sampling_seed``; ``lora_name`` names a loaded adapter."""
+    becomes its ``sampling_seed``; ``lora_name`` names a loaded adapter; ``routed_experts``
+    asks for its routing (returned when it finishes)."""
     params = request.params
     kwargs: dict[str, Any] = {
         "input_ids": list(request.prompt_ids),
@@ -125,16 +129,33 @@ def request_kwargs(
         kwargs["custom_logit_processor"] = processor
     if lora_name is not None:
         kwargs["lora_path"] = lora_name
+    if routed_experts:
+        kwargs["return_routed_experts"] = True
     return kwargs
 
 
 # ---- answers ------------------------------------------------------------------------------
-def stream_event(request_id: str, output: Mapping[str, Any], reported: int) -> TokenEvent:
+@dataclass(frozen=True)
+class RoutingShape:
+    """What SGLang's routed experts hold (``hidden_layers`` x ``top_k`` per position) and the
+    router ``layers`` among them."""
+
+    hidden_layers: int
+    layers: list[int]
+    top_k: int
+
+
+def stream_event(
+    request_id: str,
+    output: Mapping[str, Any],
+    reported: int,
+    routing: RoutingShape | None = None,
+) -> TokenEvent:
     """The tokens of a streamed output beyond the first ``reported``, with their log-probs,
-    and the finish reason once the request ended. Each streamed output holds the request's
-    whole output so far (``output_ids``, and ``output_token_logprobs`` in ``meta_info``);
-    SGLang's incremental streaming, which sends only the new part, is refused: it would be
-    read as missing tokens."""
+    and the finish reason once the request ended (with its routed experts, given ``routing``).
+    Each streamed output holds the request's whole output so far (``output_ids``, and
+    ``output_token_logprobs`` in ``meta_info``); SGLang's incremental streaming, which sends
+    only the new part, is refused: it would be read as missing tokens."""
     meta = output.get("meta_info") or {}
     output_ids = output.get("output_ids")
     entries = meta.get("output_token_logprobs")
@@ -149,11 +170,18 @@ def stream_event(request_id: str, output: Mapping[str, Any], reported: int) -> T
         None if entries is None else entries[reported:],
     )
     reason = meta.get("finish_reason")
+    routed = None
+    if routing is not None and reason is not None and meta.get("routed_experts"):
+        shape = routing
+        routed = routed_from_base64(
+            meta["routed_experts"], shape.hidden_layers, shape.layers, shape.top_k
+        )
     return TokenEvent(
         request_id,
         list(tokens),
         list(log_probs),
         None if reason is None else finish_reason(reason),
+        routed,
     )
 
 

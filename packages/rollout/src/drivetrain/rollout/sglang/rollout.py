@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import os
 import random
@@ -41,9 +42,11 @@ from drivetrain.api.rollout import SamplingParams
 from drivetrain.rollout.checkpoint_names import checkpoint_shapes
 from drivetrain.rollout.config import SGLangRolloutConfig
 from drivetrain.rollout.devices import model_dir
+from drivetrain.rollout.routed import moe_layers
 from drivetrain.rollout.sglang.requests import (
     KV_CACHE,
     WEIGHTS,
+    RoutingShape,
     check_result,
     check_stops,
     context_limits,
@@ -140,6 +143,12 @@ def engine_arguments(
         and "enable_weights_cpu_backup" in supported  # SGLang >= 0.5.3
     ):
         kwargs["enable_weights_cpu_backup"] = True
+    if config.return_routed_experts:
+        if "enable_return_routed_experts" not in supported:
+            raise RuntimeError(
+                "rollout.return_routed_experts needs an SGLang with enable_return_routed_experts"
+            )
+        kwargs["enable_return_routed_experts"] = True
     if config.deterministic_inference:
         if "enable_deterministic_inference" not in supported:
             raise RuntimeError(
@@ -197,8 +206,14 @@ class SGLangRollout(TokenizedRollout):
         self._weights_discarded = False
         self._rng = random.Random(config.seed)
         self._warned_seed = False
+        self._routing: RoutingShape | None = None
+        if config.return_routed_experts:
+            top_k = int(text_config.num_experts_per_tok)
+            layers = moe_layers(text_config.to_dict())
+            self._routing = RoutingShape(int(text_config.num_hidden_layers), layers, top_k)
         self.engine: Any = sglang.Engine(**kwargs)  # nothing to clean up if above fails
-        self._streams = LoopStreams(self.engine.loop, self._open_stream, stream_event, self._holds)
+        event = functools.partial(stream_event, routing=self._routing)
+        self._streams = LoopStreams(self.engine.loop, self._open_stream, event, self._holds)
         self.requests = RequestQueue(
             self._streams.step,
             lambda: self._version,
@@ -235,6 +250,7 @@ class SGLangRollout(TokenizedRollout):
             processor=self._processor,
             seed=self._seed(request.params),
             lora_name=self._lora_name,
+            routed_experts=self._routing is not None,
         )
         return await self.engine.async_generate(**kwargs)
 

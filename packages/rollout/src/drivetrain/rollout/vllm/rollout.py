@@ -18,6 +18,8 @@ written as a peft directory and loaded as a new ``LoRARequest``.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import shutil
 import tempfile
@@ -28,15 +30,18 @@ from typing import Any
 import torch
 
 from drivetrain.api.engine import NamedTensor
+from drivetrain.api.errors import ConfigError
 from drivetrain.api.requests import Request
 from drivetrain.api.rollout import (
     MEMORY_TAGS,
     FinishReason,
     SamplingParams,
 )
+from drivetrain.api.routing import RoutedExperts
 from drivetrain.rollout.checkpoint_names import checkpoint_shapes
 from drivetrain.rollout.config import VLLMRolloutConfig
 from drivetrain.rollout.devices import model_dir
+from drivetrain.rollout.routed import model_moe_layers, routed_from_array
 from drivetrain.rollout.tokenized import TokenizedRollout
 from drivetrain.rollout.weight_dirs import (
     adapter_config,
@@ -47,6 +52,30 @@ from drivetrain.rollout.weight_dirs import (
 )
 from drivetrain.rollout.weights import checked_clones, collect_weights, stage_weights
 from drivetrain.runtime.request_queue import RequestQueue, TokenEvent
+
+
+def _routed_experts_arguments(vllm: Any, on_cpu: bool) -> dict[str, Any]:
+    """``LLM`` arguments that make vLLM return each finished request's routed experts, or a
+    one-line refusal where it cannot (an older vLLM; its CPU backend, whose model runner lacks
+    the capture: vLLM 0.32 asks for Model Runner V2, which needs Triton)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    if "enable_return_routed_experts" not in {f.name for f in dataclasses.fields(EngineArgs)}:
+        raise ConfigError(
+            "rollout.return_routed_experts needs a vLLM with enable_return_routed_experts "
+            f"(0.30 or newer), not {vllm.__version__}"
+        )
+    if on_cpu:
+        raise ConfigError(
+            "rollout.return_routed_experts: vLLM records routed experts in its GPU model runner "
+            "only; on a CPU use the hf rollout"
+        )
+    # vLLM reads a cached prefix's routing back from its prefix cache
+    return {"enable_return_routed_experts": True, "enable_prefix_caching": True}
+
+
+def _top_k(path: Path) -> int:
+    return int(json.loads((path / "config.json").read_text())["num_experts_per_tok"])
 
 
 def _configure_environment(config: VLLMRolloutConfig) -> None:
@@ -125,6 +154,10 @@ class VLLMRollout(TokenizedRollout):
                 max_lora_rank=_max_lora_rank(config.lora.rank),
                 max_loras=config.max_loras,
             )
+        self._routing: tuple[list[int], int] | None = None  # (router layers, top_k)
+        if config.return_routed_experts:
+            kwargs.update(_routed_experts_arguments(vllm, self.on_cpu))
+            self._routing = (model_moe_layers(path), _top_k(path))
         self.llm = vllm.LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
@@ -192,11 +225,19 @@ class VLLMRollout(TokenizedRollout):
                     list(sample.token_ids),
                     list(_sampled_log_probs(sample.token_ids, sample.logprobs)),
                     _finish_reason(sample.finish_reason) if output.finished else None,
+                    self._routed(sample) if output.finished else None,
                 )
             )
             if output.finished:
                 self._in_vllm.discard(output.request_id)
         return events
+
+    def _routed(self, sample: Any) -> RoutedExperts | None:
+        """A finished request's routing (vLLM attaches it to the last output only)."""
+        routing = getattr(sample, "routed_experts", None)
+        if self._routing is None or routing is None:
+            return None
+        return routed_from_array(routing, *self._routing)
 
     def _reset(self) -> None:
         """After a failed step: nothing of ours stays in vLLM."""
