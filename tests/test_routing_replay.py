@@ -8,8 +8,9 @@ route apart):
 - routing crosses the rollout server's wire and a resumed request's positions join;
 - the rollout kit's opt-in ``routed_experts`` check passes the hf rollout and fails one that
   records a wrong expert;
-- ``drivetrain grpo`` with ``algorithm.routing_replay=rollout`` / ``old_policy`` reports its router
-  metrics; an engine or rollout without the capability is refused in one line.
+- ``drivetrain grpo`` with ``algorithm.routing_replay=rollout`` (the rollout in its server
+  process) / ``old_policy`` / ``off`` (recording only) reports its router metrics, 0 mismatch
+  where it replays the rollout's; an engine without the capability is refused in one line.
 """
 
 from __future__ import annotations
@@ -227,7 +228,7 @@ def rl_data(tmp_path_factory):
 @pytest.mark.parametrize(
     ("mode", "options"),
     [
-        ("rollout", ()),
+        ("rollout", (f"rollout.python={sys.executable}",)),  # over the server's wire
         ("old_policy", ("algorithm.ppo_epochs=2",)),
         ("off", ("rollout.return_routed_experts=true",)),
     ],
