@@ -32,14 +32,16 @@ from drivetrain.api import (
     StepResult,
     merge_metrics,
 )
-from drivetrain.api.columns import ENTROPY, INPUT_IDS, LOG_PROBS, VALUES
+from drivetrain.api.columns import ENTROPY, INPUT_IDS, LOG_PROBS, ROUTED_EXPERTS, VALUES
 from drivetrain.api.config import coerce_config
+from drivetrain.api.routing import NOT_RECORDED
 from drivetrain.engine.megatron import checkpoint
 from drivetrain.engine.megatron.config import MegatronConfig
 from drivetrain.engine.megatron.context import gather_outputs, pack_row_cp
 from drivetrain.engine.megatron.offload import Offloader
 from drivetrain.engine.megatron.packing import align_to_inputs, pack_row
 from drivetrain.engine.megatron.parallel import init_parallel, release_groups
+from drivetrain.engine.megatron.routing import Routing
 from drivetrain.engine.megatron.token_outputs import vocab_parallel_outputs
 from drivetrain.engine_core import (
     InferOutputs,
@@ -62,6 +64,8 @@ class MegatronEngine(TorchEngine):
     config: MegatronConfig
     #: close() destroys the process groups initialize() built (parallel.release_groups)
     releases_groups = True
+    #: MoE routers take a batch's ``routed_experts`` and report the experts used (routing.py)
+    replays_routing = True
     _said_host = False  # the CPU no-op offload is logged once
 
     def __init__(self, config: EngineConfig) -> None:
@@ -126,6 +130,7 @@ class MegatronEngine(TorchEngine):
             chunk.to(self.device)
         load_hf_weights(chunks, cfg.model.path, self.hf_config, tcfg)
         self.model = self._wrap_chunks(chunks)
+        self.routing = Routing(chunks, tcfg, ps)  # chunk i of self.model wraps chunks[i]
         o = cfg.optim
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
@@ -292,20 +297,24 @@ class MegatronEngine(TorchEngine):
         self._check_outputs(spec)
         if spec.values:
             values = self._gather_cp(output[0, :, 0].float(), row)
-            return {VALUES: to_layout(values[: row.num_tokens], micro)}
-        log_probs, entropy = vocab_parallel_outputs(
-            output[0],
-            row.targets,
-            vocab_size=self.hf_config.vocab_size,
-            temperature=spec.temperature,
-            want_entropy=spec.entropy,
-        )
-        out = {LOG_PROBS: self._gather_cp(log_probs, row), ENTROPY: self._gather_cp(entropy, row)}
-        return {
-            name: to_layout(align_to_inputs(out[name], row), micro)
-            for name in (LOG_PROBS, ENTROPY)
-            if name in spec.names
-        }
+            out = {VALUES: to_layout(values[: row.num_tokens], micro)}
+        else:
+            log_probs, entropy = vocab_parallel_outputs(
+                output[0],
+                row.targets,
+                vocab_size=self.hf_config.vocab_size,
+                temperature=spec.temperature,
+                want_entropy=spec.entropy,
+            )
+            raw = {LOG_PROBS: log_probs, ENTROPY: entropy}
+            out = {
+                name: to_layout(align_to_inputs(self._gather_cp(raw[name], row), row), micro)
+                for name in (LOG_PROBS, ENTROPY)
+                if name in spec.names
+            }
+        if spec.routed_experts:  # about each token itself, not the token it predicts
+            out[ROUTED_EXPERTS] = to_layout(self.routing.used(row), micro, fill=NOT_RECORDED)
+        return out
 
     def _gather_cp(self, local: torch.Tensor, row: Any) -> torch.Tensor:
         """Context parallel: this rank's per-token values -> the whole micro-batch's, in the
@@ -329,26 +338,32 @@ class MegatronEngine(TorchEngine):
             extra = {}
             if self.config.context_parallel > 1:  # TE's packed (thd) attention over CP ranks
                 extra["packed_seq_params"] = row.packed_seq_params
+            self.routing.before_forward(self.model.index(model), micro, row)
             output = model(row.input_ids, row.position_ids, row.attention_mask, **extra)
             return output, partial(on_output, micro, row)
 
         vp = self.config.virtual_pipeline
         iterators: Any = [iter(rows) for _ in range(vp)] if vp > 1 else iter(rows)
-        return get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iterators,
-            model=self.model if vp > 1 else self.model[0],
-            num_microbatches=len(rows),
-            seq_length=max(r.input_ids.shape[1] for _, r in rows),  # this rank's share under CP
-            micro_batch_size=1,
-            forward_only=forward_only,
-        )
+        self.routing.start(recompute=not forward_only and bool(self.tcfg.recompute_granularity))
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iterators,
+                model=self.model if vp > 1 else self.model[0],
+                num_microbatches=len(rows),
+                seq_length=max(r.input_ids.shape[1] for _, r in rows),  # local share under CP
+                micro_batch_size=1,
+                forward_only=forward_only,
+            )
+        finally:
+            self.routing.finish()
 
     def forward_backward(
         self, batch: Batch, loss_fn: LossFn, *, outputs: OutputSpec | None = None
     ) -> StepResult:
         self._require("train", "forward_backward")
         spec = self._training_outputs(outputs)
+        self.routing.check(batch, spec)
         totals = loss_totals(batch, self.collectives)
         parts = self._micro_batches(batch)
         dp_size = self.ps.get_data_parallel_world_size()
@@ -386,6 +401,7 @@ class MegatronEngine(TorchEngine):
     def infer(self, batch: Batch, outputs: OutputSpec) -> Batch | None:
         self._require("eval", "infer")
         self._sync_params()
+        self.routing.check(batch, outputs)
         parts = self._micro_batches(batch)
         collected = InferOutputs(batch)
         indices = iter(parts)

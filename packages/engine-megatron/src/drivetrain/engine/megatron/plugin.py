@@ -15,6 +15,7 @@ MEGATRON = PluginSpec(
             "sequence_parallel",
             "context_parallel",
             "expert_parallel",
+            "routing_replay",  # routed_experts in and out (routing.py; tests/test_routing.py)
             "offload",
             "value_head",  # model.value_head: a per-token scalar head (tests/test_model_parity)
             "packed",
