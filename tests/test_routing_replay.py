@@ -321,3 +321,17 @@ def test_the_rollout_kit_check_passes_hf_and_fails_wrong_experts(models):
         {"routed_experts": check_routed_experts}, RoutingHarness(models["mixtral"], ShiftedRouting)
     )[0]
     assert "the rollout recorded experts" in failed.error and "position 0, layer 0" in failed.error
+
+
+@pytest.mark.slow
+@pytest.mark.serial  # Ray: two megatron ranks and a rollout replica
+@pytest.mark.timeout(600)
+def test_grpo_on_megatron_at_ep2_replays_the_rollouts_routing(models, rl_data, tmp_path):
+    done = grpo(models["qwen3_moe"], rl_data, tmp_path / "run", "--engine", "megatron",
+                "algorithm.routing_replay=rollout", "actor.expert_parallel=2",
+                "workers.num=2")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "roles actor=megatron" in done.stderr
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert [step["routing/mismatch_share"] for step in steps] == [0.0, 0.0]
+    assert all(step["actor/rollout_log_prob_diff_max"] < 1e-4 for step in steps)
