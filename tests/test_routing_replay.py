@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM
 
 from drivetrain.api import ModelConfig, OptimConfig, OutputSpec, Prompt, SamplingParams
 from drivetrain.api.columns import LOG_PROBS, ROUTED_EXPERTS, SHARED_PREFIX_LEN
+from drivetrain.api.config import MicroBatchConfig
 from drivetrain.api.errors import ConfigError
 from drivetrain.api.registry import engines, rollouts
 from drivetrain.api.requests import Chunk, Request
@@ -83,6 +84,7 @@ def fsdp2(model_dir: Path):
         config_cls(
             model=ModelConfig(path=str(model_dir)),
             optim=OptimConfig(lr=1e-2, weight_decay=0.0, clip_grad=None),
+            micro_batch=MicroBatchConfig(max_tokens=128),  # several samples: shared prompts
             device="cpu",
         )
     )
@@ -184,6 +186,24 @@ def test_fsdp2_runs_exactly_the_replayed_experts(models, family):
     delta = (moved[LOG_PROBS] - base).abs()
     assert float(delta[row, pos + 1 :].max()) > 1e-4 and float(delta[row, : pos + 1].max()) == 0
     assert float(delta[[0, 2, 3]].max()) == 0
+
+
+def test_fsdp2_replays_through_shared_prompts(models):
+    """GRPO's samples of a prompt share it in the packed row (one copy, the first sample's
+    routing): every token still uses the rollout's experts, and replaying them gives the
+    log-probs of the rows without sharing."""
+    completions = hf(models["qwen3_moe"], return_routed_experts=True).generate(PROMPTS, SAMPLED)
+    batch = completions_batch(completions, pad_token_id=0)
+    rollout = batch[ROLLOUT_ROUTED_EXPERTS]
+    shared = batch.drop(ROLLOUT_ROUTED_EXPERTS).with_columns(routed_experts=rollout)
+    engine = fsdp2(models["qwen3_moe"])
+    with engine.eval_mode():
+        out = engine.infer(shared, OutputSpec(routed_experts=True))
+        alone = engine.infer(shared.drop(SHARED_PREFIX_LEN), OutputSpec())
+    recorded = (rollout >= 0).all(-1).all(-1)
+    assert int(recorded.sum()) > 200
+    assert torch.equal(out[ROUTED_EXPERTS][recorded], rollout[recorded])
+    assert torch.allclose(out[LOG_PROBS], alone[LOG_PROBS], atol=1e-5)
 
 
 def test_routing_crosses_the_wire_and_a_resumed_request_joins_its_positions():
