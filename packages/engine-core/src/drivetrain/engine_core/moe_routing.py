@@ -55,6 +55,10 @@ class RoutingRecorder:
             self.chosen.append([])
         self.chosen[layer].append(indices.detach().to(torch.int16))
 
+    def clear(self) -> None:
+        """Forget what was recorded (a forward that failed part-way)."""
+        self.chosen = []
+
     def take(self) -> torch.Tensor:
         """What the routers chose since the last take (every layer saw the same rows)."""
         layers = [torch.cat(calls) for calls in self.chosen]

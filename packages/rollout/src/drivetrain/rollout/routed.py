@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from drivetrain.api.errors import ConfigError
 from drivetrain.api.routing import RoutedExperts
 
 
@@ -33,9 +34,20 @@ def moe_layers(hf_config: Mapping[str, Any]) -> list[int]:
     return [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
 
 
-def model_moe_layers(model_dir: str | Path) -> list[int]:
-    """:func:`moe_layers` of a model directory's ``config.json``."""
-    return moe_layers(json.loads((Path(model_dir) / "config.json").read_text()))
+def routing_shape(hf_config: Mapping[str, Any], model: str) -> tuple[list[int], int]:
+    """``(router layers, top_k)`` of a MoE model's config; a dense one is refused in one line."""
+    top_k = hf_config.get("num_experts_per_tok")
+    if not top_k:
+        raise ConfigError(
+            f"rollout.return_routed_experts: {model} has no mixture-of-experts router to record"
+        )
+    return moe_layers(hf_config), int(top_k)
+
+
+def model_routing_shape(model_dir: str | Path) -> tuple[list[int], int]:
+    """:func:`routing_shape` of a model directory's ``config.json``."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return routing_shape(config, str(model_dir))
 
 
 def routed_from_array(routing: Any, layers: list[int], top_k: int) -> RoutedExperts:

@@ -66,7 +66,8 @@ class _Pending:
             last.tokens.extend(event.token_ids)
             last.log_probs.extend(event.log_probs)
             last.routed_experts = join_routing(last.routed_experts, event.routed_experts)
-        elif event.token_ids:
+        elif event.token_ids or event.routed_experts is not None:  # (a finishing event may
+            # carry a request's routing alone: vLLM and SGLang give it at the end)
             self.segments.append(
                 _Segment(
                     version, list(event.token_ids), list(event.log_probs), event.routed_experts

@@ -9,6 +9,7 @@ chunked token outputs, optimizer, offload, checkpoint and weight export live bes
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Iterator, Mapping
@@ -122,6 +123,9 @@ class FSDPEngine(TorchEngine):
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, optim_device)
         lora = cfg.model.lora
         self._lora_scaling = lora.alpha / lora.rank if lora.enabled else None
+        #: a micro-batch's router hooks, open until its backward ran (activation checkpointing
+        #: recomputes the routers there: they must pick the replayed experts again)
+        self._routing = contextlib.ExitStack()
         self._place(None)
 
     def _shards(self) -> bool:
@@ -221,20 +225,21 @@ class FSDPEngine(TorchEngine):
                 local_slice(t, m.sp_group) for t in (row.input_ids, row.position_ids, row.targets)
             )
             set_packed_row(row.spans, m.sp_group, self.packed_kernel)
-            replay = None
-            if ROUTED_EXPERTS in micro:
-                replay = row_routing(flat_column(micro, ROUTED_EXPERTS), row)
-            with routing_hooks(hf, record=recorder, replay=replay):
-                raw = self.model(
-                    ids[None],
-                    pos[None],
-                    tgt,
-                    None,
-                    spec.temperature,
-                    spec.entropy,
-                    row.extra_src,
-                    row.extra_targets,
-                )
+            if ROUTED_EXPERTS in micro or recorder is not None:
+                replay = None
+                if ROUTED_EXPERTS in micro:
+                    replay = row_routing(flat_column(micro, ROUTED_EXPERTS), row)
+                self._routing.enter_context(routing_hooks(hf, record=recorder, replay=replay))
+            raw = self.model(
+                ids[None],
+                pos[None],
+                tgt,
+                None,
+                spec.temperature,
+                spec.entropy,
+                row.extra_src,
+                row.extra_targets,
+            )
             raw = {name: gather_sequence(value, m.sp_group) for name, value in raw.items()}
             return raw, row
         padded = micro.to_padded()
@@ -244,13 +249,15 @@ class FSDPEngine(TorchEngine):
         lens = torch.tensor(padded.seq_lens, device=self.device)
         mask = (torch.arange(width, device=self.device)[None, :] < lens[:, None]).long()
         positions = torch.arange(width, device=self.device).expand_as(ids)
-        replay = None
-        if ROUTED_EXPERTS in padded:
-            replay = padded[ROUTED_EXPERTS].reshape(ids.numel(), *padded[ROUTED_EXPERTS].shape[2:])
-        with routing_hooks(hf, record=recorder, replay=replay):
-            raw = self.model(
-                ids, positions, row.targets[: row.num_tokens], mask, spec.temperature, spec.entropy
-            )
+        if ROUTED_EXPERTS in padded or recorder is not None:
+            replay = None
+            if ROUTED_EXPERTS in padded:
+                routed = padded[ROUTED_EXPERTS]
+                replay = routed.reshape(ids.numel(), *routed.shape[2:])
+            self._routing.enter_context(routing_hooks(hf, record=recorder, replay=replay))
+        raw = self.model(
+            ids, positions, row.targets[: row.num_tokens], mask, spec.temperature, spec.entropy
+        )
         return raw, row
 
     def _outputs(self, micro: Batch, spec: OutputSpec) -> dict[str, torch.Tensor]:
@@ -280,14 +287,15 @@ class FSDPEngine(TorchEngine):
         scale = dist.get_world_size()
         loss_sum, metrics = 0.0, {}
         for k, indices in enumerate(parts):
-            if not indices:
-                out = self._outputs(self._dummy(), spec)
-                (sum(v.sum() for v in out.values()) * 0.0).backward()
-                continue
-            micro = on_device(batch.select(indices), self.device)
-            ctx = LossContext(totals.tokens, totals.sequences, m.dp_size, k, len(parts))
-            loss, mb_metrics = loss_fn(self._outputs(micro, spec), micro, ctx)
-            (loss * scale).backward()
+            with self._routing:  # its router hooks end after its backward
+                if not indices:
+                    out = self._outputs(self._dummy(), spec)
+                    (sum(v.float().sum() for v in out.values()) * 0.0).backward()
+                    continue
+                micro = on_device(batch.select(indices), self.device)
+                ctx = LossContext(totals.tokens, totals.sequences, m.dp_size, k, len(parts))
+                loss, mb_metrics = loss_fn(self._outputs(micro, spec), micro, ctx)
+                (loss * scale).backward()
             loss_sum += float(loss.detach())
             merge_metrics(metrics, mb_metrics)
         loss_total, metric_totals = self._sum_over_dp(loss_sum, metrics)
@@ -309,11 +317,12 @@ class FSDPEngine(TorchEngine):
         collected = InferOutputs(batch)
         with torch.no_grad():
             for indices in self._micro_batches(batch):
-                if not indices:
-                    self._outputs(self._dummy(), outputs)
-                    continue
-                micro = on_device(batch.select(indices), self.device)
-                collected.add(indices, micro, self._outputs(micro, outputs))
+                with self._routing:
+                    if not indices:
+                        self._outputs(self._dummy(), outputs)
+                        continue
+                    micro = on_device(batch.select(indices), self.device)
+                    collected.add(indices, micro, self._outputs(micro, outputs))
         return collected.result(outputs.names) if self.parallel.is_output_rank else None
 
     def trace_ops(self, batch: Batch) -> Mapping[str, Any] | None:

@@ -101,7 +101,10 @@ class ContinuousBatcher:
         self.reset()
 
     def reset(self) -> None:
-        """Drop the running batch (after a failed step: its state may be half-updated)."""
+        """Drop the running batch (after a failed step: its state may be half-updated, and its
+        routers may have recorded part of a forward)."""
+        if self.routing is not None:
+            self.routing.clear()
         self.rows: list[_Row] = []
         self.cache: DynamicCache | None = None
         self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)

@@ -42,7 +42,7 @@ from drivetrain.api.rollout import SamplingParams
 from drivetrain.rollout.checkpoint_names import checkpoint_shapes
 from drivetrain.rollout.config import SGLangRolloutConfig
 from drivetrain.rollout.devices import model_dir
-from drivetrain.rollout.routed import moe_layers
+from drivetrain.rollout.routed import routing_shape
 from drivetrain.rollout.sglang.requests import (
     KV_CACHE,
     WEIGHTS,
@@ -208,8 +208,7 @@ class SGLangRollout(TokenizedRollout):
         self._warned_seed = False
         self._routing: RoutingShape | None = None
         if config.return_routed_experts:
-            top_k = int(text_config.num_experts_per_tok)
-            layers = moe_layers(text_config.to_dict())
+            layers, top_k = routing_shape(text_config.to_dict(), str(path))
             self._routing = RoutingShape(int(text_config.num_hidden_layers), layers, top_k)
         self.engine: Any = sglang.Engine(**kwargs)  # nothing to clean up if above fails
         event = functools.partial(stream_event, routing=self._routing)

@@ -19,7 +19,6 @@ written as a peft directory and loaded as a new ``LoRARequest``.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import tempfile
@@ -41,7 +40,7 @@ from drivetrain.api.routing import RoutedExperts
 from drivetrain.rollout.checkpoint_names import checkpoint_shapes
 from drivetrain.rollout.config import VLLMRolloutConfig
 from drivetrain.rollout.devices import model_dir
-from drivetrain.rollout.routed import model_moe_layers, routed_from_array
+from drivetrain.rollout.routed import model_routing_shape, routed_from_array
 from drivetrain.rollout.tokenized import TokenizedRollout
 from drivetrain.rollout.weight_dirs import (
     adapter_config,
@@ -54,7 +53,7 @@ from drivetrain.rollout.weights import checked_clones, collect_weights, stage_we
 from drivetrain.runtime.request_queue import RequestQueue, TokenEvent
 
 
-def _routed_experts_arguments(vllm: Any, on_cpu: bool) -> dict[str, Any]:
+def _routed_experts_arguments(vllm: Any, on_cpu: bool, config: VLLMRolloutConfig) -> dict[str, Any]:
     """``LLM`` arguments that make vLLM return each finished request's routed experts, or a
     one-line refusal where it cannot (an older vLLM; its CPU backend, whose model runner lacks
     the capture: vLLM 0.32 asks for Model Runner V2, which needs Triton)."""
@@ -70,12 +69,12 @@ def _routed_experts_arguments(vllm: Any, on_cpu: bool) -> dict[str, Any]:
             "rollout.return_routed_experts: vLLM records routed experts in its GPU model runner "
             "only; on a CPU use the hf rollout"
         )
-    # vLLM reads a cached prefix's routing back from its prefix cache
-    return {"enable_return_routed_experts": True, "enable_prefix_caching": True}
-
-
-def _top_k(path: Path) -> int:
-    return int(json.loads((path / "config.json").read_text())["num_experts_per_tok"])
+    if not config.enable_prefix_caching:  # vLLM reads a cached prefix's routing back from it
+        raise ConfigError(
+            "rollout.return_routed_experts needs rollout.enable_prefix_caching=true (vLLM keeps "
+            "a prompt's routing with its cached blocks)"
+        )
+    return {"enable_return_routed_experts": True}
 
 
 def _configure_environment(config: VLLMRolloutConfig) -> None:
@@ -156,8 +155,8 @@ class VLLMRollout(TokenizedRollout):
             )
         self._routing: tuple[list[int], int] | None = None  # (router layers, top_k)
         if config.return_routed_experts:
-            kwargs.update(_routed_experts_arguments(vllm, self.on_cpu))
-            self._routing = (model_moe_layers(path), _top_k(path))
+            self._routing = model_routing_shape(path)
+            kwargs.update(_routed_experts_arguments(vllm, self.on_cpu, config))
         self.llm = vllm.LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()

@@ -65,16 +65,22 @@ class RLPlugins:
 
 
 def _fit_routing_replay(c: RLConfig, plugins: RLPlugins) -> RLConfig:
-    """Routing replay: the rollout records, the actor's engine replays and reports its own
-    routing (both declare it); recording alone (``rollout.return_routed_experts``, replay off)
-    still has the engine report its routing for the metrics."""
-    mode = c.algorithm.routing_replay
-    if mode == "off" and not c.rollout.return_routed_experts:
+    """Routing replay: the actor's engine replays and reports the experts it used; in
+    ``rollout`` mode the rollout records (both declare it). Recording alone
+    (``rollout.return_routed_experts``, for the metrics) needs both too."""
+    mode, records = c.algorithm.routing_replay, c.rollout.return_routed_experts
+    if mode == "off" and not records:
         return c
     asked_by = f"algorithm.routing_replay={mode}"
     if mode == "off":
         asked_by = "rollout.return_routed_experts (the router metrics)"
+    if c.env:  # a Trajectory joins turns' tokens, not (yet) their routing
+        raise ConfigError(f"{asked_by}: multi-turn episodes (env={c.env}) carry no routing yet")
+    if getattr(c.actor, "ulysses_size", 1) > 1:
+        raise ConfigError(f"{asked_by}: routing replay under Ulysses is not supported")
     require("engine", plugins.actor, "routing_replay", asked_by)
+    if mode == "old_policy" and not records:  # the rollout's routing is not needed
+        return c
     require("rollout", plugins.rollout, "routed_experts", asked_by)
     return dataclasses.replace(
         c, rollout=dataclasses.replace(c.rollout, return_routed_experts=True)

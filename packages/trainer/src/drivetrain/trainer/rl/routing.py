@@ -63,8 +63,9 @@ def routing_column(completions: Sequence[Completion], width: int) -> torch.Tenso
                 f"routing replay: completion of prompt {c.prompt_index} has routing of "
                 f"{routed.end} positions for {len(c.prompt_ids) + len(c.token_ids)} tokens"
             )
-        values = torch.frombuffer(bytearray(routed.data), dtype=torch.int16)
-        column[i, routed.start : routed.end] = values.reshape(-1, layers, top_k)
+        if routed.positions:  # (frombuffer refuses no bytes)
+            values = torch.frombuffer(bytearray(routed.data), dtype=torch.int16)
+            column[i, routed.start : routed.end] = values.reshape(-1, layers, top_k)
     return column
 
 

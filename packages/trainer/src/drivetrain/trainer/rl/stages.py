@@ -102,7 +102,8 @@ class OldLogProbs(_Inference):
         step.batch = step.batch.with_columns(old_log_probs=old[LOG_PROBS])
         step.old_entropy = old[ENTROPY]
         if hand_over:  # the updates replay this forward's routing
-            step.batch = step.batch.with_columns(**{ROUTED_EXPERTS: old[ROUTED_EXPERTS]})
+            used = old[ROUTED_EXPERTS].to(torch.int16)  # (an empty shard's output is float)
+            step.batch = step.batch.with_columns(**{ROUTED_EXPERTS: used})
 
     def report(self, step: StepBatch) -> dict[str, float]:
         assert step.old_entropy is not None

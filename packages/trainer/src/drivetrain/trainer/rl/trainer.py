@@ -14,7 +14,7 @@ from typing import Any
 
 from rich.console import Console
 
-from drivetrain.api import SamplingParams
+from drivetrain.api import ConfigError, SamplingParams
 from drivetrain.api.columns import LOSS_MASK
 from drivetrain.trainer.console import plain_console
 from drivetrain.trainer.diagnose import log_prob_tolerance
@@ -104,6 +104,12 @@ class RLTrainer(Job[RLResult]):
         self.source = choose_source(context, setup.episodes, self.out)
         reference = setup.reference
         self.on_policy = on_policy(c, reference.enabled, setup.teacher)
+        if self.on_policy and c.algorithm.routing_replay == "old_policy":
+            raise ConfigError(
+                "algorithm.routing_replay=old_policy replays the old log-probs' routing in a "
+                "step's later updates, but this run makes one update per step (its own forward "
+                "is the old policy): use rollout, or several updates (algorithm.ppo_epochs)"
+            )
         self.stages = build_stages(
             c,
             self.group,
