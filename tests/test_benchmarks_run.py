@@ -42,6 +42,7 @@ BENCHMARKS = {
     ),
     "dapo": ((), ("dapo_reward_per_token_vs_grpo",), 900),
     "exact_numerics": ((), ("exact_step_time_ratio",), 600),
+    "routing_replay": ((), ("log_prob_gap_ratio_on_vs_off", "step_time_ratio_on_vs_off"), 600),
     "shared_prompts": ((), ("generate_speedup", "update_speedup"), 600),
     "rollout": (("--vllm-python", "VLLM"), ("continuous_vs_batch.hf",), 900),
     "rollout_weight_update": (("--vllm-python", "VLLM"), ("vllm_vs_hf",), 900),
