@@ -37,12 +37,6 @@ def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return found
 
 
-def routing_shape(model: torch.nn.Module) -> tuple[int, int]:
-    """``(layers, top_k)`` of the model's routing; ``(0, 0)`` for a dense model."""
-    routers = moe_routers(model)
-    return (len(routers), int(routers[0].top_k)) if routers else (0, 0)
-
-
 class RoutingRecorder:
     """The experts each router chose in the forwards run while it is active: :meth:`take`
     returns them as ``[rows, layers, top_k]`` int16 (rows as each router saw them)."""

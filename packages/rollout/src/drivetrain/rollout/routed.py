@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,17 +50,19 @@ def model_routing_shape(model_dir: str | Path) -> tuple[list[int], int]:
     return routing_shape(config, str(model_dir))
 
 
-def routed_from_array(routing: Any, layers: list[int], top_k: int) -> RoutedExperts:
-    """``[positions, hidden layers, top_k]`` expert indices (any integer dtype) as
-    RoutedExperts from position 0, keeping the router ``layers``."""
+def routed_from_array(
+    routing: Any, layers: Sequence[int], top_k: int, start: int = 0
+) -> RoutedExperts:
+    """``[positions, hidden layers, top_k]`` expert indices (any integer dtype, numpy or a CPU
+    tensor) as RoutedExperts from position ``start``, keeping the router ``layers``."""
     array = np.asarray(routing)
     if array.ndim != 3 or array.shape[2] != top_k or array.shape[1] <= max(layers, default=0):
         raise RuntimeError(
             f"routed experts of shape {array.shape}: expected [positions, hidden layers, "
             f"{top_k}] covering layers {layers}"
         )
-    picked = np.ascontiguousarray(array[:, layers, :], dtype="<i2")
-    return RoutedExperts(0, len(layers), top_k, picked.tobytes())
+    picked = np.ascontiguousarray(array[:, list(layers), :], dtype="<i2")
+    return RoutedExperts(start, len(layers), top_k, picked.tobytes())
 
 
 def routed_from_base64(

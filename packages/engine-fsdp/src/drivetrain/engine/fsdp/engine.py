@@ -225,11 +225,10 @@ class FSDPEngine(TorchEngine):
                 local_slice(t, m.sp_group) for t in (row.input_ids, row.position_ids, row.targets)
             )
             set_packed_row(row.spans, m.sp_group, self.packed_kernel)
-            if ROUTED_EXPERTS in micro or recorder is not None:
-                replay = None
-                if ROUTED_EXPERTS in micro:
-                    replay = row_routing(flat_column(micro, ROUTED_EXPERTS), row)
-                self._routing.enter_context(routing_hooks(hf, record=recorder, replay=replay))
+            replay = None
+            if ROUTED_EXPERTS in micro:
+                replay = row_routing(flat_column(micro, ROUTED_EXPERTS), row)
+            self._hook_routers(hf, recorder, replay)
             raw = self.model(
                 ids[None],
                 pos[None],
@@ -249,16 +248,21 @@ class FSDPEngine(TorchEngine):
         lens = torch.tensor(padded.seq_lens, device=self.device)
         mask = (torch.arange(width, device=self.device)[None, :] < lens[:, None]).long()
         positions = torch.arange(width, device=self.device).expand_as(ids)
-        if ROUTED_EXPERTS in padded or recorder is not None:
-            replay = None
-            if ROUTED_EXPERTS in padded:
-                routed = padded[ROUTED_EXPERTS]
-                replay = routed.reshape(ids.numel(), *routed.shape[2:])
-            self._routing.enter_context(routing_hooks(hf, record=recorder, replay=replay))
+        replay = None
+        if ROUTED_EXPERTS in padded:  # [samples, width, ...] as the routers' [samples x width]
+            replay = padded[ROUTED_EXPERTS].flatten(0, 1)
+        self._hook_routers(hf, recorder, replay)
         raw = self.model(
             ids, positions, row.targets[: row.num_tokens], mask, spec.temperature, spec.entropy
         )
         return raw, row
+
+    def _hook_routers(
+        self, hf: torch.nn.Module, recorder: RoutingRecorder | None, replay: torch.Tensor | None
+    ) -> None:
+        """Router hooks for this micro-batch (until its backward: see ``self._routing``)."""
+        if replay is not None or recorder is not None:
+            self._routing.enter_context(routing_hooks(hf, record=recorder, replay=replay))
 
     def _outputs(self, micro: Batch, spec: OutputSpec) -> dict[str, torch.Tensor]:
         """The requested outputs for ``micro``, aligned with its inputs, in its layout."""

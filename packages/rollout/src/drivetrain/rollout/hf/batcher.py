@@ -38,6 +38,7 @@ from drivetrain.api.requests import Request
 from drivetrain.api.rollout import FinishReason, SamplingParams
 from drivetrain.api.routing import RoutedExperts
 from drivetrain.engine_core.moe_routing import RoutingRecorder, routing_hooks
+from drivetrain.rollout.routed import routed_from_array
 from drivetrain.runtime.request_queue import TokenEvent
 
 
@@ -192,10 +193,9 @@ class ContinuousBatcher:
         chosen = self.routing.take()
         layers, top_k = chosen.shape[1], chosen.shape[2]
         chosen = chosen.reshape(rows, -1, layers, top_k).cpu()
+        every = range(layers)
         return [
-            RoutedExperts(
-                start, layers, top_k, chosen[row, column:].numpy().astype("<i2").tobytes()
-            )
+            routed_from_array(chosen[row, column:], every, top_k, start)
             for row, column, start in spans
         ]
 

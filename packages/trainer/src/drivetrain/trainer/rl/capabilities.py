@@ -76,8 +76,6 @@ def _fit_routing_replay(c: RLConfig, plugins: RLPlugins) -> RLConfig:
         asked_by = "rollout.return_routed_experts (the router metrics)"
     if c.env:  # a Trajectory joins turns' tokens, not (yet) their routing
         raise ConfigError(f"{asked_by}: multi-turn episodes (env={c.env}) carry no routing yet")
-    if getattr(c.actor, "ulysses_size", 1) > 1:
-        raise ConfigError(f"{asked_by}: routing replay under Ulysses is not supported")
     require("engine", plugins.actor, "routing_replay", asked_by)
     if mode == "old_policy" and not records:  # the rollout's routing is not needed
         return c

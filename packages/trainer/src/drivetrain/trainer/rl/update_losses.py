@@ -177,6 +177,9 @@ class ActorLoss:
 class CriticLoss:
     """Clipped value loss ``½ max((V - R)², (V_old + clip(V - V_old, ±ε) - R)²)``."""
 
+    #: columns the engine itself reads for this loss (as :attr:`ActorLoss.replays`): none
+    replays: ClassVar[tuple[str, ...]] = ()
+
     clip_range: float = 0.5  # 0 disables value clipping
     aggregation: str = "token-mean"
     max_length: int = 0  # seq-mean-token-sum-norm's fixed normaliser

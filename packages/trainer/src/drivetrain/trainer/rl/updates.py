@@ -34,7 +34,7 @@ class Update:
         """``ppo_epochs`` passes over the batch in mini-batches, one optimizer step each (the
         order shuffled per epoch, reproducibly, when there are several)."""
         alg = config.algorithm
-        wanted = (*self.loss.reads, *getattr(self.loss, "replays", ()))
+        wanted = (*self.loss.reads, *self.loss.replays)
         view = engine_view(batch, *(c for c in wanted if c in batch))
         size = alg.mini_batch_size or len(view)
         stats: list[StepStats] = []
