@@ -32,6 +32,14 @@ def test_default_grpo_job(builtin_addition):
     )
     assert "exact-match accuracy on 200 held-out problems" in done.stderr
     assert "train reward (sampled, mean of 10 steps)" in done.stderr
+    # the summary says what the run did to greedy accuracy and how far the rollout's log-probs
+    # were from the trainer's (issue 57: a drop on a GPU went unnoticed in a table)
+    before, after = summary["val_before"], summary["val_after"]
+    assert summary["greedy_delta"] == after["val/exact_match"] - before["val/exact_match"]
+    gap = summary["log_prob_gap"]
+    assert gap["steps"] == 120 and 0 <= gap["mean"] <= gap["max"] <= gap["token_max"] < 1e-3
+    assert gap["alarm"] == 0.002  # float32 on both sides
+    assert "rollout vs trainer log-prob gap per token:" in done.stderr
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward/mean" in r]
     assert len(steps) == 120

@@ -126,13 +126,20 @@ class RLCommand(JobCommand["RLJob", "PreparedRL", "RLResult"]):
                 f"{summary['task_reward_first_steps_mean']:.3f} first, "
                 f"{summary['task_reward_last_steps_mean']:.3f} last"
             )
+        gap = summary["log_prob_gap"]
+        if gap is not None:
+            console.print(
+                f"rollout vs trainer log-prob gap per token: {gap['mean']:.3g} mean over "
+                f"{gap['steps']} steps, {gap['max']:.3g} at worst (step {gap['max_step']}), "
+                f"largest token {gap['token_max']:.3g}; the alarm is at {gap['alarm']:g}"
+            )
         addition = job.task is not None and isinstance(job.task.assets, AdditionAssets)
-        if addition and result.val_before and result.val_after:
+        if addition and summary["greedy_delta"] is not None:
             console.print(
                 f"exact-match accuracy on {len(prepared.setup.val)} held-out problems: "
                 f"{result.val_before['val/exact_match']:.1%} before, "
                 f"{result.val_after['val/exact_match']:.1%} after {self.algorithm.upper()} "
-                f"({result.seconds / 60:.1f} min)"
+                f"({summary['greedy_delta'] * 100:+.1f} points; {result.seconds / 60:.1f} min)"
             )
         return summary
 
@@ -162,11 +169,39 @@ def rl_summary(result: RLResult, out: Path) -> tuple[dict[str, Any], int]:
         ),
         "val_before": result.val_before,
         "val_after": result.val_after,
+        "greedy_delta": greedy_delta(result.val_before, result.val_after),
+        "log_prob_gap": log_prob_gap(result),
         "hf_model": str(result.hf_dir) if result.hf_dir else None,
         "reward_curve": str(out / "reward_curve.png"),
         "weight_digests": result.weight_digests,
     }
     return summary, window
+
+
+def greedy_delta(before: dict[str, float], after: dict[str, float]) -> float | None:
+    """What the run changed in its greedy validation score: exact match where the task
+    reports it, else the mean reward; None without both validations."""
+    for key in ("val/exact_match", "val/mean"):
+        if key in before and key in after:
+            return after[key] - before[key]
+    return None
+
+
+def log_prob_gap(result: RLResult) -> dict[str, Any] | None:
+    """The rollout-vs-trainer log-prob gap over the run's steps (None where no step reported
+    one): the mean and worst step of its token mean, the largest single token's, the alarm."""
+    gaps = result.log_prob_gaps
+    if not gaps:
+        return None
+    worst = max(gaps, key=lambda step: gaps[step][0])
+    return {
+        "steps": len(gaps),
+        "mean": sum(mean for mean, _ in gaps.values()) / len(gaps),
+        "max": gaps[worst][0],
+        "max_step": worst,
+        "token_max": max(top for _, top in gaps.values()),
+        "alarm": result.log_prob_alarm,
+    }
 
 
 def _command(algorithm: str, doc: str) -> Callable[..., None]:

@@ -22,6 +22,7 @@ from drivetrain.trainer.metrics import Curve
 from drivetrain.trainer.reference import Reference
 from drivetrain.trainer.rl.config import RLConfig
 from drivetrain.trainer.rl.episode_setup import EpisodeSetup
+from drivetrain.trainer.rl.log_prob_alarm import METRIC as LOG_PROB_GAP
 from drivetrain.trainer.rl.log_prob_alarm import LogProbAlarm
 from drivetrain.trainer.rl.placement import Placement
 from drivetrain.trainer.rl.prompts import PromptSampler
@@ -77,6 +78,9 @@ class RLResult:
     #: change
     loop_seconds: float = 0.0
     weight_digests: dict[int, str] = field(default_factory=dict)  # with weight_sync.verify
+    #: step -> the rollout-vs-trainer log-prob gap: token mean and largest token
+    log_prob_gaps: dict[int, tuple[float, float]] = field(default_factory=dict)
+    log_prob_alarm: float = 0.0  # the threshold the run's alarm used (< 0: off)
 
 
 class RLTrainer(Job[RLResult]):
@@ -136,8 +140,9 @@ class RLTrainer(Job[RLResult]):
             validation_label="validation",
             max_seconds=c.run.max_seconds,
         )
-        self.kept = RLResult(self.out, final_step=0)  # what record() keeps of each step
         threshold = c.run.log_prob_alarm or log_prob_tolerance(c.actor.model.dtype, c.rollout.dtype)
+        # what record() keeps of each step
+        self.kept = RLResult(self.out, final_step=0, log_prob_alarm=threshold)
         self.alarm = LogProbAlarm(threshold, self.console.print, exact=c.numerics == "exact")
 
     # ---- the algorithm ------------------------------------------------------------------
@@ -228,6 +233,9 @@ class RLTrainer(Job[RLResult]):
         kept = self.kept
         if "reward/task" in metrics:
             kept.task_rewards[done] = metrics["reward/task"]
+        if LOG_PROB_GAP in metrics:
+            gap = metrics[LOG_PROB_GAP]
+            kept.log_prob_gaps[done] = (gap, metrics.get(f"{LOG_PROB_GAP}_max", gap))
         digest = self.weights.reports[-1].sent.digest if self.weights.reports else None
         if digest is not None:
             kept.weight_digests[done] = digest
