@@ -23,6 +23,7 @@ from drivetrain.trainer.config_loader import load_config, to_yaml
 from drivetrain.trainer.console import plain_console
 from drivetrain.trainer.data.batching import StepPlan
 from drivetrain.trainer.data.tokenize import pad_token_id
+from drivetrain.trainer.device_defaults import beneath, numerics_line
 from drivetrain.trainer.dpo.config import DPOConfig, dpo_config_type
 from drivetrain.trainer.dpo.data import load_pairs
 from drivetrain.trainer.dpo.trainer import DPOResult, DPOTrainer, PreferenceData, total_steps
@@ -66,20 +67,27 @@ def load_dpo_job(
     unless ``train_prerequisites`` is off: then the config names where that will be)."""
     spec = registry.engines.spec(engine_name)  # unknown or unusable: lists what is installed
     config_type = dpo_config_type(registry.engines.load_config_class(engine_name, EngineConfig))
-    config = load_config(config_type, files=files, overrides=overrides)
+    config = load_config(config_type, files=beneath(config_type, files), overrides=overrides)
     if config.data.train_path:
         if not config.engine.model.path:
             raise ConfigError("engine.model.path is required when data.train_path is set")
-        return DPOJob(engine_name, fit_engine(spec, config, load_config(config_type)))
+        return DPOJob(
+            engine_name,
+            fit_engine(spec, config, load_config(config_type, files=beneath(config_type))),
+        )
     if config.engine.model.path:
         raise ConfigError("data.train_path is required when engine.model.path is set")
     if task is None:
         raise ConfigError("data.train_path and engine.model.path are required")
     layers = task(train_prerequisites)
     config = load_config(
-        config_type, files=[*layers.files, *files], overrides=[*layers.overrides, *overrides]
+        config_type,
+        files=beneath(config_type, [*layers.files, *files]),
+        overrides=[*layers.overrides, *overrides],
     )
-    default = load_config(config_type, files=layers.files, overrides=layers.overrides)
+    default = load_config(
+        config_type, files=beneath(config_type, layers.files), overrides=layers.overrides
+    )
     return DPOJob(engine_name, fit_engine(spec, config, default), layers)
 
 
@@ -129,7 +137,8 @@ def describe(prepared: PreparedDPO) -> str:
     return (
         f"dpo ({c.algorithm.loss}, beta {c.algorithm.beta}, reference {c.reference_mode}) on "
         f"engine {prepared.job.engine_name}: {len(prepared.data.train)} training pairs, "
-        f"{len(prepared.data.val)} held-out; {prepared.steps} steps of {c.run.batch_size} pairs"
+        f"{len(prepared.data.val)} held-out; {prepared.steps} steps of {c.run.batch_size} pairs\n"
+        f"{numerics_line(c, ['engine'])}"
     )
 
 

@@ -20,6 +20,7 @@ from drivetrain.api.errors import ConfigError
 from drivetrain.runtime.hosted_rollout import HostedRollout, rollout_host
 from drivetrain.trainer.config_loader import ConfigLayer, load_config, to_yaml
 from drivetrain.trainer.data.tokenize import pad_token_id
+from drivetrain.trainer.device_defaults import beneath, numerics_line
 from drivetrain.trainer.hf_export import verify_model_dir
 from drivetrain.trainer.job_config import TaskLayers
 from drivetrain.trainer.named_registry import import_plugins
@@ -123,7 +124,8 @@ def load_rl_job(
         else registry.rollouts.load_config_class(rollout, RolloutConfig),
         _transport_config(weight_sync),
     )
-    shipped: list[ConfigLayer] = [defaults, *presets]  # the job's, below the user's
+    # the device's defaults, then the job's, below the user's
+    shipped: list[ConfigLayer] = beneath(config_type, [defaults, *presets])
     shipped_overrides: list[str] = []
     config = load_config(config_type, files=[*shipped, *files], overrides=overrides)
     layers = None
@@ -136,7 +138,7 @@ def load_rl_job(
         if task is None:
             raise ConfigError("actor.model.path is required")
         layers = task(config, train_prerequisites)
-        shipped = [*layers.files, defaults, *layers.algorithm_files, *presets]
+        shipped = beneath(config_type, [*layers.files, defaults, *layers.algorithm_files, *presets])
         shipped_overrides = list(layers.overrides)
         config = load_config(
             config_type, files=[*shipped, *files], overrides=[*shipped_overrides, *overrides]
@@ -379,5 +381,5 @@ def describe(prepared: PreparedRL) -> str:
         f"{len(prepared.setup.val)} validation; {c.run.steps} steps x "
         f"{c.run.prompts_per_step} prompts x {c.sampling.n} samples; roles {roles}; rollout "
         f"{rollout}; placement {resolve_mode(c.placement, c.workers)}, weights via "
-        f"{job.transport}"
+        f"{job.transport}\n{numerics_line(c, ['rollout', *prepared.roles])}"
     )
