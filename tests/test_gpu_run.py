@@ -1,8 +1,9 @@
 """``benchmarks/gpu/run.sh --cpu-smoke``: the GPU run's every step the CPU can take, as a
 GPU machine would take it: the workspace's wheels built (``prepare.sh --own-only``) and
 installed into a scratch target, the ``gpu`` tests collected (skipped here), the MFU table's
-five configurations on a tiny model, weight sync, the built-in GRPO job (two steps, from the
-session's cached SFT model), and the JSON last line."""
+six configurations on a tiny model (and the profile of two), weight sync, the built-in GRPO
+job (two steps, from the session's cached SFT model) and its seeds check (one seed, three
+steps), and the JSON last line."""
 
 from __future__ import annotations
 
@@ -39,7 +40,13 @@ def test_the_gpu_run_passes_its_cpu_smoke(tmp_path, builtin_addition):
     for key in ("dense_mfu", "dense_vs_plain", "packed_vs_dense_mfu"):
         assert isinstance(result[key], float) and result[key] > 0, result
     assert set(result["mfu_table"]) == {
-        "plain", "fsdp2_dense", "fsdp2_packed", "megatron_dense", "megatron_packed"
+        "plain", "fsdp2_dense", "fsdp2_packed", "fsdp2_compiled", "megatron_dense",
+        "megatron_packed",
     }  # fmt: skip
+    assert result["compiled_vs_dense"] > 0
+    assert set(result["mfu_profile"]) == {"plain", "fsdp2_dense"}
+    assert all(ops and ops[0]["ms"] > 0 for ops in result["mfu_profile"].values())
     assert result["grpo"]["steps"] == 2
+    assert isinstance(result["grpo_greedy_delta_min"], float)  # one seed, three steps
+    assert isinstance(result["grpo_log_prob_gap_max"], float)
     assert "/drivetrain-gpu-" in done.stdout  # the wheels' files ran, not the checkout's

@@ -7,19 +7,24 @@ The GPU table of issue 33: a ~1B Llama (hidden 2048, 16 layers, 16 heads / 8 KV 
 - ``fsdp2_dense``: fsdp2, the same 16 x 4096 rows, ``attention=sdpa``, no packing, mbs 4;
 - ``fsdp2_packed``: fsdp2 on 26 documents of 128..4096 tokens, packed, ``max_tokens=16384``
   (its defaults: the packed kernel ``auto`` picks);
+- ``fsdp2_compiled``: ``fsdp2_dense`` with ``torch_compile=true`` (each decoder layer
+  compiled; the warm-up steps take the compile);
 - ``megatron_dense`` / ``megatron_packed``: the megatron engine on the same two batches.
 
 Each configuration is built, warmed up (2 steps), timed (4 steps) and closed before the next:
-five 1B engines do not fit one device together, so they cannot be interleaved as the CPU
+six 1B engines do not fit one device together, so they cannot be interleaved as the CPU
 benchmarks are; the device is the run's own. Reported per configuration: s/step, useful
 tokens/s, MFU (model FLOPs of the real tokens, ``flops.py``, over ``--peak-tflops``, the bf16
 dense peak of an H100 SXM by default) and MFU over a matmul measured in the same run, peak
 memory. ``--cpu-smoke``: a tiny model in fp32 on the CPU through every configuration's code
-path, one timed step (proves the script runs; its numbers mean nothing).
+path, one timed step (proves the script runs; its numbers mean nothing). ``--profile``: one
+more step of ``plain`` and ``fsdp2_dense`` under ``torch.profiler``, their 15 costliest ops by
+self device time side by side (where fsdp2's gap to the plain loop goes).
 
 The last line is JSON: ``dense_mfu``, ``dense_vs_plain``, ``packed_vs_dense_mfu``,
-``megatron_peak_vs_fsdp2``, ``configurations``, ``device``.
-Usage: python benchmarks/gpu/mfu.py [--cpu-smoke] [--peak-tflops 989]
+``compiled_vs_dense``, ``megatron_peak_vs_fsdp2``, ``configurations``, ``profile`` (with
+``--profile``), ``device``.
+Usage: python benchmarks/gpu/mfu.py [--cpu-smoke] [--peak-tflops 989] [--profile]
 """
 
 from __future__ import annotations
@@ -111,8 +116,27 @@ def engine_step(kind: str, model_dir: Path, batch: Batch, device: str, dtype: st
     return step, engine.close
 
 
-def measure(build: Callable[[], Any], device: str, warmup: int, timed: int) -> dict[str, Any]:
-    """Build, warm up, time ``timed`` steps, close; peak memory on CUDA."""
+def profiled(step: Callable[[], None], device: str, top: int = 15) -> list[dict[str, Any]]:
+    """One more ``step`` under the profiler: its ``top`` ops by self time on ``device``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
+    return [
+        {"op": e.key, "ms": round(getattr(e, key) / 1e3, 3), "calls": e.count} for e in events[:top]
+    ]
+
+
+def measure(
+    build: Callable[[], Any], device: str, warmup: int, timed: int, profile: bool = False
+) -> dict[str, Any]:
+    """Build, warm up, time ``timed`` steps, close; peak memory on CUDA; with ``profile``,
+    one more step's costliest ops."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -128,8 +152,9 @@ def measure(build: Callable[[], Any], device: str, warmup: int, timed: int) -> d
         sync()
         seconds = (time.perf_counter() - start) / timed
         peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+        ops = profiled(step, device) if profile else None
         close()
-        return {"s_per_step": seconds, "peak_gib": peak}
+        return {"s_per_step": seconds, "peak_gib": peak, **({"top_ops": ops} if ops else {})}
     except torch.OutOfMemoryError as exc:  # a result too: the issue's megatron row was one
         return {"error": f"out of memory: {str(exc).splitlines()[0]}"}
     finally:
@@ -140,6 +165,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny model on the CPU")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the device's peak")
+    parser.add_argument("--profile", action="store_true", help="plain vs fsdp2_dense ops")
     args = parser.parse_args()
     smoke = args.cpu_smoke
     device = "cpu" if smoke or not torch.cuda.is_available() else "cuda"
@@ -165,6 +191,9 @@ def main() -> None:
                 "fsdp2", model_dir, dense, device, dtype_name, mbs, **row_layout)),
             "fsdp2_packed": (packed, lambda: engine_step(
                 "fsdp2", model_dir, packed, device, dtype_name, per_tokens)),
+            "fsdp2_compiled": (dense, lambda: engine_step(
+                "fsdp2", model_dir, dense, device, dtype_name, mbs, **row_layout,
+                torch_compile=True)),
             "megatron_dense": (dense, lambda: engine_step(
                 "megatron", model_dir, dense, device, dtype_name, mbs)),
             "megatron_packed": (packed, lambda: engine_step(
@@ -172,9 +201,12 @@ def main() -> None:
         }  # fmt: skip
         matmul = matmul_peak(dtype, device)
         peak = matmul if smoke else args.peak_tflops * 1e12
-        table = {}
+        table, ops = {}, {}
         for name, (batch, build) in configs.items():
-            row = measure(build, device, warmup, timed)
+            wanted = args.profile and name in ("plain", "fsdp2_dense")
+            row = measure(build, device, warmup, timed, profile=wanted)
+            if "top_ops" in row:
+                ops[name] = row.pop("top_ops")
             if "s_per_step" in row:
                 flops = training_flops(model, batch.seq_lens)
                 row["tokens_per_s"] = batch.num_tokens / row["s_per_step"]
@@ -194,8 +226,9 @@ def main() -> None:
         "dense_mfu": round(table["fsdp2_dense"].get("mfu", 0.0), 3),
         "dense_vs_plain": ratio("fsdp2_dense", "plain", "tokens_per_s"),
         "packed_vs_dense_mfu": ratio("fsdp2_packed", "fsdp2_dense", "mfu"),
+        "compiled_vs_dense": ratio("fsdp2_compiled", "fsdp2_dense", "tokens_per_s"),
         "megatron_peak_vs_fsdp2": ratio("megatron_packed", "fsdp2_packed", "peak_gib"),
-        "configurations": table,
+        "configurations": table, **({"profile": ops} if ops else {}),
         "device": name, "dtype": dtype_name, "params_m": round(params / 1e6, 1),
         "matmul_tflops": round(matmul / 1e12, 3), "peak_tflops": round(peak / 1e12, 3),
         "torch": torch.__version__, "cpu_smoke": smoke,

@@ -11,10 +11,11 @@
 # Steps: install the workspace's wheels from WHEELS (default .whl, made beforehand by
 # benchmarks/gpu/prepare.sh) into a scratch target with pip (--no-index --no-deps); every
 # `gpu` test; the MFU table (benchmarks/gpu/mfu.py); weight sync on the device
-# (benchmarks/weight_sync.py); the built-in GRPO job from an empty cache. Each step's output
-# goes to the log; the last line is JSON with the headline numbers: dense_mfu,
-# dense_vs_plain, packed_vs_dense_mfu, megatron_peak_vs_fsdp2, gpu_tests (passed/failed/
-# skipped), weight_sync, grpo, device. A failing step is reported there and fails the run.
+# (benchmarks/weight_sync.py); the built-in GRPO job from an empty cache, then over three
+# seeds (benchmarks/grpo_seeds.py). Each step's output goes to the log; the last line is JSON
+# with the headline numbers: dense_mfu, dense_vs_plain, packed_vs_dense_mfu,
+# megatron_peak_vs_fsdp2, grpo_greedy_delta_min, gpu_tests (passed/failed/skipped),
+# weight_sync, grpo, device. A failing step is reported there and fails the run.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 SMOKE=""
@@ -65,16 +66,19 @@ print(m.__file__, e.__file__); assert {m.__file__[:len('$WORK/site')], e.__file_
 # pytest-xdist may be absent there: the project's addopts are replaced
 step gpu-tests "$PY" -m pytest -o addopts="" -p no:cacheprovider --import-mode=importlib -m gpu \
   -q -rfE --junitxml "$LOGS/gpu-tests.xml" packages tests
-step mfu "$PY" benchmarks/gpu/mfu.py $SMOKE
+step mfu "$PY" benchmarks/gpu/mfu.py $SMOKE --profile
 if [ -n "$SMOKE" ]; then
   step weight-sync "$PY" benchmarks/weight_sync.py --quick --transports colocated
   # the built-in job, two steps (its SFT default comes from DRIVETRAIN_CACHE when lent one)
   step grpo "$PY" -m drivetrain.trainer grpo run.steps=2 run.output_dir="$WORK/grpo" \
     logging.progress=false
+  step grpo-seeds "$PY" benchmarks/grpo_seeds.py --quick --dtypes default
 else
   step weight-sync "$PY" benchmarks/weight_sync.py --device cuda --transports colocated,disk \
     --sizes 500M,many
   step grpo "$PY" -m drivetrain.trainer grpo run.output_dir="$WORK/grpo" logging.progress=false
+  # the same job over seeds 0-2 as a user gets it here (the cache's SFT model): does it rise?
+  step grpo-seeds "$PY" benchmarks/grpo_seeds.py --seeds 3 --dtypes default
 fi
 "$PY" benchmarks/gpu/summary.py "$LOGS" | tee "$LOGS/summary.json"
 exit "$status"

@@ -42,10 +42,17 @@ def main(work: Path) -> None:
     mfu = last_json(work / "mfu.log") or {}
     sync = last_json(work / "weight-sync.log") or {}
     grpo = last_json(work / "grpo.log") or {}
+    seeds = last_json(work / "grpo-seeds.log") or {}
     failed = (work / "failed").read_text().split() if (work / "failed").is_file() else []
-    headline = ("dense_mfu", "dense_vs_plain", "packed_vs_dense_mfu", "megatron_peak_vs_fsdp2")
+    headline = (
+        "dense_mfu", "dense_vs_plain", "packed_vs_dense_mfu", "compiled_vs_dense",
+        "megatron_peak_vs_fsdp2",
+    )  # fmt: skip
     result = {
         **{key: mfu.get(key) for key in headline},
+        # the built-in job over seeds: its worst greedy accuracy change (goal > 0)
+        "grpo_greedy_delta_min": seeds.get("greedy_delta.min"),
+        "grpo_log_prob_gap_max": seeds.get("log_prob_gap.max"),
         "gpu_tests": test_counts(work / "gpu-tests.xml"),
         "weight_sync": {
             k: v
@@ -54,8 +61,22 @@ def main(work: Path) -> None:
                 ("speedup", "seconds", "fraction_of_memcpy", "host_us", "memcpy", "bucket")
             )
         },
-        "grpo": {k: grpo.get(k) for k in ("steps", "loop_seconds", "seconds", "val_after")},
+        "grpo": {
+            k: grpo.get(k)
+            for k in (
+                "steps",
+                "loop_seconds",
+                "seconds",
+                "val_after",
+                "greedy_delta",
+                "log_prob_gap",
+            )
+        },
+        "grpo_seeds": {
+            k: seeds.get(k) for k in ("greedy_delta", "accuracy_before", "accuracy_after")
+        },
         "mfu_table": mfu.get("configurations"),
+        "mfu_profile": mfu.get("profile"),  # plain vs fsdp2_dense: their costliest ops
         "device": mfu.get("device"),
         "torch": mfu.get("torch"),
         "failed_steps": failed,

@@ -38,6 +38,11 @@ class FSDPConfig(EngineConfig):
     fp32 logits fill ``logits_chunk_mib`` (4,096 tokens at a 16k vocabulary, 440 at 152k).
     ``cpu_offload_policy``: FSDP2's ``CPUOffloadPolicy`` (parameters live on host during steps);
     distinct from ``offload`` (move state to host between train/eval phases).
+    ``torch_compile``: each decoder layer's ``forward`` through ``torch.compile`` (dynamic
+    shapes; FSDP's hooks stay outside the compiled code): fused elementwise kernels around the
+    matmuls on a GPU, at a compile of about half a minute (CPU, a tiny model) to minutes at
+    the first step. Off by default: measured per model and device (``benchmarks/gpu/mfu.py``'s
+    ``fsdp2_compiled`` row); ``numerics=exact`` refuses it (compiled kernels reorder sums).
     """
 
     strategy: str = "full_shard"
@@ -51,6 +56,7 @@ class FSDPConfig(EngineConfig):
     logits_chunk: int = 0
     logits_chunk_mib: int = 256
     cpu_offload_policy: bool = False
+    torch_compile: bool = False
     meta_init: bool = True  # multi-rank FSDP2: only rank 0 reads the weights, others build on meta
     tokenizer_path: str = ""  # defaults to model.path when it holds a tokenizer
 
@@ -73,5 +79,10 @@ class FSDPConfig(EngineConfig):
             raise ConfigError("ulysses_size > 1 needs attention='varlen' and remove_padding")
         if self.attention == "varlen" and not self.remove_padding:
             raise ConfigError("attention='varlen' computes packed rows: keep remove_padding on")
+        if self.torch_compile and self.numerics == "exact":
+            raise ConfigError(
+                "torch_compile with numerics=exact: compiled kernels sum in another order than "
+                "the rollout's; turn one of them off"
+            )
         if self.strategy == "hybrid_shard" and self.hybrid_shard_size < 1:
             raise ConfigError("strategy='hybrid_shard' needs hybrid_shard_size >= 1")

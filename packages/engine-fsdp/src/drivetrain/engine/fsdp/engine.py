@@ -43,6 +43,7 @@ from drivetrain.engine.fsdp.distributed import build_meshes, ensure_process_grou
 from drivetrain.engine.fsdp.model import (
     DTYPES,
     TokenOutputModel,
+    compile_layers,
     exact_numerics,
     load_hf_model,
     unwrap_peft,
@@ -103,6 +104,8 @@ class FSDPEngine(TorchEngine):
                 cfg.packed_kernel, self.device.type, cfg.model.dtype, say=dist.get_rank() == 0
             )
         self.hf_config = unwrap_peft(hf).config
+        if cfg.torch_compile:
+            compile_layers(hf)
         module = TokenOutputModel(
             hf,
             value_head=cfg.model.value_head,

@@ -112,6 +112,16 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
+def compile_layers(model: nn.Module) -> int:
+    """Each decoder layer's ``forward`` compiled in place (``torch.compile``, dynamic shapes);
+    how many. The module's ``__call__`` stays eager, so FSDP's pre- and post-forward hooks and
+    activation checkpointing wrap the compiled code instead of being traced into it."""
+    layers = decoder_layers(model)
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward, dynamic=True)  # type: ignore[method-assign]
+    return len(layers)
+
+
 class TokenOutputModel(nn.Module):
     """``forward`` -> dict of flat per-position tensors for the real tokens of the input.
 
