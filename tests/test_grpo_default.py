@@ -12,6 +12,7 @@ import pytest
 
 from builtin_run import BUILTIN_ADDITION
 from cli_run import run_cli
+from drivetrain.trainer.device_defaults import on_gpu
 from golden import check_golden
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500), BUILTIN_ADDITION]
@@ -37,8 +38,9 @@ def test_default_grpo_job(builtin_addition):
     before, after = summary["val_before"], summary["val_after"]
     assert summary["greedy_delta"] == after["val/exact_match"] - before["val/exact_match"]
     gap = summary["log_prob_gap"]
-    assert gap["steps"] == 120 and 0 <= gap["mean"] <= gap["max"] <= gap["token_max"] < 1e-3
-    assert gap["alarm"] == 0.002  # float32 on both sides
+    assert gap["steps"] == 120 and 0 <= gap["mean"] <= gap["max"] <= gap["token_max"]
+    if not on_gpu():  # float32 on both sides (a GPU's default is bfloat16)
+        assert gap["alarm"] == 0.002 and gap["token_max"] < 1e-3
     assert "rollout vs trainer log-prob gap per token:" in done.stderr
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward/mean" in r]

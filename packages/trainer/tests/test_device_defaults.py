@@ -36,7 +36,7 @@ def test_the_dtype_keys_are_every_engine_and_rollout_section():
 def test_on_the_cpu_there_is_no_layer(monkeypatch):
     monkeypatch.setattr(device_defaults, "on_gpu", lambda: False)
     assert device_defaults.device_layer(RLConfig) == ()
-    assert device_defaults.beneath(RLConfig, ["a.yaml"]) == ["a.yaml"]
+    assert device_defaults.device_layers(RLConfig) == []
 
 
 def test_the_gpu_layer_is_beneath_what_the_user_says(gpu, tmp_path):
@@ -44,14 +44,34 @@ def test_the_gpu_layer_is_beneath_what_the_user_says(gpu, tmp_path):
     assert layer == tuple(f"{k}=bfloat16" for k in device_defaults.dtype_keys(RLConfig))
     said = tmp_path / "mine.yaml"
     said.write_text("critic:\n  model:\n    dtype: float32\n")
-    config = load_config(
-        RLConfig,
-        files=device_defaults.beneath(RLConfig, [said]),
-        overrides=["rollout.dtype=float16"],
-    )
+    overrides = ["rollout.dtype=float16"]
+    device = device_defaults.device_layers(RLConfig, [said], overrides)
+    config = load_config(RLConfig, files=[*device, said], overrides=overrides)
     assert config.actor.model.dtype == "bfloat16"  # unset: the GPU's default
     assert config.critic.model.dtype == "float32"  # a file said so
     assert config.rollout.dtype == "float16"  # an override said so
+
+
+def test_a_role_put_on_the_cpu_keeps_float32(gpu, tmp_path):
+    said = tmp_path / "mine.yaml"
+    said.write_text("rollout:\n  device: cpu\n")
+    overrides = ["critic.device=cpu"]
+    assert device_defaults.device_layer(RLConfig, [said], overrides) == (
+        "actor.model.dtype=bfloat16",
+    )
+
+
+def test_the_builtin_sft_stays_the_shipped_job_on_a_gpu(gpu, tmp_path, monkeypatch):
+    """The built-in SFT model is cached only by the run of the job as shipped: the device
+    layer must be part of what counts as shipped, or every GRPO run would train it again."""
+    from drivetrain.trainer.builtin.addition_sft import addition_sft
+    from drivetrain.trainer.sft.job import load_sft_job
+
+    monkeypatch.setenv("DRIVETRAIN_CACHE", str(tmp_path / "cache"))
+    job = load_sft_job("fake", task=addition_sft)
+    assert job.config.engine.model.dtype == "bfloat16" and job.as_shipped
+    said = load_sft_job("fake", overrides=["engine.model.dtype=float32"], task=addition_sft)
+    assert said.config.engine.model.dtype == "float32" and not said.as_shipped
 
 
 def _printed(*args: str) -> dict:

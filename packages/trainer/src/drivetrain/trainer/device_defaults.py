@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from drivetrain.api import EngineConfig, RolloutConfig
+from drivetrain.trainer.config_loader import ConfigLayer, peek
 
 GPU_DTYPE = "bfloat16"
 
@@ -47,17 +48,34 @@ def dtype_keys(config_type: type[Any]) -> list[str]:
     return keys
 
 
-def device_layer(config_type: type[Any], *, gpu: bool | None = None) -> tuple[str, ...]:
-    """The config layer of this device's defaults (``key=value`` strings; none on the CPU)."""
+def device_layer(
+    config_type: type[Any],
+    files: Sequence[ConfigLayer] = (),
+    overrides: Sequence[str] = (),
+    *,
+    gpu: bool | None = None,
+) -> tuple[str, ...]:
+    """The config layer of this device's defaults (``key=value`` strings; none on the CPU).
+    A role that ``files`` or ``overrides`` put on the CPU (``<role>.device=cpu``) keeps float32
+    there."""
     if not (on_gpu() if gpu is None else gpu):
         return ()
-    return tuple(f"{key}={GPU_DTYPE}" for key in dtype_keys(config_type))
+    layer = []
+    for key in dtype_keys(config_type):
+        role = key.split(".")[0]
+        if peek(files, overrides, f"{role}.device") != "cpu":
+            layer.append(f"{key}={GPU_DTYPE}")
+    return tuple(layer)
 
 
-def beneath(config_type: type[Any], files: Sequence[Any] = ()) -> list[Any]:
-    """``files`` (config layers) with this device's defaults beneath them."""
-    layer = device_layer(config_type)
-    return [layer, *files] if layer else list(files)
+def device_layers(
+    config_type: type[Any], files: Sequence[ConfigLayer] = (), overrides: Sequence[str] = ()
+) -> list[ConfigLayer]:
+    """The layers to put beneath everything a job loads (none, or :func:`device_layer`'s),
+    decided once from the user's ``files`` and ``overrides`` so the job's config and its
+    defaults (what tells a user's setting from the job's) get the same."""
+    layer = device_layer(config_type, files, overrides)
+    return [layer] if layer else []
 
 
 def numerics_line(config: Any, roles: Sequence[str]) -> str:

@@ -23,7 +23,7 @@ from drivetrain.trainer.config_loader import load_config, to_yaml
 from drivetrain.trainer.console import plain_console
 from drivetrain.trainer.data.batching import StepPlan
 from drivetrain.trainer.data.tokenize import pad_token_id
-from drivetrain.trainer.device_defaults import beneath, numerics_line
+from drivetrain.trainer.device_defaults import device_layers, numerics_line
 from drivetrain.trainer.dpo.config import DPOConfig, dpo_config_type
 from drivetrain.trainer.dpo.data import load_pairs
 from drivetrain.trainer.dpo.trainer import DPOResult, DPOTrainer, PreferenceData, total_steps
@@ -67,13 +67,14 @@ def load_dpo_job(
     unless ``train_prerequisites`` is off: then the config names where that will be)."""
     spec = registry.engines.spec(engine_name)  # unknown or unusable: lists what is installed
     config_type = dpo_config_type(registry.engines.load_config_class(engine_name, EngineConfig))
-    config = load_config(config_type, files=beneath(config_type, files), overrides=overrides)
+    device = device_layers(config_type, files, overrides)  # beneath everything
+    config = load_config(config_type, files=[*device, *files], overrides=overrides)
     if config.data.train_path:
         if not config.engine.model.path:
             raise ConfigError("engine.model.path is required when data.train_path is set")
         return DPOJob(
             engine_name,
-            fit_engine(spec, config, load_config(config_type, files=beneath(config_type))),
+            fit_engine(spec, config, load_config(config_type, files=device)),
         )
     if config.engine.model.path:
         raise ConfigError("data.train_path is required when engine.model.path is set")
@@ -82,12 +83,10 @@ def load_dpo_job(
     layers = task(train_prerequisites)
     config = load_config(
         config_type,
-        files=beneath(config_type, [*layers.files, *files]),
+        files=[*device, *layers.files, *files],
         overrides=[*layers.overrides, *overrides],
     )
-    default = load_config(
-        config_type, files=beneath(config_type, layers.files), overrides=layers.overrides
-    )
+    default = load_config(config_type, files=[*device, *layers.files], overrides=layers.overrides)
     return DPOJob(engine_name, fit_engine(spec, config, default), layers)
 
 

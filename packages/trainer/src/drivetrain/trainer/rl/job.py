@@ -20,7 +20,7 @@ from drivetrain.api.errors import ConfigError
 from drivetrain.runtime.hosted_rollout import HostedRollout, rollout_host
 from drivetrain.trainer.config_loader import ConfigLayer, load_config, to_yaml
 from drivetrain.trainer.data.tokenize import pad_token_id
-from drivetrain.trainer.device_defaults import beneath, numerics_line
+from drivetrain.trainer.device_defaults import device_layers, numerics_line
 from drivetrain.trainer.hf_export import verify_model_dir
 from drivetrain.trainer.job_config import TaskLayers
 from drivetrain.trainer.named_registry import import_plugins
@@ -124,8 +124,8 @@ def load_rl_job(
         else registry.rollouts.load_config_class(rollout, RolloutConfig),
         _transport_config(weight_sync),
     )
-    # the device's defaults, then the job's, below the user's
-    shipped: list[ConfigLayer] = beneath(config_type, [defaults, *presets])
+    device = device_layers(config_type, [*presets, *files], overrides)  # beneath everything
+    shipped: list[ConfigLayer] = [*device, defaults, *presets]  # the job's, below the user's
     shipped_overrides: list[str] = []
     config = load_config(config_type, files=[*shipped, *files], overrides=overrides)
     layers = None
@@ -138,7 +138,7 @@ def load_rl_job(
         if task is None:
             raise ConfigError("actor.model.path is required")
         layers = task(config, train_prerequisites)
-        shipped = beneath(config_type, [*layers.files, defaults, *layers.algorithm_files, *presets])
+        shipped = [*device, *layers.files, defaults, *layers.algorithm_files, *presets]
         shipped_overrides = list(layers.overrides)
         config = load_config(
             config_type, files=[*shipped, *files], overrides=[*shipped_overrides, *overrides]

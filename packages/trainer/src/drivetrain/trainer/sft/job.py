@@ -25,7 +25,7 @@ from drivetrain.trainer.config_loader import load_config, to_yaml
 from drivetrain.trainer.console import plain_console
 from drivetrain.trainer.data.batching import StepPlan
 from drivetrain.trainer.data.tokenize import pad_token_id
-from drivetrain.trainer.device_defaults import beneath, numerics_line
+from drivetrain.trainer.device_defaults import device_layers, numerics_line
 from drivetrain.trainer.errors import DataError
 from drivetrain.trainer.hf_export import verify_model_dir
 from drivetrain.trainer.job_config import TaskLayers
@@ -71,13 +71,14 @@ def load_sft_job(
     """Parse the config for ``engine_name``; with no data and no model, ``task``'s."""
     spec = registry.engines.spec(engine_name)  # unknown or unusable: lists what is installed
     config_type = sft_config_type(registry.engines.load_config_class(engine_name, EngineConfig))
-    config = load_config(config_type, files=beneath(config_type, files), overrides=overrides)
+    device = device_layers(config_type, files, overrides)  # beneath everything
+    config = load_config(config_type, files=[*device, *files], overrides=overrides)
     if config.data.train_path:
         if not config.engine.model.path:
             raise ConfigError("engine.model.path is required when data.train_path is set")
         return SFTJob(
             engine_name,
-            fit_single_engine(spec, config, load_config(config_type, files=beneath(config_type))),
+            fit_single_engine(spec, config, load_config(config_type, files=device)),
         )
     if config.engine.model.path:
         raise ConfigError("data.train_path is required when engine.model.path is set")
@@ -86,12 +87,10 @@ def load_sft_job(
     layers = task(train_prerequisites)
     config = load_config(
         config_type,
-        files=beneath(config_type, [*layers.files, *files]),
+        files=[*device, *layers.files, *files],
         overrides=[*layers.overrides, *overrides],
     )
-    default = load_config(
-        config_type, files=beneath(config_type, layers.files), overrides=layers.overrides
-    )
+    default = load_config(config_type, files=[*device, *layers.files], overrides=layers.overrides)
     as_default = dataclasses.replace(
         config,
         run=dataclasses.replace(config.run, output_dir=default.run.output_dir),
