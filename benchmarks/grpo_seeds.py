@@ -3,13 +3,14 @@ accuracy before and after, and the rollout-vs-trainer log-prob gap, over seeds x
 
 Not a timing: a check that the default job (``drivetrain grpo``, its 120 steps, from the built-in
 SFT model, trained first when it is not cached) leaves its model better than it found it. One
-run per seed and dtype, each a fresh process on one thread (``timing.run_grpo``); a seed's
-dtypes run side by side, their order alternating with the seed. ``float32`` is the baseline the
-job was tuned in; ``bfloat16`` sets both the actor (mixed precision: fp32 master weights) and the
-rollout; ``default`` passes no dtype (what a user who says nothing gets on this machine: the
-GPU run of ``benchmarks/gpu/run.sh`` uses it). A run's greedy delta is its exact-match accuracy
-on the 200 held-out problems after GRPO minus before (the job's own ``greedy_delta``); its gap is
-the job's ``log_prob_gap``: the token-mean gap of its worst step and its largest single token.
+run per seed and dtype, each a fresh process on one thread (``timing.run_grpo``), one after
+the other: a seed's dtypes in turn, their order rotating with the seed. ``float32`` is the
+baseline the job was tuned in; ``bfloat16`` sets both the actor (mixed precision: fp32 master
+weights) and the rollout; ``default`` passes no dtype (what a user who says nothing gets on
+this machine: the GPU run of ``benchmarks/gpu/run.sh`` uses it). A run's greedy delta is its
+exact-match accuracy on the 200 held-out problems after GRPO minus before (the job's own
+``greedy_delta``); its gap is the job's ``log_prob_gap``: the token-mean gap of its worst step
+and its largest single token.
 
 The last line is JSON: ``greedy_delta.min`` over every run (goal > 0), ``greedy_delta.median``,
 ``greedy_delta.max``, ``greedy_delta_by_dtype`` (each dtype's deltas in seed order);
@@ -56,6 +57,7 @@ def main() -> None:
     extra += ["data.val_size=8"] if args.quick else []
     before: dict[str, list[float]] = {d: [] for d in dtypes}
     after: dict[str, list[float]] = {d: [] for d in dtypes}
+    deltas: dict[str, list[float]] = {d: [] for d in dtypes}  # the jobs' own greedy_delta
     gaps: dict[str, dict[str, float]] = {}
     ran_steps = 0
     with tempfile.TemporaryDirectory(prefix="grpo-seeds-") as tmp:
@@ -65,23 +67,23 @@ def main() -> None:
                 job = run_grpo([*dtype_args(dtype), f"seed={seed}", *extra], out, dtype)
                 summary = job.summary
                 ran_steps = summary["steps"]
+                gap, delta = summary["log_prob_gap"], summary["greedy_delta"]
+                if gap is None or delta is None:
+                    raise SystemExit(f"{dtype} seed {seed}: no log-prob gap or greedy change")
                 before[dtype].append(summary["val_before"]["val/exact_match"])
                 after[dtype].append(summary["val_after"]["val/exact_match"])
-                gap = summary["log_prob_gap"]
+                deltas[dtype].append(delta)
                 worst = gaps.setdefault(dtype, {"max": 0.0, "token_max": 0.0})
                 worst["max"] = max(worst["max"], gap["max"])
                 worst["token_max"] = max(worst["token_max"], gap["token_max"])
                 worst["alarm"] = gap["alarm"]
                 print(
                     f"seed {seed} {dtype:>8}: greedy accuracy {before[dtype][-1]:.3f} -> "
-                    f"{after[dtype][-1]:.3f} ({summary['greedy_delta'] * 100:+.1f} points); "
+                    f"{after[dtype][-1]:.3f} ({delta * 100:+.1f} points); "
                     f"log-prob gap {gap['mean']:.3g} mean, {gap['max']:.3g} worst step, "
                     f"{gap['token_max']:.3g} largest token (alarm {gap['alarm']:g})",
                     flush=True,
                 )
-    deltas = {
-        d: [round(y - x, 4) for x, y in zip(before[d], after[d], strict=True)] for d in dtypes
-    }
     every = [x for values in deltas.values() for x in values]
     print(f"greedy accuracy change over {len(every)} runs: min {min(every) * 100:+.1f} points")
     worst = max(gaps.values(), key=lambda g: g["max"])

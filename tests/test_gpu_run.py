@@ -49,4 +49,5 @@ def test_the_gpu_run_passes_its_cpu_smoke(tmp_path, builtin_addition):
     assert result["grpo"]["steps"] == 2
     assert isinstance(result["grpo_greedy_delta_min"], float)  # one seed, three steps
     assert isinstance(result["grpo_log_prob_gap_max"], float)
+    assert set(result["grpo_seeds"]["greedy_delta_by_dtype"]) == {"default"}
     assert "/drivetrain-gpu-" in done.stdout  # the wheels' files ran, not the checkout's

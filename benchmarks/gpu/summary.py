@@ -73,7 +73,8 @@ def main(work: Path) -> None:
             )
         },
         "grpo_seeds": {
-            k: seeds.get(k) for k in ("greedy_delta", "accuracy_before", "accuracy_after")
+            k: seeds.get(k)
+            for k in ("greedy_delta_by_dtype", "accuracy_before", "accuracy_after", "all_rise")
         },
         "mfu_table": mfu.get("configurations"),
         "mfu_profile": mfu.get("profile"),  # plain vs fsdp2_dense: their costliest ops

@@ -131,7 +131,8 @@ class RLCommand(JobCommand["RLJob", "PreparedRL", "RLResult"]):
             console.print(
                 f"rollout vs trainer log-prob gap per token: {gap['mean']:.3g} mean over "
                 f"{gap['steps']} steps, {gap['max']:.3g} at worst (step {gap['max_step']}), "
-                f"largest token {gap['token_max']:.3g}; the alarm is at {gap['alarm']:g}"
+                f"largest token {gap['token_max']:.3g}; "
+                + (f"the alarm is at {gap['alarm']:g}" if gap["alarm"] >= 0 else "the alarm is off")
             )
         addition = job.task is not None and isinstance(job.task.assets, AdditionAssets)
         if addition and summary["greedy_delta"] is not None:

@@ -141,9 +141,11 @@ class RLTrainer(Job[RLResult]):
             max_seconds=c.run.max_seconds,
         )
         threshold = c.run.log_prob_alarm or log_prob_tolerance(c.actor.model.dtype, c.rollout.dtype)
-        # what record() keeps of each step
-        self.kept = RLResult(self.out, final_step=0, log_prob_alarm=threshold)
-        self.alarm = LogProbAlarm(threshold, self.console.print, exact=c.numerics == "exact")
+        exact = c.numerics == "exact"
+        self.alarm = LogProbAlarm(threshold, self.console.print, exact=exact)
+        # what record() keeps of each step; under exact numerics any gap fires the alarm
+        said = 0.0 if exact and threshold >= 0 else threshold
+        self.kept = RLResult(self.out, final_step=0, log_prob_alarm=said)
 
     # ---- the algorithm ------------------------------------------------------------------
     def step(self, step: int) -> dict[str, float]:
