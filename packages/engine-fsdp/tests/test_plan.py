@@ -1,0 +1,79 @@
+"""The fsdp2 planner against reality: the 1.07B Llama of ``benchmarks/gpu/mfu.py`` planned on
+fake tensors, against the peaks measured on an H200 (``benchmarks/README.md``: 2026-11-27,
+torch 2.11.0+cu130, project at ``e86b53d``; bf16, fp32 master weights and AdamW state,
+16 x 4096 tokens a step in 4 micro-batches), within the issue's 10%."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from transformers import LlamaConfig
+
+from drivetrain.api import MicroBatchConfig, ModelConfig, OptimConfig
+from drivetrain.api.batch import Batch
+from drivetrain.api.plan import PlanTarget, RankWork, accelerator
+from drivetrain.engine.fsdp.config import FSDPConfig
+from drivetrain.engine.fsdp.plan import plan_memory
+
+#: measured peak GiB of mfu.py's configurations on the H200 (the fixture's date and commit above)
+H200_PEAK_GIB = {"fsdp2_dense": 44.4, "fsdp2_packed": 41.9}
+H200 = PlanTarget(accelerator("h200-141gb"), gpus=1)
+
+
+@pytest.fixture(scope="module")
+def llama_1b(tmp_path_factory):
+    """mfu.py's GPU_SHAPE: only its config (the planner reads no weights)."""
+    path = tmp_path_factory.mktemp("llama1b")
+    LlamaConfig(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
+        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    ).save_pretrained(path)  # fmt: skip
+    return str(path)
+
+
+def _config(path: str, **layout: object) -> FSDPConfig:
+    optim = OptimConfig(lr=1e-5, weight_decay=0.0, clip_grad=1.0)
+    return FSDPConfig(model=ModelConfig(path=path, dtype="bfloat16"), optim=optim, **layout)
+
+
+def _packed_work() -> RankWork:
+    """mfu.py's 26 documents of 128..4096 tokens, cut as the engine cuts them (16,384 tokens
+    a micro-batch): the largest micro-batch's documents."""
+    rng = random.Random(1)
+    lengths = [rng.randint(4096 // 32, 4096) for _ in range(26)]
+    batch = Batch.from_columns({"input_ids": [[3] * n for n in lengths]}, seq_lens=lengths)
+    parts = batch.token_budget_parts(MicroBatchConfig(max_tokens=16384).max_tokens)
+    largest = max(parts, key=lambda part: sum(lengths[i] for i in part))
+    return RankWork(documents=tuple(lengths[i] for i in largest), micro_batches=len(parts))
+
+
+@pytest.mark.timeout(300)
+def test_the_plan_of_the_h200_configurations_is_within_ten_percent(llama_1b):
+    dense = plan_memory(
+        _config(llama_1b, attention="sdpa", remove_padding=False),
+        H200,
+        RankWork(rows=4, width=4096, micro_batches=4),
+    )
+    packed = plan_memory(_config(llama_1b), H200, _packed_work())
+    for name, plan in (("fsdp2_dense", dense), ("fsdp2_packed", packed)):
+        error = plan.peak_gib / H200_PEAK_GIB[name] - 1
+        assert abs(error) <= 0.10, f"{name}: planned {plan.peak_gib:.2f} GiB, {error:+.1%}"
+    # what a step holds: fp32 master weights, gradients, AdamW's two moments, activations
+    params = 1_072_236_544 * 4
+    assert dense.by_category["parameters"] == pytest.approx(params, rel=0.01)
+    assert dense.by_category["gradients"] == pytest.approx(params, rel=0.01)
+    assert dense.by_category["optimizer"] == pytest.approx(2 * params, rel=0.01)
+    assert dense.by_category["activations"] > packed.by_category["activations"]
+
+
+@pytest.mark.timeout(300)
+def test_sharding_over_eight_ranks_divides_the_states(llama_1b):
+    work = RankWork(rows=4, width=4096, micro_batches=4)
+    one = plan_memory(_config(llama_1b, attention="sdpa", remove_padding=False), H200, work)
+    target = PlanTarget(accelerator("h100-80gb"), gpus=8)
+    eight = plan_memory(_config(llama_1b, attention="sdpa", remove_padding=False), target, work)
+    for state in ("parameters", "gradients", "optimizer"):
+        assert eight.by_category[state] == pytest.approx(one.by_category[state] / 8, rel=0.02)
+    assert eight.peak_bytes < one.peak_bytes
