@@ -70,9 +70,13 @@ class PluginSpec:
     config: str = ""  # "module:attribute" of the config dataclass; empty: the api's default
     install_hint: str = ""  # what to run when it fails to import
     description: str = ""
+    #: engines: "module:function" planning a step's memory (``drivetrain.api.plan``); empty:
+    #: ``drivetrain plan`` reports the engine as unplanned
+    planner: str = ""
 
     def __post_init__(self) -> None:
-        for label, target in (("factory", self.factory), ("config", self.config)):
+        targets = (("factory", self.factory), ("config", self.config), ("planner", self.planner))
+        for label, target in targets:
             if target and (target.count(":") != 1 or not all(target.split(":"))):
                 raise ValueError(f"plugin {self.name!r}: {label} must be 'module:attribute'")
         if not self.factory:

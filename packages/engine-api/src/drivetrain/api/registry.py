@@ -273,6 +273,18 @@ class Registry:
                 f"{self.kind} {name!r}: config {spec.config} failed to import: {exc}"
             ) from exc
 
+    def load_planner(self, name: str) -> Any | None:
+        """The plugin's planner function (``drivetrain.api.plan``), or None if it has none."""
+        spec = self.spec(name)
+        if not spec.planner:
+            return None
+        try:
+            return _import_target(spec.planner)
+        except Exception as exc:
+            raise PluginError(
+                f"{self.kind} {name!r}: planner {spec.planner} failed to import: {exc}"
+            ) from exc
+
     def inspect(self, *, load: bool = True) -> list[PluginRecord]:
         """A record per discovered plugin; with ``load`` each is imported to report its status."""
         for name in self.names():

@@ -11,6 +11,7 @@ import typer
 from drivetrain.api import registry
 from drivetrain.trainer.commands.diagnose import mismatch
 from drivetrain.trainer.commands.dpo import dpo
+from drivetrain.trainer.commands.plan import plan
 from drivetrain.trainer.commands.rl import distill, grpo, ppo
 from drivetrain.trainer.commands.sft import sft
 from drivetrain.trainer.console import plain_console, print_error
@@ -92,6 +93,7 @@ app.command()(grpo)
 app.command()(ppo)
 app.command()(dpo)
 app.command()(distill)
+app.command()(plan)
 
 
 @app.command("import-gguf")

@@ -1,8 +1,9 @@
 """The fsdp2 engine's planner: its own model, sharding, token outputs and optimizer code run on
 fake tensors over a fake process group of the target's world size, with PyTorch's
-``FSDPMemTracker`` counting every byte by category. Two optimizer steps of the largest
+``FSDPMemTracker`` counting every byte by category. Two steps of the largest
 micro-batch: the second holds the optimizer state, the gradients and one micro-batch's
-activations together, which is where a step peaks.
+activations together, which is where a step peaks (fused AdamW's in-place update adds nothing
+to it).
 
 What fake tensors cannot answer is answered from what the planner knows of the batch:
 transformers will not read a fake padding mask (it would build a dense mask instead of letting
@@ -155,18 +156,18 @@ def plan_memory(config: FSDPConfig, target: PlanTarget, work: RankWork) -> Memor
         )
         model = wrap_fsdp2(module, config, mesh, torch.device("cpu"))
         optimizer, _ = build_optimizer(model, optim, torch.device("cuda"))  # fused, as on CUDA
+        with _KnownTokenCounts():  # a first step outside the count: AdamW's state exists
+            _forward_backward(model, fake, config, work, row, world)
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         tracker = FSDPMemTracker(model, optimizer)
         with tracker, _KnownTokenCounts():
-            for _ in range(2):
-                optimizer.zero_grad(set_to_none=True)
-                # a second micro-batch meets the first's gradients (accumulation)
-                for _ in range(min(work.micro_batches, 2)):
-                    tracker.reset_mod_stats()  # one root forward per tracked iteration
-                    _forward_backward(model, fake, config, work, row, world)
-                torch.nn.utils.clip_grad_norm_(
-                    [p for p in model.parameters() if p.grad is not None], 1.0
-                )
-                optimizer.step()
+            # a second micro-batch meets the first's gradients (accumulation). The optimizer
+            # step is not counted: fused AdamW on a GPU updates in place, while its fake-tensor
+            # run here goes through a path with full-size temporaries
+            for _ in range(min(work.micro_batches, 2)):
+                tracker.reset_mod_stats()  # one root forward per tracked iteration
+                _forward_backward(model, fake, config, work, row, world)
         peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
     by_category: dict[str, int] = {}
     for kind, value in peak.items():

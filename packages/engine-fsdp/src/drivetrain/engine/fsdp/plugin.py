@@ -25,6 +25,7 @@ FSDP2 = PluginSpec(
     api=">=0.1,<0.2",
     capabilities=_CAPABILITIES | {"exact_numerics", "routing_replay"},  # fsdp2 only: tested there
     install_hint="pip install drivetrain-engine-fsdp",
+    planner="drivetrain.engine.fsdp.plan:plan_memory",
     description="PyTorch FSDP2 (fully_shard) over Hugging Face causal LMs",
 )
 

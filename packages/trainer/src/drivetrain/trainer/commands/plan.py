@@ -1,0 +1,79 @@
+"""``drivetrain plan JOB``: the memory each training role of a job will take on each rank of a
+target cluster, from the engines' own code on fake tensors, before anything starts."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from drivetrain.trainer.commands.options import ConfigFiles, RLOverrides
+from drivetrain.trainer.console import plain_console
+
+console = plain_console(stderr=False)
+RL_JOBS = ("grpo", "ppo", "distill")
+
+
+def plan(
+    job: Annotated[str, typer.Argument(help="grpo, ppo, distill or sft.")] = "grpo",
+    overrides: RLOverrides = None,
+    config: ConfigFiles = None,
+    engine: Annotated[str, typer.Option("--engine", help="Training engine.")] = "fsdp2",
+    rollout: Annotated[str, typer.Option("--rollout", help="Rollout backend (RL).")] = "hf",
+    gpus: Annotated[int, typer.Option("--gpus", help="GPUs in all.")] = 8,
+    gpu: Annotated[str, typer.Option("--gpu", help="h100-80gb, h200-141gb, a100-80gb...")] = (
+        "h100-80gb"
+    ),
+    nodes: Annotated[int, typer.Option("--nodes", help="Nodes the GPUs are spread over.")] = 1,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object, nothing else.")] = False,
+) -> None:
+    """Plan a job for a cluster: per-rank memory of each training role, and whether it fits."""
+    from drivetrain.api.plan import PlanTarget, accelerator
+    from drivetrain.trainer.planning import plan_role, rank_work
+
+    target = PlanTarget(accelerator(gpu), gpus=gpus, nodes=nodes)
+    files, said = list(config or ()), list(overrides or ())
+    if job in RL_JOBS:
+        from drivetrain.trainer.builtin.tasks import rl_task
+        from drivetrain.trainer.rl.job import load_rl_job
+
+        task = rl_task(job, engine=engine, rollout=rollout, console=plain_console())
+        c = load_rl_job(
+            job, engine=engine, rollout=rollout, files=files, overrides=said, task=task,
+            train_prerequisites=False,
+        ).config  # fmt: skip
+        sequences = c.run.prompts_per_step * c.sampling.n
+        length = c.data.max_prompt_length + c.sampling.max_new_tokens
+        roles = [("actor", engine, c.actor)]
+    elif job == "sft":
+        from drivetrain.trainer.builtin.addition_sft import addition_sft
+        from drivetrain.trainer.sft.job import load_sft_job
+
+        s = load_sft_job(
+            engine, files=files, overrides=said, task=addition_sft, train_prerequisites=False
+        ).config
+        sequences, length = s.run.batch_size, s.data.max_length
+        roles = [("engine", engine, s.engine)]
+    else:
+        raise typer.BadParameter(f"{job!r}: plan takes grpo, ppo, distill or sft")
+    planned = [
+        plan_role(role, name, cfg, rank_work(cfg, sequences, length, gpus), target)
+        for role, name, cfg in roles
+    ]
+    rows = [p.row(target) for p in planned]
+    result = {"job": job, "gpus": gpus, "nodes": nodes, "gpu": gpu, "roles": rows}
+    if as_json:
+        console.print(json.dumps(result), soft_wrap=True)
+        return
+    for r in rows:
+        if not r["planned"]:
+            console.print(f"{r['role']} ({r['engine']}): unplanned: {r['reason']}")
+            continue
+        parts = ", ".join(f"{k} {v:.3g}" for k, v in r["gib"].items() if v)
+        verdict = "fits" if r["fits"] else "DOES NOT FIT"
+        console.print(
+            f"{r['role']} ({r['engine']}, {r['world_size']} ranks, {r['tokens']} tokens in the "
+            f"largest micro-batch): peak {r['peak_gib']:g} GiB of {r['device_gib']:g}: "
+            f"{verdict}. GiB per rank: {parts}"
+        )
