@@ -4,6 +4,7 @@ the report. An engine without a planner is reported as unplanned, never guessed.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,3 +77,66 @@ def plan_role(
         return RolePlan(role, engine, work, plan=planner(config, target, work))
     except NotImplementedError as exc:
         return RolePlan(role, engine, work, reason=str(exc))
+
+
+def remedies(role: str, config: EngineConfig) -> list[tuple[str, EngineConfig, int]]:
+    """Settings that lower a role's peak, most often enough first: (override, config, the
+    factor on the data-parallel ranks)."""
+    found: list[tuple[str, EngineConfig, int]] = []
+    model = config.model
+    if not model.gradient_checkpointing:
+        checkpointed = dataclasses.replace(model, gradient_checkpointing=True)
+        found.append(
+            (
+                f"{role}.model.gradient_checkpointing=true",
+                dataclasses.replace(config, model=checkpointed),
+                1,
+            )
+        )
+    budget = config.micro_batch.max_tokens
+    if budget is not None and budget >= 2:
+        smaller = dataclasses.replace(config.micro_batch, max_tokens=budget // 2)
+        found.append(
+            (
+                f"{role}.micro_batch.max_tokens={budget // 2}",
+                dataclasses.replace(config, micro_batch=smaller),
+                1,
+            )
+        )
+    found.append(("twice the GPUs", config, 2))
+    return found
+
+
+def refusal(planned: RolePlan, target: PlanTarget, fixes: list[tuple[str, RolePlan]]) -> str:
+    """The one line that refuses a role that does not fit: by how much, the largest
+    contributors, the settings that fit (with their peaks)."""
+    plan = planned.plan
+    assert plan is not None
+    top = sorted(plan.by_category.items(), key=lambda kv: -kv[1])[:3]
+    largest = ", ".join(f"{k} {v / GiB:.1f}" for k, v in top)
+    over = plan.peak_gib - target.device.memory_gib
+    fits = "; ".join(f"{s} ({p.plan.peak_gib:.1f} GiB)" for s, p in fixes if p.plan) or "none found"
+    return (
+        f"{planned.role} needs {plan.peak_gib:.1f} GiB a rank on {target.gpus} x "
+        f"{target.device.name} ({target.device.memory_gib:g} GiB): {over:.1f} GiB over; largest "
+        f"(GiB): {largest}; fits with: {fits}"
+    )
+
+
+def plan_with_fixes(
+    role: str, engine: str, config: EngineConfig, sequences: int, length: int, target: PlanTarget
+) -> tuple[RolePlan, list[tuple[str, RolePlan]]]:
+    """The role's plan on ``target``; when it does not fit, each remedy's plan that fits."""
+    planned = plan_role(
+        role, engine, config, rank_work(config, sequences, length, target.gpus), target
+    )
+    if planned.fits(target) is not False:
+        return planned, []
+    fixes = []
+    for setting, changed, factor in remedies(role, config):
+        wider = dataclasses.replace(target, gpus=target.gpus * factor, nodes=target.nodes * factor)
+        work = rank_work(changed, sequences, length, wider.gpus)
+        tried = plan_role(role, engine, changed, work, wider)
+        if tried.fits(wider):
+            fixes.append((setting, tried))
+    return planned, fixes

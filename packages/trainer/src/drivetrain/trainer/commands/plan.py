@@ -30,7 +30,7 @@ def plan(
 ) -> None:
     """Plan a job for a cluster: per-rank memory of each training role, and whether it fits."""
     from drivetrain.api.plan import PlanTarget, accelerator
-    from drivetrain.trainer.planning import plan_role, rank_work
+    from drivetrain.trainer.planning import plan_with_fixes, refusal
 
     target = PlanTarget(accelerator(gpu), gpus=gpus, nodes=nodes)
     files, said = list(config or ()), list(overrides or ())
@@ -57,23 +57,25 @@ def plan(
         roles = [("engine", engine, s.engine)]
     else:
         raise typer.BadParameter(f"{job!r}: plan takes grpo, ppo, distill or sft")
-    planned = [
-        plan_role(role, name, cfg, rank_work(cfg, sequences, length, gpus), target)
-        for role, name, cfg in roles
+    results = [
+        plan_with_fixes(role, name, cfg, sequences, length, target) for role, name, cfg in roles
     ]
-    rows = [p.row(target) for p in planned]
+    rows = [{**p.row(target), "fits_with": [s for s, _ in fixes]} for p, fixes in results]
     result = {"job": job, "gpus": gpus, "nodes": nodes, "gpu": gpu, "roles": rows}
     if as_json:
         console.print(json.dumps(result), soft_wrap=True)
-        return
-    for r in rows:
-        if not r["planned"]:
-            console.print(f"{r['role']} ({r['engine']}): unplanned: {r['reason']}")
-            continue
-        parts = ", ".join(f"{k} {v:.3g}" for k, v in r["gib"].items() if v)
-        verdict = "fits" if r["fits"] else "DOES NOT FIT"
-        console.print(
-            f"{r['role']} ({r['engine']}, {r['world_size']} ranks, {r['tokens']} tokens in the "
-            f"largest micro-batch): peak {r['peak_gib']:g} GiB of {r['device_gib']:g}: "
-            f"{verdict}. GiB per rank: {parts}"
-        )
+    else:
+        for (planned, fixes), r in zip(results, rows, strict=True):
+            if not r["planned"]:
+                console.print(f"{r['role']} ({r['engine']}): unplanned: {r['reason']}")
+            elif not r["fits"]:
+                console.print(refusal(planned, target, fixes), soft_wrap=True)
+            else:
+                parts = ", ".join(f"{k} {v:.3g}" for k, v in r["gib"].items() if v)
+                console.print(
+                    f"{r['role']} ({r['engine']}, {r['world_size']} ranks, {r['tokens']} tokens "
+                    f"in the largest micro-batch): peak {r['peak_gib']:g} GiB of "
+                    f"{r['device_gib']:g}: fits. GiB per rank: {parts}"
+                )
+    if any(r.get("fits") is False for r in rows):
+        raise typer.Exit(1)
