@@ -3,16 +3,29 @@ target cluster, from the engines' own code on fake tensors, before anything star
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 
 from drivetrain.trainer.commands.options import ConfigFiles, RLOverrides
 from drivetrain.trainer.console import plain_console
 
-console = plain_console(stderr=False)
 RL_JOBS = ("grpo", "ppo", "distill")
+
+
+def _untrained_as_base(config: Any, task: Any) -> Any:
+    """The built-in job's SFT model before it is trained has its base model's architecture."""
+    from drivetrain.trainer.builtin.addition import AdditionAssets, ensure_assets
+
+    if (Path(config.model.path) / "config.json").is_file():
+        return config
+    if not isinstance(getattr(task, "assets", None), AdditionAssets):
+        return config  # unplanned: no model config
+    base = ensure_assets().model_dir  # small, seconds: the tokenizer and the untrained model
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, path=str(base)))
 
 
 def plan(
@@ -39,13 +52,14 @@ def plan(
         from drivetrain.trainer.rl.job import load_rl_job
 
         task = rl_task(job, engine=engine, rollout=rollout, console=plain_console())
-        c = load_rl_job(
+        loaded = load_rl_job(
             job, engine=engine, rollout=rollout, files=files, overrides=said, task=task,
             train_prerequisites=False,
-        ).config  # fmt: skip
+        )  # fmt: skip
+        c = loaded.config
         sequences = c.run.prompts_per_step * c.sampling.n
         length = c.data.max_prompt_length + c.sampling.max_new_tokens
-        roles = [("actor", engine, c.actor)]
+        roles = [("actor", engine, _untrained_as_base(c.actor, loaded.task))]
     elif job == "sft":
         from drivetrain.trainer.builtin.addition_sft import addition_sft
         from drivetrain.trainer.sft.job import load_sft_job
@@ -63,16 +77,16 @@ def plan(
     rows = [{**p.row(target), "fits_with": [s for s, _ in fixes]} for p, fixes in results]
     result = {"job": job, "gpus": gpus, "nodes": nodes, "gpu": gpu, "roles": rows}
     if as_json:
-        console.print(json.dumps(result), soft_wrap=True)
+        typer.echo(json.dumps(result))
     else:
         for (planned, fixes), r in zip(results, rows, strict=True):
             if not r["planned"]:
-                console.print(f"{r['role']} ({r['engine']}): unplanned: {r['reason']}")
+                typer.echo(f"{r['role']} ({r['engine']}): unplanned: {r['reason']}")
             elif not r["fits"]:
-                console.print(refusal(planned, target, fixes), soft_wrap=True)
+                typer.echo(refusal(planned, target, fixes))
             else:
                 parts = ", ".join(f"{k} {v:.3g}" for k, v in r["gib"].items() if v)
-                console.print(
+                typer.echo(
                     f"{r['role']} ({r['engine']}, {r['world_size']} ranks, {r['tokens']} tokens "
                     f"in the largest micro-batch): peak {r['peak_gib']:g} GiB of "
                     f"{r['device_gib']:g}: fits. GiB per rank: {parts}"

@@ -1,0 +1,60 @@
+"""``drivetrain plan`` (issue 58, items 1-2): the built-in jobs plan in seconds from an empty
+cache; a job that cannot fit a stated GPU is refused in one line naming its largest
+contributor and settings that fit, and the first of those settings' plan does fit."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from transformers import LlamaConfig
+from typer.testing import CliRunner
+
+from drivetrain.trainer.cli import app
+
+runner = CliRunner()
+pytestmark = pytest.mark.timeout(600)
+
+
+def _plan(*args: str):
+    return runner.invoke(app, ["plan", *args], env={"COLUMNS": "400"})
+
+
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DRIVETRAIN_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("job", ["grpo", "sft"])
+def test_the_builtin_jobs_plan_from_an_empty_cache(empty_cache, job):
+    done = _plan(job, "--gpus", "1", "--json")
+    assert done.exit_code == 0, done.output
+    # (the runner mixes stderr's progress bars into the output: the JSON is its last object)
+    (role,) = json.loads(done.output[done.output.rindex('{"job"') :])["roles"]
+    assert role["planned"] and role["fits"] and 0 < role["peak_gib"] < 2, role
+    assert role["gib"]["activations"] > role["gib"]["optimizer"] > 0
+
+
+def test_a_job_that_does_not_fit_names_what_would(empty_cache, tmp_path):
+    model = tmp_path / "llama1b"
+    LlamaConfig(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
+        num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=True,
+    ).save_pretrained(model)  # fmt: skip
+    job = [
+        "sft", f"engine.model.path={model}", f"data.train_path={tmp_path / 'none.jsonl'}",
+        "engine.model.dtype=bfloat16", "data.max_length=4096", "run.batch_size=16",
+        "engine.micro_batch.max_tokens=16384", "--gpus", "1", "--gpu", "a100-40gb",
+    ]  # fmt: skip
+    done = _plan(*job)
+    assert done.exit_code == 1, done.output
+    line = done.output.strip().splitlines()[-1]
+    assert re.search(r"engine needs 4\d\.\d GiB a rank on 1 x a100-40gb \(39.4 GiB\)", line), line
+    assert "largest (GiB): activations" in line
+    fix = re.search(
+        r"fits with: (engine\.model\.gradient_checkpointing=true) \((\d+\.\d) GiB\)", line
+    )
+    assert fix and float(fix.group(2)) < 39.4, line
+    again = _plan(*job, fix.group(1))  # the named setting's plan fits
+    assert again.exit_code == 0 and "fits." in again.output, again.output
