@@ -58,3 +58,32 @@ def test_a_job_that_does_not_fit_names_what_would(empty_cache, tmp_path):
     assert fix and float(fix.group(2)) < 39.4, line
     again = _plan(*job, fix.group(1))  # the named setting's plan fits
     assert again.exit_code == 0 and "fits." in again.output, again.output
+
+
+def test_on_a_gpu_a_job_that_will_not_fit_is_refused_before_it_starts(
+    empty_cache, tmp_path, monkeypatch
+):
+    """The check runs where there is device memory to check: a GPU (faked here, with 0.1 GiB)."""
+    from drivetrain.api.plan import Accelerator, PlanTarget
+    from drivetrain.trainer import device_defaults, planning
+    from drivetrain.trainer.sft import job as sft_job
+
+    small = Accelerator("tiny-gpu", 0.1, 0.0, 0.0)
+    monkeypatch.setattr(device_defaults, "on_gpu", lambda: True)
+    monkeypatch.setattr(planning, "local_target", lambda gpus: PlanTarget(small, gpus=gpus))
+
+    def started(*args, **kwargs):
+        raise RuntimeError("the run started")
+
+    monkeypatch.setattr(sft_job, "run_sft", started)
+    monkeypatch.setattr(sft_job, "numerics_line", lambda config, roles: "(no device to name)")
+    out = f"run.output_dir={tmp_path / 'run'}"
+    refused = runner.invoke(app, ["sft", out], env={"COLUMNS": "400"})
+    assert refused.exit_code == 2, refused.output
+    assert re.search(
+        r"this job will not fit: engine needs \d\.\d GiB a rank on 1 x tiny-gpu", refused.output
+    )
+    assert "--no-plan-check starts it anyway" in refused.output
+    assert not (tmp_path / "run").exists()
+    anyway = runner.invoke(app, ["sft", out, "--no-plan-check"], env={"COLUMNS": "400"})
+    assert isinstance(anyway.exception, RuntimeError), anyway.output  # it went on to train

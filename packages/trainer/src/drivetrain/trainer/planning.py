@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from drivetrain.api import EngineConfig, registry
-from drivetrain.api.plan import GiB, MemoryPlan, PlanTarget, RankWork
+from drivetrain.api import ConfigError, EngineConfig, registry
+from drivetrain.api.plan import Accelerator, GiB, MemoryPlan, PlanTarget, RankWork
 
 
 @dataclass(frozen=True)
@@ -140,3 +140,51 @@ def plan_with_fixes(
         if tried.fits(wider):
             fixes.append((setting, tried))
     return planned, fixes
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What a job trains in a step, for planning: its training roles (name, engine, config),
+    the step's sequences and their longest length."""
+
+    roles: tuple[tuple[str, str, EngineConfig], ...]
+    sequences: int
+    length: int
+    ranks: int = 1  # the job's data-parallel ranks (workers.num)
+
+
+def rl_inputs(config: Any, engine: str) -> PlanInputs:
+    """An RL job's actor: prompts x samples a step, prompt and new tokens at their limits."""
+    sequences = config.run.prompts_per_step * config.sampling.n
+    length = config.data.max_prompt_length + config.sampling.max_new_tokens
+    return PlanInputs((("actor", engine, config.actor),), sequences, length, config.workers.num)
+
+
+def sft_inputs(config: Any, engine: str) -> PlanInputs:
+    """An SFT job's engine: a batch of sequences at ``data.max_length``."""
+    return PlanInputs(
+        (("engine", engine, config.engine),), config.run.batch_size, config.data.max_length
+    )
+
+
+def local_target(gpus: int) -> PlanTarget:
+    """This machine's GPU as the target (its whole memory), ``gpus`` of them."""
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    device = Accelerator(props.name, props.total_memory / GiB, 0.0, 0.0)
+    return PlanTarget(device, gpus=gpus)
+
+
+def check_fits(inputs: PlanInputs, target: PlanTarget) -> None:
+    """Refuse, in one line, a job a role of which will not fit ``target`` (roles whose engine
+    cannot plan pass: nothing is guessed)."""
+    for role, engine, config in inputs.roles:
+        planned, fixes = plan_with_fixes(
+            role, engine, config, inputs.sequences, inputs.length, target
+        )
+        if planned.fits(target) is False:
+            raise ConfigError(
+                f"this job will not fit: {refusal(planned, target, fixes)} (--no-plan-check "
+                "starts it anyway)"
+            )

@@ -27,6 +27,13 @@ DryRun = Annotated[
     typer.Option("--dry-run", help="Validate engine, model and data; exit without training."),
 ]
 
+NoPlanCheck = Annotated[
+    bool,
+    typer.Option(
+        "--no-plan-check",
+        help="On a GPU, start even when `drivetrain plan` says a role will not fit.",
+    ),
+]
 Resume = Annotated[
     str, typer.Option("--resume", help="auto (newest verified checkpoint), none, or a path.")
 ]

@@ -43,7 +43,7 @@ def plan(
 ) -> None:
     """Plan a job for a cluster: per-rank memory of each training role, and whether it fits."""
     from drivetrain.api.plan import PlanTarget, accelerator
-    from drivetrain.trainer.planning import plan_with_fixes, refusal
+    from drivetrain.trainer.planning import plan_with_fixes, refusal, rl_inputs, sft_inputs
 
     target = PlanTarget(accelerator(gpu), gpus=gpus, nodes=nodes)
     files, said = list(config or ()), list(overrides or ())
@@ -56,23 +56,24 @@ def plan(
             job, engine=engine, rollout=rollout, files=files, overrides=said, task=task,
             train_prerequisites=False,
         )  # fmt: skip
-        c = loaded.config
-        sequences = c.run.prompts_per_step * c.sampling.n
-        length = c.data.max_prompt_length + c.sampling.max_new_tokens
-        roles = [("actor", engine, _untrained_as_base(c.actor, loaded.task))]
+        inputs = rl_inputs(loaded.config, engine)
+        actor = _untrained_as_base(loaded.config.actor, loaded.task)
+        inputs = dataclasses.replace(inputs, roles=(("actor", engine, actor),))
     elif job == "sft":
         from drivetrain.trainer.builtin.addition_sft import addition_sft
         from drivetrain.trainer.sft.job import load_sft_job
 
-        s = load_sft_job(
-            engine, files=files, overrides=said, task=addition_sft, train_prerequisites=False
-        ).config
-        sequences, length = s.run.batch_size, s.data.max_length
-        roles = [("engine", engine, s.engine)]
+        inputs = sft_inputs(
+            load_sft_job(
+                engine, files=files, overrides=said, task=addition_sft, train_prerequisites=False
+            ).config,
+            engine,
+        )
     else:
         raise typer.BadParameter(f"{job!r}: plan takes grpo, ppo, distill or sft")
     results = [
-        plan_with_fixes(role, name, cfg, sequences, length, target) for role, name, cfg in roles
+        plan_with_fixes(role, name, cfg, inputs.sequences, inputs.length, target)
+        for role, name, cfg in inputs.roles
     ]
     rows = [{**p.row(target), "fits_with": [s for s, _ in fixes]} for p, fixes in results]
     result = {"job": job, "gpus": gpus, "nodes": nodes, "gpu": gpu, "roles": rows}

@@ -13,6 +13,7 @@ from drivetrain.api.registry import Registry
 from drivetrain.trainer.commands.options import (
     ConfigFiles,
     CriticEngine,
+    NoPlanCheck,
     Overwrite,
     PluginsDryRun,
     Preset,
@@ -69,6 +70,11 @@ class RLCommand(JobCommand["RLJob", "PreparedRL", "RLResult"]):
             task=task,
             train_prerequisites=train_prerequisites,
         )
+
+    def plan_inputs(self, job: RLJob) -> Any:
+        from drivetrain.trainer.planning import rl_inputs
+
+        return rl_inputs(job.config, self.engine)
 
     def untrained(self, job: RLJob) -> list[str]:
         from drivetrain.trainer.builtin.prerequisites import untrained
@@ -220,6 +226,7 @@ def _command(algorithm: str, doc: str) -> Callable[..., None]:
         resume: Resume = "auto",
         overwrite: Overwrite = False,
         preset: Preset = "",
+        no_plan_check: NoPlanCheck = False,
     ) -> None:
         command = RLCommand(
             algorithm,
@@ -232,7 +239,12 @@ def _command(algorithm: str, doc: str) -> Callable[..., None]:
             overrides=overrides or (),
         )
         run_job_command(
-            command, print_config=print_config, dry_run=dry_run, resume=resume, overwrite=overwrite
+            command,
+            print_config=print_config,
+            dry_run=dry_run,
+            resume=resume,
+            overwrite=overwrite,
+            plan_check=not no_plan_check,
         )
 
     command.__name__ = command.__qualname__ = algorithm

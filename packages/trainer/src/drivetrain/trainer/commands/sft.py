@@ -14,6 +14,7 @@ from drivetrain.trainer.commands.options import (
     ConfigFiles,
     DryRun,
     EngineName,
+    NoPlanCheck,
     Overrides,
     Overwrite,
     PrintConfig,
@@ -47,6 +48,11 @@ class SFTCommand(JobCommand["SFTJob", "PreparedSFT", "SFTResult"]):
 
     def plugins(self, job: SFTJob) -> list[tuple[Registry, str]]:
         return [(registry.engines, job.engine_name)]
+
+    def plan_inputs(self, job: SFTJob) -> Any:
+        from drivetrain.trainer.planning import sft_inputs
+
+        return sft_inputs(job.config, job.engine_name)
 
     def shown_config(self) -> str:
         """The config the engine runs with; when that engine cannot be used (not installed,
@@ -93,9 +99,15 @@ def sft(
     dry_run: DryRun = False,
     resume: Resume = "auto",
     overwrite: Overwrite = False,
+    no_plan_check: NoPlanCheck = False,
 ) -> None:
     """Supervised fine-tuning. With no data and no model: the built-in addition task."""
     command = SFTCommand(engine, config or (), overrides or ())
     run_job_command(
-        command, print_config=print_config, dry_run=dry_run, resume=resume, overwrite=overwrite
+        command,
+        print_config=print_config,
+        dry_run=dry_run,
+        resume=resume,
+        overwrite=overwrite,
+        plan_check=not no_plan_check,
     )

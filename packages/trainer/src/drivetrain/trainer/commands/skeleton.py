@@ -111,6 +111,11 @@ class JobCommand(ABC, Generic[J, P, R]):
     def describe(self, prepared: P) -> str:
         return self.jobs.describe(prepared)
 
+    def plan_inputs(self, job: J) -> Any:
+        """What the job trains in a step (:class:`~drivetrain.trainer.planning.PlanInputs`),
+        for the memory check on a GPU; None: a job the planner does not read."""
+        return None
+
     @abstractmethod
     def fit(self, prepared: P, *, resume: str, overwrite: bool) -> R | None:
         """Train; the result on the writing process (rank 0 / the controller), else None."""
@@ -120,6 +125,18 @@ class JobCommand(ABC, Generic[J, P, R]):
         """The JSON line the command ends with (and the lines it prints before it)."""
 
 
+def check_plan(command: JobCommand[Any, Any, Any], job: Any) -> None:
+    """On a GPU, refuse a job a role of which will not fit this machine's GPUs (one line,
+    before any worker starts); on the CPU (no device memory to check) nothing."""
+    from drivetrain.trainer.device_defaults import on_gpu
+
+    inputs = command.plan_inputs(job) if on_gpu() else None
+    if inputs is not None:
+        from drivetrain.trainer.planning import check_fits, local_target
+
+        check_fits(inputs, local_target(inputs.ranks))
+
+
 def run_job_command(
     command: JobCommand[Any, Any, Any],
     *,
@@ -127,8 +144,10 @@ def run_job_command(
     dry_run: bool,
     resume: str,
     overwrite: bool,
+    plan_check: bool = True,
 ) -> None:
-    """Run ``command``'s steps; what stops it early ends in one line."""
+    """Run ``command``'s steps; what stops it early ends in one line. On a GPU a job a role
+    of which will not fit is refused before any worker starts (``plan_check``)."""
     console = command.console
     with ending_in_one_line(console):
         if print_config:
@@ -147,6 +166,8 @@ def run_job_command(
         if resume not in ("auto", "none"):
             verify_checkpoint(Path(resume))  # before any worker starts
         console.print(command.describe(prepared))
+        if plan_check:
+            check_plan(command, job)
         if dry_run:
             print_ok(console, f"dry run: config, {command.what}, model and data are valid")
             return
