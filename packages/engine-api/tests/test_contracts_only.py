@@ -1,19 +1,20 @@
 """engine-api is the contracts and their kits (issue 40): the machinery that serves them lives
 in drivetrain-runtime or where it is used, so the api every plugin pins stays small enough to
-read. Its modules stay within 2,720 lines (2,500 until ``Rollout.background_generation``
+read. Its modules stay within 2,780 lines (2,500 until ``Rollout.background_generation``
 joined the contract, 2,510 until ``hosting.HostingConfig``, the knobs of a rollout in another
 environment, did: its machinery is drivetrain-runtime's; 2,549 until the optional
 ``Environment.demonstration``; 2,557 until ``numerics`` (an engine's and a rollout's) and the
 optional ``trace_ops`` of both, for exact numerics and where a gap comes from; 2,590 until
 routing replay's ``routed_experts``: the column, ``RoutedExperts`` on chunks and completions, the
-engines' ``OutputSpec.routed_experts``, the rollouts' ``return_routed_experts``); the kits are
-drivetrain-testing's."""
+engines' ``OutputSpec.routed_experts``, the rollouts' ``return_routed_experts``; 2,720 until an
+engine's optional planner: ``PluginSpec.planner`` and ``plan``'s ``RankWork`` and ``MemoryPlan``);
+the kits are drivetrain-testing's."""
 
 from pathlib import Path
 
 import drivetrain.api
 
-BUDGET = 2_720
+BUDGET = 2_780
 
 
 def test_the_api_outside_its_kits_stays_within_its_budget():

@@ -64,8 +64,8 @@ def test_on_a_gpu_a_job_that_will_not_fit_is_refused_before_it_starts(
     empty_cache, tmp_path, monkeypatch
 ):
     """The check runs where there is device memory to check: a GPU (faked here, with 0.1 GiB)."""
-    from drivetrain.api.plan import Accelerator, PlanTarget
     from drivetrain.trainer import device_defaults, planning
+    from drivetrain.trainer.plan_target import Accelerator, PlanTarget
     from drivetrain.trainer.sft import job as sft_job
 
     small = Accelerator("tiny-gpu", 0.1, 0.0, 0.0)

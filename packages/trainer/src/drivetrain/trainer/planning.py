@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from drivetrain.api import ConfigError, EngineConfig, registry
-from drivetrain.api.plan import Accelerator, GiB, MemoryPlan, PlanTarget, RankWork
+from drivetrain.api.plan import GiB, MemoryPlan, RankWork
+from drivetrain.trainer.plan_target import Accelerator, PlanTarget
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def plan_role(
     if not (Path(config.model.path) / "config.json").is_file():
         return RolePlan(role, engine, work, reason=f"no model config at {config.model.path}")
     try:
-        return RolePlan(role, engine, work, plan=planner(config, target, work))
+        return RolePlan(role, engine, work, plan=planner(config, target.gpus, work))
     except NotImplementedError as exc:
         return RolePlan(role, engine, work, reason=str(exc))
 

@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from drivetrain.api import MicroBatchConfig, OptimConfig
 from drivetrain.api.batch import Batch
 from drivetrain.api.errors import ConfigError
-from drivetrain.api.plan import MemoryPlan, PlanTarget, RankWork
+from drivetrain.api.plan import MemoryPlan, RankWork
 from drivetrain.engine.fsdp.config import FSDPConfig
 
 CATEGORIES = {  # FSDPMemTracker's names -> the plan's
@@ -108,9 +108,8 @@ def _forward_backward(
     (-out["log_probs"].sum() * world).backward()
 
 
-def plan_memory(config: FSDPConfig, target: PlanTarget, work: RankWork) -> MemoryPlan:
-    """The busiest rank's memory for ``work`` under ``config`` on ``target`` (world size:
-    ``target.gpus``)."""
+def plan_memory(config: FSDPConfig, world: int, work: RankWork) -> MemoryPlan:
+    """The busiest rank's memory for ``work`` under ``config`` over ``world`` ranks."""
     import transformers.masking_utils as masking
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -135,7 +134,6 @@ def plan_memory(config: FSDPConfig, target: PlanTarget, work: RankWork) -> Memor
         raise ConfigError("attention='varlen' plans documents; other attention plans rows")
     hf_config = AutoConfig.from_pretrained(config.model.path)
     hf_config.use_cache = False
-    world = target.gpus
     optim = OptimConfig(**{**config.optim.__dict__, "total_steps": 2})
     fake = FakeTensorMode()
     row = _documents_row(work) if packed else None
@@ -180,8 +178,8 @@ def plan_memory(config: FSDPConfig, target: PlanTarget, work: RankWork) -> Memor
         world_size=world,
         peak_bytes=total,
         by_category=by_category,
-        method="fsdp2's own model, sharding and optimizer on fake tensors (FSDPMemTracker)",
-        notes=("not counted: CUDA context, NCCL and cuBLAS workspaces, fragmentation",),
+        method="fsdp2's own model, sharding and optimizer on fake tensors (FSDPMemTracker); "
+        "not counted: the CUDA context, NCCL and cuBLAS workspaces, fragmentation",
     )
 
 

@@ -42,7 +42,7 @@ def plan(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object, nothing else.")] = False,
 ) -> None:
     """Plan a job for a cluster: per-rank memory of each training role, and whether it fits."""
-    from drivetrain.api.plan import PlanTarget, accelerator
+    from drivetrain.trainer.plan_target import PlanTarget, accelerator
     from drivetrain.trainer.planning import plan_with_fixes, refusal, rl_inputs, sft_inputs
 
     target = PlanTarget(accelerator(gpu), gpus=gpus, nodes=nodes)
