@@ -263,26 +263,22 @@ class Registry:
 
     def load_config_class(self, name: str, default: type) -> type:
         """The plugin's config dataclass (``default`` if it declares none)."""
-        spec = self.spec(name)
-        if not spec.config:
-            return default
-        try:
-            return _import_target(spec.config)
-        except Exception as exc:
-            raise PluginError(
-                f"{self.kind} {name!r}: config {spec.config} failed to import: {exc}"
-            ) from exc
+        return self._declared(name, "config") or default
 
     def load_planner(self, name: str) -> Any | None:
         """The plugin's planner function (``drivetrain.api.plan``), or None if it has none."""
-        spec = self.spec(name)
-        if not spec.planner:
+        return self._declared(name, "planner")
+
+    def _declared(self, name: str, label: str) -> Any | None:
+        """What the spec's ``label`` field names ("module:attribute"), imported; None if empty."""
+        target = getattr(self.spec(name), label)
+        if not target:
             return None
         try:
-            return _import_target(spec.planner)
+            return _import_target(target)
         except Exception as exc:
             raise PluginError(
-                f"{self.kind} {name!r}: planner {spec.planner} failed to import: {exc}"
+                f"{self.kind} {name!r}: {label} {target} failed to import: {exc}"
             ) from exc
 
     def inspect(self, *, load: bool = True) -> list[PluginRecord]:
