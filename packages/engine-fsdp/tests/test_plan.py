@@ -75,3 +75,29 @@ def test_sharding_over_eight_ranks_divides_the_states(llama_1b):
     for state in ("parameters", "gradients", "optimizer"):
         assert eight.by_category[state] == pytest.approx(one.by_category[state] / 8, rel=0.02)
     assert eight.peak_bytes < one.peak_bytes
+
+
+@pytest.mark.timeout(300)
+def test_a_process_with_a_process_group_plans_in_a_child(tmp_path):
+    """A rank (or a test worker) already holds the default process group: the plan is made in
+    a child process (JSON both ways)."""
+    import torch.distributed as dist
+
+    from fsdp_harness import build_tiny_model
+
+    model = build_tiny_model(str(tmp_path / "tiny"), family="llama")
+    config = FSDPConfig(model=ModelConfig(path=model, dtype="bfloat16"))
+    work = RankWork(documents=(40, 24), micro_batches=2)
+    from drivetrain.engine.fsdp.plan_child import plan_in_child
+
+    ours = not dist.is_initialized()  # a test worker may hold one from an earlier test
+    if ours:
+        dist.init_process_group(
+            "gloo", store=dist.FileStore(str(tmp_path / "s"), 1), rank=0, world_size=1
+        )
+    try:
+        child = plan_memory(config, 2, work)
+    finally:
+        if ours:
+            dist.destroy_process_group()
+    assert child == plan_in_child(config, 2, work) and child.peak_bytes > 0

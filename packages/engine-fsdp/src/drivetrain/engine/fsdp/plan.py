@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from drivetrain.api import MicroBatchConfig, OptimConfig
+from drivetrain.api import OptimConfig
 from drivetrain.api.batch import Batch
 from drivetrain.api.errors import ConfigError
 from drivetrain.api.plan import MemoryPlan, RankWork
@@ -109,7 +109,18 @@ def _forward_backward(
 
 
 def plan_memory(config: FSDPConfig, world: int, work: RankWork) -> MemoryPlan:
-    """The busiest rank's memory for ``work`` under ``config`` over ``world`` ranks."""
+    """The busiest rank's memory for ``work`` under ``config`` over ``world`` ranks. A process
+    that holds a process group of its own (a rank, a test worker) plans in a child process:
+    the fake one must be the default group."""
+    if dist.is_initialized():
+        from drivetrain.engine.fsdp.plan_child import plan_in_child
+
+        return plan_in_child(config, world, work)
+    return plan_here(config, world, work)
+
+
+def plan_here(config: FSDPConfig, world: int, work: RankWork) -> MemoryPlan:
+    """:func:`plan_memory` in this process (which must hold no process group)."""
     import transformers.masking_utils as masking
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -181,10 +192,3 @@ def plan_memory(config: FSDPConfig, world: int, work: RankWork) -> MemoryPlan:
         method="fsdp2's own model, sharding and optimizer on fake tensors (FSDPMemTracker); "
         "not counted: the CUDA context, NCCL and cuBLAS workspaces, fragmentation",
     )
-
-
-def micro_batch_of(config: MicroBatchConfig) -> str:
-    """How ``config`` cuts a step, in words (for the plan's table)."""
-    if config.max_tokens:
-        return f"up to {config.max_tokens} tokens"
-    return f"{config.micro_batch_size} rows"
