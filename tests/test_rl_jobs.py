@@ -1,8 +1,10 @@
 """`drivetrain grpo` / `drivetrain ppo` on a tiny model: in-process GRPO and PPO with a critic,
-colocated and separate Ray placement giving the same first update, failure and resume."""
+colocated and separate Ray placement giving the same first update, a rollout on another node of
+a cluster, a lost node and resume."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import pytest
 from cli_run import run_command
 from drivetrain.trainer.builtin.tiny_model import build_tiny_chat_model
 from golden import check_golden
+from ray_cluster import Node, RayCluster
 from rl_support import (
     check_async_steps,
     kill_mid_run,
@@ -215,19 +218,37 @@ def test_colocated_and_separate_give_the_same_first_update(tmp_path):
     assert digests["colocated"] == digests["separate"]
 
 
+def placed(stderr: str) -> tuple[list[str], list[str]]:
+    """The nodes of the actor's ranks and of the rollouts, from the job's placement line
+    (``actor ranks on 1 node(s): 0 ab12cd34 (127.0.0.1), ...; rollouts on ...``)."""
+    line = next(x for x in stderr.splitlines() if x.startswith("actor ranks on"))
+    ranks, rollouts = line.split("; ")
+    return [
+        [entry.split(" ")[1] for entry in part.split(": ", 1)[1].split(", ")]
+        for part in (ranks, rollouts)
+    ]
+
+
 @pytest.mark.slow
-@pytest.mark.serial  # Ray: two workers and a rollout replica
-def test_async_on_separate_ray_placement_stays_within_its_staleness_bound(tmp_path):
-    """2 actor ranks on Ray and a rollout replica on its own bundle, generating ahead of
-    training (weights over the broadcast transport between steps): every trained sample at
-    most one version behind, tagged with its versions, the replica updated each step."""
+@pytest.mark.serial  # a Ray cluster of three nodes: two workers and a rollout replica
+def test_async_grpo_with_the_rollout_on_another_node(tmp_path):
+    """2 actor ranks on one node of a cluster (2 CPUs), the rollout replica on another (1 CPU),
+    generating ahead of training: the weights cross the nodes over the broadcast transport
+    (never shared memory); every trained sample at most one version behind, tagged with its
+    versions, the replica updated each step."""
     base = make_rl_job(tmp_path)
     out = tmp_path / "run"
-    summary, _ = run_rl(
-        "grpo", *base, f"run.output_dir={out}", "run.steps=3", "workers.num=2",
-        "placement.mode=separate", "algorithm.mode=async", "algorithm.ahead.max_staleness=1",
-        env=sft_env(tmp_path),
-    )  # fmt: skip
+    with RayCluster(sft_env(tmp_path)) as cluster:
+        cluster.add_node(cpus=2)
+        cluster.add_node(cpus=1)
+        summary, done = run_rl(
+            "grpo", *base, f"run.output_dir={out}", "run.steps=3", "workers.num=2",
+            "placement.mode=separate", "algorithm.mode=async", "algorithm.ahead.max_staleness=1",
+            f"workers.ray_address={cluster.address}", env=sft_env(tmp_path),
+        )  # fmt: skip
+    ranks, rollouts = placed(done.stderr)
+    assert len(set(ranks)) == 1 and rollouts[0] not in ranks, (ranks, rollouts)
+    assert "weights via broadcast" in done.stderr
     assert summary["steps"] == 3
     rows = [r for r in metrics_rows(out) if "reward/mean" in r]
     check_async_steps(out, rows, max_staleness=1)
@@ -238,33 +259,47 @@ def test_async_on_separate_ray_placement_stays_within_its_staleness_bound(tmp_pa
     )
 
 
-def _rank_actor_pids() -> list[int]:
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        cmd = " ".join(proc.info["cmdline"] or [])
-        if cmd.startswith("ray::RankActor"):
-            found.append(proc.pid)
-    return found
+def node_of_rank_1(nodes: list[Node]) -> Node:
+    """The node whose processes include a rank's actor (the second one found)."""
+    hosting = []
+    for node in nodes:
+        for child in psutil.Process(node.process.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if " ".join(child.cmdline()).startswith("ray::RankActor"):
+                    hosting.append(node)
+    assert len(hosting) == 2, [n.name for n in hosting]
+    return hosting[1]
 
 
 @pytest.mark.slow
-@pytest.mark.serial  # Ray, and it counts the machine's ray::RankActor processes
-def test_killed_worker_fails_fast_and_resume_continues(tmp_path):
+@pytest.mark.serial  # a Ray cluster of four nodes, one of them killed
+def test_a_lost_node_fails_the_run_fast_and_resume_continues_on_the_rest(tmp_path):
+    """Colocated GRPO with its two ranks on two of three one-CPU nodes: the raylet of rank 1's
+    node is killed (its machine is gone) after step 2's checkpoint; the run stops in one line
+    within its deadline, and `--resume auto` on the two nodes left continues to the end from
+    an untorn checkpoint."""
     base = make_rl_job(tmp_path)
     out = tmp_path / "run"
-    # enough steps that the run is still going when the kill lands (a step takes < 1 s)
-    args = [*base, f"run.output_dir={out}", "run.steps=20", "run.save_every=1", "workers.num=2"]
+    env = sft_env(tmp_path)
+    with RayCluster(env) as cluster:
+        nodes = [cluster.add_node(cpus=1) for _ in range(3)]
+        args = [*base, f"run.output_dir={out}", "run.steps=20", "run.save_every=1",
+                "workers.num=2", f"workers.ray_address={cluster.address}"]  # fmt: skip
+        lost: list[Node] = []
 
-    def rank_1(run: int) -> int:
-        victims = _rank_actor_pids()
-        assert len(victims) == 2, victims
-        return victims[1]
+        def raylet_of_rank_1(run: int) -> int:
+            lost.append(node_of_rank_1(nodes))
+            return lost[0].raylet_pid()
 
-    elapsed, stderr = kill_mid_run(args, out, sft_env(tmp_path), rank_1)
-    print(f"the run failed {elapsed:.1f} s after rank 1 was killed")
-    assert elapsed < 120
-    assert "a Ray worker died" in stderr, stderr[-3000:]
-    summary, done = run_rl("grpo", *args, "--resume", "auto", env=sft_env(tmp_path))
+        elapsed, stderr = kill_mid_run(args, out, env, raylet_of_rank_1)
+        print(f"the run failed {elapsed:.1f} s after {lost[0].name}'s raylet was killed")
+        assert elapsed < 120
+        errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "a Ray worker died" in errors[0], stderr[-3000:]
+        summary, done = run_rl("grpo", *args, "--resume", "auto", env=env)
     assert "resumed from" in done.stderr and summary["steps"] == 20
+    before, after = placed(stderr)[0], placed(done.stderr)[0]
+    # two nodes each time; the one lost is gone, the third took its place
+    assert len(set(before)) == len(set(after)) == 2 and len(set(before) & set(after)) == 1
     steps = [r["step"] for r in metrics_rows(out) if "reward/mean" in r]
     assert steps == list(range(1, 21))

@@ -1,21 +1,13 @@
-"""The same SFT job in-process, under torchrun and on Ray gives the same loss curve (fp32)."""
+"""The same SFT job in-process, under torchrun and on Ray (one machine, or two nodes of a
+cluster) gives the same loss curve (fp32); a node that cannot see the job's files is refused."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
-
 import pytest
 
-from sft_support import make_job, run_sft, sft_env, train_losses
+from cli_run import run_command
+from ray_cluster import RayCluster, can_hide_directories
+from sft_support import make_job, run_sft, sft_command, sft_env, train_losses
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -49,55 +41,49 @@ def test_ray_two_actors_local(job):
     assert_same_curve(reference, train_losses(root / "ray"))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
-def ray_head(job):
-    """A Ray cluster started the way users start one, on loopback, joined by address.
-
-    Stopped by signalling its own head process: `ray stop` would kill every Ray process on the
-    machine, other jobs' included."""
+def two_nodes(job):
+    """A Ray cluster of two one-CPU nodes (and a head with none) on this machine."""
     root, _, _ = job
-    env = sft_env(root)
-    port = free_port()
-    temp_dir = Path(tempfile.mkdtemp(prefix="rt_", dir="/tmp"))  # unix sockets: <= 107 bytes
-    start = [
-        str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
-        "--node-ip-address=127.0.0.1", f"--port={port}",
-        f"--ray-client-server-port={free_port()}", "--dashboard-agent-listen-port=0",
-        "--include-dashboard=false", "--num-cpus=2", "--num-gpus=0", f"--temp-dir={temp_dir}",
-        "--disable-usage-stats",
-    ]  # fmt: skip
-    log = open(temp_dir / "head.log", "w")  # noqa: SIM115 - closed below
-    head = subprocess.Popen(
-        start, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    try:
-        ready = temp_dir / "ray_current_cluster"
-        deadline = time.monotonic() + 120
-        while not ready.exists():
-            assert head.poll() is None, (temp_dir / "head.log").read_text()
-            assert time.monotonic() < deadline, "the Ray head did not come up in 120 s"
-            time.sleep(0.2)
-        yield f"127.0.0.1:{port}"
-    finally:
-        head.terminate()
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(head.pid, signal.SIGKILL)  # workers share the head's session
-        log.close()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    with RayCluster(sft_env(root)) as cluster:
+        nodes = [cluster.add_node(cpus=1) for _ in range(2)]
+        yield cluster, nodes
 
 
-@pytest.mark.slow  # a Ray head's start and two actors: 30-37 s
-def test_ray_two_actors_on_an_existing_cluster(job, ray_head):
+@pytest.mark.slow  # a cluster of three Ray nodes and two actors: 40 s
+def test_ray_ranks_on_two_nodes_of_a_cluster(job, two_nodes):
+    """Each node holds one CPU, so the two ranks land on two nodes (one per machine, as on a
+    real cluster), rendezvous across them and train the same curve as one process."""
     root, base, reference = job
-    run_sft(root, root / "ray-cluster", *base, "workers.num=2", f"workers.ray_address={ray_head}")
-    assert_same_curve(reference, train_losses(root / "ray-cluster"))
+    cluster, _ = two_nodes
+    out = root / "two-nodes"
+    cmd = sft_command(f"run.output_dir={out}", *base, "workers.num=2",
+                      f"workers.ray_address={cluster.address}")  # fmt: skip
+    done = run_command(cmd, env=sft_env(root), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    placed = next(line for line in done.stderr.splitlines() if line.startswith("actor ranks on"))
+    assert placed.startswith("actor ranks on 2 node(s): 0 "), placed
+    assert_same_curve(reference, train_losses(out))
+
+
+@pytest.mark.slow  # a cluster of three Ray nodes, refused before any engine: 25 s
+@pytest.mark.skipif(not can_hide_directories(), reason="needs a mount namespace (unshare -m)")
+def test_a_node_that_cannot_see_the_output_directory_fails_in_one_line(job):
+    """One node has its own empty disk where the others see the job's directory (the model,
+    the output directory): the run stops before any engine is built, naming the node and what
+    it cannot see, and nothing of a checkpoint is written."""
+    root, base, _ = job
+    out = root / "blind"
+    with RayCluster(sft_env(root)) as cluster:
+        cluster.add_node(cpus=1)
+        cluster.add_node(cpus=1, blind_to=root)
+        cmd = sft_command(f"run.output_dir={out}", *base, "workers.num=2",
+                          f"workers.ray_address={cluster.address}")  # fmt: skip
+        done = run_command(cmd, env=sft_env(root), timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    error = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1, done.stderr[-3000:]
+    assert f"cannot see run.output_dir={out} (no marker from the controller" in error[0]
+    assert f"engine.model.path={root / 'model'} (no such path)" in error[0]
+    assert "shared filesystem" in error[0]
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())

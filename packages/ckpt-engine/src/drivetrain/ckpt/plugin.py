@@ -20,7 +20,7 @@ BROADCAST = PluginSpec(
     factory="drivetrain.ckpt.broadcast:BroadcastTransport",
     config="drivetrain.ckpt.config:BroadcastConfig",
     api=API,
-    capabilities=frozenset({"device:cpu", "device:cuda", "device:npu"}),
+    capabilities=frozenset({"device:cpu", "device:cuda", "device:npu", "cross_node"}),
     install_hint=INSTALL,
     description="process group from the trainer to every rollout: NCCL, HCCL or gloo by device",
 )
@@ -30,7 +30,7 @@ DISK = PluginSpec(
     factory="drivetrain.ckpt.disk:DiskTransport",
     config="drivetrain.ckpt.config:DiskConfig",
     api=API,
-    capabilities=frozenset({"device:cpu", "device:cuda", "device:npu"}),
+    capabilities=frozenset({"device:cpu", "device:cuda", "device:npu", "cross_node"}),
     install_hint=INSTALL,
     description="safetensors shards in a shared directory, published atomically",
 )

@@ -52,6 +52,7 @@ KNOWN_CAPABILITIES = frozenset(
         "exact_numerics",  # numerics=exact: log-probs bitwise equal to a peer that declares it
         "routing_replay",  # engines: replay a batch's routed_experts; report their own routing
         "routed_experts",  # rollouts: rollout.return_routed_experts (mixture-of-experts models)
+        "cross_node",  # transports: reaches a rollout on another machine of a cluster
         "device:cpu",  # runs on that device; a plugin listing no device:* makes no claim
         "device:cuda",
         "device:npu",

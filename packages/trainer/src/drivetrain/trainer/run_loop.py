@@ -38,6 +38,7 @@ from drivetrain.trainer.workers.group import (
     launched_by_torchrun,
 )
 from drivetrain.trainer.workers.launch import make_worker_group, writes_files
+from drivetrain.trainer.workers.shared_paths import SharedPaths
 
 R = TypeVar("R")
 
@@ -214,13 +215,18 @@ def run_on_workers(
     resume: str,
     overwrite: bool,
     console: Console,
+    reads: Mapping[str, str],
 ) -> R | None:
     """SFT's and DPO's run: :func:`run_job` launching their worker group (``factory`` on
-    ``config.workers``) and the job over it; the group closes after the run."""
+    ``config.workers``) and the job over it; the group closes after the run. ``reads``: config
+    key -> the model paths the ranks load (on a cluster, every node must see them)."""
 
     @contextlib.contextmanager
     def launched() -> Iterator[Job[R]]:
-        group = make_worker_group(factory, config.workers)
+        shared = SharedPaths.of(config.run.output_dir, reads)
+        group = make_worker_group(factory, config.workers, shared=shared)
+        if line := group.where():
+            console.print(line)
         try:
             yield job(group)
         finally:

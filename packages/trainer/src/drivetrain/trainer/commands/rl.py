@@ -97,6 +97,8 @@ class RLCommand(JobCommand["RLJob", "PreparedRL", "RLResult"]):
         @contextlib.contextmanager
         def launched() -> Iterator[RLTrainer]:
             placement = self.jobs.start(prepared)  # the RL job's worker groups and rollouts
+            if placement.where:
+                console.print(placement.where)
             try:
                 yield RLTrainer(prepared.setup, placement, console)
             finally:

@@ -165,6 +165,11 @@ def run_dpo(
 
     factory = functools.partial(PreferenceWorker, role_specs(prepared))
     yaml, out = job.to_yaml(), console or plain_console()
+    reads = {
+        "engine.model.path": c.engine.model.path,
+        "reference.model_path": c.reference.model_path,
+    }
     return run_on_workers(
-        factory, trainer, c, config_yaml=yaml, resume=resume, overwrite=overwrite, console=out
-    )
+        factory, trainer, c, config_yaml=yaml, resume=resume, overwrite=overwrite, console=out,
+        reads=reads,
+    )  # fmt: skip

@@ -57,6 +57,7 @@ from drivetrain.trainer.workers.role_worker import (
     TEACHER,
     RoleSpec,
 )
+from drivetrain.trainer.workers.shared_paths import SharedPaths
 
 PRESETS = Path(__file__).parent / "presets"
 #: What each command changes from RLConfig's defaults (and the built-in job's file): the
@@ -362,8 +363,14 @@ def start(prepared: PreparedRL) -> Placement:
         rollout_config=rollout_config(job),
         transport=job.transport,
         sync_config=c.weight_sync,
+        shared=SharedPaths.of(c.run.output_dir, model_paths(prepared)),
     )
     return build_placement(spec)
+
+
+def model_paths(prepared: PreparedRL) -> dict[str, str]:
+    """Config key -> the model path each role's ranks load (every node must see them)."""
+    return {f"{role}.model.path": spec.config.model.path for role, spec in prepared.roles.items()}
 
 
 def describe(prepared: PreparedRL) -> str:

@@ -36,6 +36,7 @@ from drivetrain.trainer.rl.sync_worker import SyncingWorker
 from drivetrain.trainer.workers.group import LocalWorkerGroup, WorkerGroup
 from drivetrain.trainer.workers.ray_runtime import driver_env, ensure_ray, wait_all
 from drivetrain.trainer.workers.role_worker import RoleSpec
+from drivetrain.trainer.workers.shared_paths import SharedPaths
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +135,7 @@ class Placement:
     rollouts: RolloutService
     weights: WeightSyncManager
     started_ray: bool = False
+    where: str = ""  # on Ray: the nodes of the ranks and of the rollouts, in one line
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -169,6 +171,7 @@ class PlacementSpec:
     rollout_config: RolloutConfig
     transport: str
     sync_config: WeightSyncConfig
+    shared: SharedPaths  # what every rank's node must see (a cluster's shared filesystem)
 
 
 def build_placement(spec: PlacementSpec) -> Placement:
@@ -232,6 +235,20 @@ def _rollout_options(spec: PlacementSpec, group: Any) -> list[dict[str, Any]]:
     ]
 
 
+def check_reaches(transport: str, trainer: Any, rollouts: Sequence[Any]) -> None:
+    """Refuse, in one line, a transport that cannot cross machines when a rollout runs on
+    another node than the actor's rank 0 (which sends the weights): shared memory or CUDA IPC
+    handles mean nothing on another machine. Nodes compare as :class:`NodeOf` do."""
+    away = [i for i, node in enumerate(rollouts) if node != trainer]
+    if not away or "cross_node" in registry.ckpt_engines.spec(transport).capabilities:
+        return
+    raise ConfigError(
+        f"rollout {away[0]} runs on node {rollouts[away[0]]} and the actor's rank 0 on "
+        f"{trainer}, but the {transport} weight-sync transport stays on one machine (it does "
+        "not declare cross_node); use --weight-sync broadcast (or disk on a shared filesystem)"
+    )
+
+
 def _ray_placement(spec: PlacementSpec, factory: Any) -> Placement:
     workers, p = spec.workers, spec.placement
     colocated = spec.mode == "colocated"
@@ -246,14 +263,13 @@ def _ray_placement(spec: PlacementSpec, factory: Any) -> Placement:
     started = ensure_ray(workers, min_cpus=workers.num * workers.cpus_per_worker + extra)
     import ray
 
-    from drivetrain.trainer.workers.ray_group import RayWorkerGroup
+    from drivetrain.trainer.workers.ray_group import RayWorkerGroup, placement_line
 
     group = None
     handles: list[RemoteRollout] = []
     try:
-        group = RayWorkerGroup(
-            factory, workers, share=1.0 - p.colocated_share if colocated else 1.0
-        )
+        share = 1.0 - p.colocated_share if colocated else 1.0
+        group = RayWorkerGroup(factory, workers, shared=spec.shared, share=share)
         actor_class, env = ray.remote(**ACTOR_OPTIONS)(RolloutActor), driver_env()
         actors = [
             actor_class.options(**options).remote(spec.rollout_name, spec.rollout_config, env)
@@ -262,6 +278,9 @@ def _ray_placement(spec: PlacementSpec, factory: Any) -> Placement:
         pids = wait_all(
             [a.pid.remote() for a in actors], workers.start_timeout_s, "starting rollouts"
         )
+        nodes = wait_all([a.node.remote() for a in actors], 60, "locating the rollouts")
+        check_reaches(spec.transport, group.nodes[0], nodes)
+        where = f"{group.where()}; {placement_line('rollouts', nodes)}"
         handles = [
             RemoteRollout(
                 spec.rollout_config,
@@ -283,7 +302,7 @@ def _ray_placement(spec: PlacementSpec, factory: Any) -> Placement:
             colocated=colocated,
             adapter=takes_adapters(spec.rollout_config),
         )
-        return Placement(spec.mode, group, service, weights, started_ray=started)
+        return Placement(spec.mode, group, service, weights, started_ray=started, where=where)
     except BaseException:
         for handle in handles:
             with contextlib.suppress(Exception):

@@ -41,6 +41,11 @@ class RolloutActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def node(self) -> Any:
+        from drivetrain.trainer.workers.ray_group import this_node
+
+        return this_node()
+
     def ping(self) -> int:
         """Runs in the ``ping`` concurrency group, beside a long ``call``."""
         return os.getpid()

@@ -168,6 +168,8 @@ def run_sft(
 
     factory = functools.partial(EngineWorker, job.engine_name, engine_config_for_run(prepared))
     yaml, out = job.to_yaml(), console or plain_console()
+    reads = {"engine.model.path": config.engine.model.path}
     return run_on_workers(
-        factory, trainer, config, config_yaml=yaml, resume=resume, overwrite=overwrite, console=out
-    )
+        factory, trainer, config, config_yaml=yaml, resume=resume, overwrite=overwrite,
+        console=out, reads=reads,
+    )  # fmt: skip

@@ -82,6 +82,11 @@ class WorkerGroup(abc.ABC):
     def parallel(self) -> ParallelInfo:
         """The layout of rank 0 (world size, data-parallel size)."""
 
+    def where(self) -> str:
+        """One line saying which machines the ranks run on, where that is worth saying (Ray:
+        the nodes of a cluster); empty otherwise."""
+        return ""
+
     def run_all(self, method: WorkerCall[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """``method`` on every rank; rank 0's result (every rank returns the same)."""
         _positional_only(kwargs)

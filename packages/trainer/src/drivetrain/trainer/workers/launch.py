@@ -12,6 +12,7 @@ from drivetrain.trainer.workers.group import (
     WorkerGroup,
     launched_by_torchrun,
 )
+from drivetrain.trainer.workers.shared_paths import SharedPaths
 
 
 def resolve_launcher(workers: WorkersConfig) -> str:
@@ -30,8 +31,11 @@ def writes_files(workers: WorkersConfig) -> bool:
     return True
 
 
-def make_worker_group(factory: WorkerFactory, workers: WorkersConfig) -> WorkerGroup:
-    """The ranks ``factory`` builds, launched as ``workers`` says."""
+def make_worker_group(
+    factory: WorkerFactory, workers: WorkersConfig, *, shared: SharedPaths
+) -> WorkerGroup:
+    """The ranks ``factory`` builds, launched as ``workers`` says; Ray's ranks (on any node of
+    a cluster) must see ``shared`` first."""
     launcher = resolve_launcher(workers)
     if launcher == "torchrun":
         if not launched_by_torchrun():
@@ -49,4 +53,4 @@ def make_worker_group(factory: WorkerFactory, workers: WorkersConfig) -> WorkerG
         return LocalWorkerGroup(factory)
     from drivetrain.trainer.workers.ray_group import RayWorkerGroup
 
-    return RayWorkerGroup(factory, workers)
+    return RayWorkerGroup(factory, workers, shared=shared)

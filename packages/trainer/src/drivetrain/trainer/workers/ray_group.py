@@ -13,12 +13,36 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from typing import Any
+from typing import Any, NamedTuple
 
 from drivetrain.api import Batch, ParallelInfo
 from drivetrain.trainer.job_config import WorkersConfig
 from drivetrain.trainer.workers.group import WorkerFactory, WorkerGroup
 from drivetrain.trainer.workers.ray_runtime import ensure_ray, wait_all
+from drivetrain.trainer.workers.shared_paths import SharedPaths, marked, refuse_unseen, unseen
+
+
+class NodeOf(NamedTuple):
+    """Where an actor runs: its Ray node (the id, unique per node even when several share an
+    address, as in a cluster simulated on one machine) and the node's IP."""
+
+    node_id: str
+    ip: str
+
+    def __str__(self) -> str:
+        return f"{self.node_id[:8]} ({self.ip})"
+
+
+def this_node() -> NodeOf:
+    import ray
+
+    return NodeOf(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
+
+
+def placement_line(what: str, nodes: list[NodeOf]) -> str:
+    """``what`` and the nodes it runs on, in order: ``actor ranks on 2 node(s): ...``."""
+    count = len(set(nodes))
+    return f"{what} on {count} node(s): " + ", ".join(f"{i} {n}" for i, n in enumerate(nodes))
 
 
 def rendezvous_address() -> tuple[str, int]:
@@ -37,10 +61,11 @@ class RankActor:
     def __init__(self) -> None:
         self.worker: Any = None
 
-    def node_ip(self) -> str:
-        import ray
+    def node(self) -> NodeOf:
+        return this_node()
 
-        return ray.util.get_node_ip_address()
+    def unseen(self, paths: SharedPaths) -> list[str]:
+        return unseen(paths)
 
     def pid(self) -> int:
         return os.getpid()
@@ -66,8 +91,15 @@ class RankActor:
 
 class RayWorkerGroup(WorkerGroup):
     def __init__(
-        self, factory: WorkerFactory, workers: WorkersConfig, *, share: float = 1.0
+        self,
+        factory: WorkerFactory,
+        workers: WorkersConfig,
+        *,
+        shared: SharedPaths,
+        share: float = 1.0,
     ) -> None:
+        # before `import ray`: ensure_ray sets what Ray reads at import
+        self._started_ray = ensure_ray(workers, min_cpus=workers.num * workers.cpus_per_worker)
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -78,7 +110,6 @@ class RayWorkerGroup(WorkerGroup):
         self._pg = None
         self._broken = False
         self.is_writer = True
-        self._started_ray = ensure_ray(workers, min_cpus=workers.num * workers.cpus_per_worker)
         try:
             gpus = workers.gpus_per_worker
             if gpus < 0:
@@ -101,12 +132,13 @@ class RayWorkerGroup(WorkerGroup):
                 ).remote()
                 for rank in range(workers.num)
             ]
-            ips = wait_all(
-                [a.node_ip.remote() for a in self._actors], workers.start_timeout_s, "starting"
+            self.nodes: list[NodeOf] = wait_all(
+                [a.node.remote() for a in self._actors], workers.start_timeout_s, "starting"
             )
+            self._check_sees(shared)
             addr, port = wait_all(self._actors[0].rendezvous.remote(), 60, "rendezvous")
             setups = [
-                actor.setup.remote(factory, self._rank_env(rank, ips, addr, port, gpus > 0))
+                actor.setup.remote(factory, self._rank_env(rank, self.nodes, addr, port, gpus > 0))
                 for rank, actor in enumerate(self._actors)
             ]
             self._infos: list[ParallelInfo] = self._wait(
@@ -125,12 +157,25 @@ class RayWorkerGroup(WorkerGroup):
     def actors(self) -> list[Any]:
         return list(self._actors)
 
+    def _check_sees(self, shared: SharedPaths) -> None:
+        """Every rank's node sees the output directory and the model (one line if not)."""
+        with marked(shared) as paths:
+            found = wait_all(
+                [a.unseen.remote(paths) for a in self._actors], 60, "checking the shared paths"
+            )
+        refuse_unseen({rank: (str(self.nodes[rank]), f) for rank, f in enumerate(found)})
+
+    def where(self) -> str:
+        return placement_line("actor ranks", self.nodes)
+
     @staticmethod
-    def _rank_env(rank: int, ips: list[str], addr: str, port: int, gpu: bool) -> dict[str, str]:
-        same_node = [r for r, ip in enumerate(ips) if ip == ips[rank]]
+    def _rank_env(
+        rank: int, nodes: list[NodeOf], addr: str, port: int, gpu: bool
+    ) -> dict[str, str]:
+        same_node = [r for r, node in enumerate(nodes) if node == nodes[rank]]
         return {
             "RANK": str(rank),
-            "WORLD_SIZE": str(len(ips)),
+            "WORLD_SIZE": str(len(nodes)),
             # Ray gives each GPU actor its own CUDA_VISIBLE_DEVICES: its device is always 0.
             "LOCAL_RANK": "0" if gpu else str(same_node.index(rank)),
             "LOCAL_WORLD_SIZE": str(len(same_node)),
