@@ -16,12 +16,15 @@ GiB = 2**30
 @dataclass(frozen=True)
 class RankWork:
     """One rank's largest micro-batch: documents of these lengths (one packed row), or
-    ``rows`` padded rows of ``width`` tokens; ``micro_batches`` per optimizer step."""
+    ``rows`` padded rows of ``width`` tokens; ``micro_batches`` per optimizer step.
+    ``train`` False: a frozen role's forward (a reference, a teacher): no gradients, no
+    optimizer."""
 
     documents: tuple[int, ...] = ()
     rows: int = 0
     width: int = 0
     micro_batches: int = 1
+    train: bool = True
 
     @property
     def tokens(self) -> int:

@@ -89,7 +89,15 @@ def _documents_row(work: RankWork) -> Any:
 def _forward_backward(
     model: Any, fake: Any, config: FSDPConfig, work: RankWork, row: Any, world: int
 ) -> None:
-    """One micro-batch of ``work`` through the engine's model, forward and backward."""
+    """One micro-batch of ``work`` through the engine's model, forward and backward (forward
+    only, without autograd, for a frozen role)."""
+    with torch.set_grad_enabled(work.train):
+        _micro_batch(model, fake, config, work, row, world)
+
+
+def _micro_batch(
+    model: Any, fake: Any, config: FSDPConfig, work: RankWork, row: Any, world: int
+) -> None:
     from drivetrain.engine.fsdp.attention import set_packed_row
 
     if row is not None:
@@ -105,7 +113,9 @@ def _forward_backward(
         mask = torch.ones(work.rows, work.width, dtype=torch.long)
         targets = torch.zeros(work.rows * work.width, dtype=torch.long)
         out = model(ids, pos, targets, mask, 1.0, False)
-    (-out["log_probs"].sum() * world).backward()
+    if work.train:
+        scores = out["values"] if "values" in out else out["log_probs"]
+        (-scores.sum() * world).backward()
 
 
 def plan_memory(config: FSDPConfig, world: int, work: RankWork) -> MemoryPlan:
@@ -124,7 +134,7 @@ def plan_here(config: FSDPConfig, world: int, work: RankWork) -> MemoryPlan:
     import transformers.masking_utils as masking
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
     from drivetrain.engine.fsdp.attention import NAME
     from drivetrain.engine.fsdp.model import TokenOutputModel
@@ -135,7 +145,6 @@ def plan_here(config: FSDPConfig, world: int, work: RankWork) -> MemoryPlan:
         (config.ulysses_size > 1, "Ulysses sequence parallelism"),
         (config.strategy == "hybrid_shard", "hybrid_shard"),
         (config.model.lora.enabled, "LoRA"),
-        (config.model.value_head, "a value head"),
         (config.cpu_offload_policy, "cpu_offload_policy"),
     ):
         if refused:
@@ -143,7 +152,9 @@ def plan_here(config: FSDPConfig, world: int, work: RankWork) -> MemoryPlan:
     packed = config.attention == "varlen"
     if packed != bool(work.documents):
         raise ConfigError("attention='varlen' plans documents; other attention plans rows")
-    hf_config = AutoConfig.from_pretrained(config.model.path)
+    value_head = config.model.value_head  # a critic or reward model: one value a token
+    extra = {"num_labels": 1} if value_head else {}
+    hf_config = AutoConfig.from_pretrained(config.model.path, **extra)
     hf_config.use_cache = False
     optim = OptimConfig(**{**config.optim.__dict__, "total_steps": 2})
     fake = FakeTensorMode()
@@ -153,7 +164,8 @@ def plan_here(config: FSDPConfig, world: int, work: RankWork) -> MemoryPlan:
         masking, "_ignore_causal_mask_sdpa", lambda mask, q_length, kv_length, *a, **k: True
     )
     with _fake_world(world) as mesh, fake, full_rows:
-        hf = AutoModelForCausalLM.from_config(
+        auto = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
+        hf = auto.from_config(
             hf_config,
             dtype=torch.float32,  # the master copy, as the engine loads it
             attn_implementation=NAME if packed else config.attention,
@@ -161,14 +173,16 @@ def plan_here(config: FSDPConfig, world: int, work: RankWork) -> MemoryPlan:
         if config.model.gradient_checkpointing:
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         module = TokenOutputModel(
-            hf, value_head=False, logits_chunk=config.chunk_tokens(hf_config.vocab_size)
+            hf, value_head=value_head, logits_chunk=config.chunk_tokens(hf_config.vocab_size)
         )
         model = wrap_fsdp2(module, config, mesh, torch.device("cpu"))
-        optimizer, _ = build_optimizer(model, optim, torch.device("cuda"))  # fused, as on CUDA
-        with _KnownTokenCounts():  # a first step outside the count: AdamW's state exists
-            _forward_backward(model, fake, config, work, row, world)
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer = None
+        if work.train:
+            optimizer, _ = build_optimizer(model, optim, torch.device("cuda"))  # fused, as on CUDA
+            with _KnownTokenCounts():  # a first step outside the count: AdamW's state exists
+                _forward_backward(model, fake, config, work, row, world)
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         tracker = FSDPMemTracker(model, optimizer)
         with tracker, _KnownTokenCounts():
             # a second micro-batch meets the first's gradients (accumulation). The optimizer

@@ -16,16 +16,22 @@ from drivetrain.trainer.console import plain_console
 RL_JOBS = ("grpo", "ppo", "distill")
 
 
-def _untrained_as_base(config: Any, task: Any) -> Any:
-    """The built-in job's SFT model before it is trained has its base model's architecture."""
+def _untrained_as_base(inputs: Any, task: Any) -> Any:
+    """The built-in job's SFT model before it is trained has its base model's architecture:
+    roles on a model not made yet are planned on the base model."""
     from drivetrain.trainer.builtin.addition import AdditionAssets, ensure_assets
 
-    if (Path(config.model.path) / "config.json").is_file():
-        return config
     if not isinstance(getattr(task, "assets", None), AdditionAssets):
-        return config  # unplanned: no model config
-    base = ensure_assets().model_dir  # small, seconds: the tokenizer and the untrained model
-    return dataclasses.replace(config, model=dataclasses.replace(config.model, path=str(base)))
+        return inputs  # unplanned where there is no model config
+
+    def based(config: Any) -> Any:
+        if (Path(config.model.path) / "config.json").is_file():
+            return config
+        base = ensure_assets().model_dir  # small, seconds: the tokenizer and untrained model
+        return dataclasses.replace(config, model=dataclasses.replace(config.model, path=str(base)))
+
+    roles = tuple(dataclasses.replace(r, config=based(r.config)) for r in inputs.roles)
+    return dataclasses.replace(inputs, roles=roles)
 
 
 def plan(
@@ -42,11 +48,14 @@ def plan(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object, nothing else.")] = False,
 ) -> None:
     """Plan a job for a cluster: per-rank memory of each training role, and whether it fits."""
+    from drivetrain.trainer.plan_rank import rollout_share
+    from drivetrain.trainer.plan_report import lines, report, time_of
     from drivetrain.trainer.plan_target import PlanTarget, accelerator
-    from drivetrain.trainer.planning import plan_with_fixes, refusal, rl_inputs, sft_inputs
+    from drivetrain.trainer.planning import plan_with_fixes, rl_inputs, sft_inputs
 
     target = PlanTarget(accelerator(gpu), gpus=gpus, nodes=nodes)
     files, said = list(config or ()), list(overrides or ())
+    rollout_gpus = 0
     if job in RL_JOBS:
         from drivetrain.trainer.builtin.tasks import rl_task
         from drivetrain.trainer.rl.job import load_rl_job
@@ -56,41 +65,27 @@ def plan(
             job, engine=engine, rollout=rollout, files=files, overrides=said, task=task,
             train_prerequisites=False,
         )  # fmt: skip
-        inputs = rl_inputs(loaded.config, engine)
-        actor = _untrained_as_base(loaded.config.actor, loaded.task)
-        inputs = dataclasses.replace(inputs, roles=(("actor", engine, actor),))
+        inputs = _untrained_as_base(rl_inputs(loaded), loaded.task)
+        if inputs.colocated and inputs.rollout is None:  # sized from the model planned
+            share = rollout_share(loaded.rollout, loaded.config.rollout, inputs.roles[0].config)
+            inputs = dataclasses.replace(inputs, rollout=share)
+        rollout_gpus = loaded.config.placement.rollout_replicas
     elif job == "sft":
         from drivetrain.trainer.builtin.addition_sft import addition_sft
         from drivetrain.trainer.sft.job import load_sft_job
 
-        inputs = sft_inputs(
-            load_sft_job(
-                engine, files=files, overrides=said, task=addition_sft, train_prerequisites=False
-            ).config,
-            engine,
+        loaded_sft = load_sft_job(
+            engine, files=files, overrides=said, task=addition_sft, train_prerequisites=False
         )
+        inputs = sft_inputs(loaded_sft.config, engine)
     else:
         raise typer.BadParameter(f"{job!r}: plan takes grpo, ppo, distill or sft")
-    results = [
-        plan_with_fixes(role, name, cfg, inputs.sequences, inputs.length, target)
-        for role, name, cfg in inputs.roles
-    ]
-    rows = [{**p.row(target), "fits_with": [s for s, _ in fixes]} for p, fixes in results]
-    result = {"job": job, "gpus": gpus, "nodes": nodes, "gpu": gpu, "roles": rows}
+    planned, fixes = plan_with_fixes(inputs, target)
+    result = report(job, planned, fixes, time_of(inputs, target, rollout_gpus=rollout_gpus))
     if as_json:
         typer.echo(json.dumps(result))
     else:
-        for (planned, fixes), r in zip(results, rows, strict=True):
-            if not r["planned"]:
-                typer.echo(f"{r['role']} ({r['engine']}): unplanned: {r['reason']}")
-            elif not r["fits"]:
-                typer.echo(refusal(planned, target, fixes))
-            else:
-                parts = ", ".join(f"{k} {v:.3g}" for k, v in r["gib"].items() if v)
-                typer.echo(
-                    f"{r['role']} ({r['engine']}, {r['world_size']} ranks, {r['tokens']} tokens "
-                    f"in the largest micro-batch): peak {r['peak_gib']:g} GiB of "
-                    f"{r['device_gib']:g}: fits. GiB per rank: {parts}"
-                )
-    if any(r.get("fits") is False for r in rows):
+        for line in lines(result, planned, fixes):
+            typer.echo(line)
+    if result["fits"] is False:
         raise typer.Exit(1)

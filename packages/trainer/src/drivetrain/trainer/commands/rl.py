@@ -74,7 +74,7 @@ class RLCommand(JobCommand["RLJob", "PreparedRL", "RLResult"]):
     def plan_inputs(self, job: RLJob) -> Any:
         from drivetrain.trainer.planning import rl_inputs
 
-        return rl_inputs(job.config, self.engine)
+        return rl_inputs(job)
 
     def untrained(self, job: RLJob) -> list[str]:
         from drivetrain.trainer.builtin.prerequisites import untrained
