@@ -94,7 +94,7 @@ def test_a_process_with_a_process_group_plans_in_a_child(tmp_path):
     model = build_tiny_model(str(tmp_path / "tiny"), family="llama")
     config = FSDPConfig(model=ModelConfig(path=model, dtype="bfloat16"))
     work = RankWork(documents=(40, 24), micro_batches=2)
-    from drivetrain.engine.fsdp.plan_child import plan_in_child
+    from drivetrain.engine_core.plan_child import plan_in_child
 
     ours = not dist.is_initialized()  # a test worker may hold one from an earlier test
     if ours:
@@ -106,7 +106,8 @@ def test_a_process_with_a_process_group_plans_in_a_child(tmp_path):
     finally:
         if ours:
             dist.destroy_process_group()
-    assert child == plan_in_child(config, 2, work) and child.peak_bytes > 0
+    again = plan_in_child("drivetrain.engine.fsdp.plan:plan_here", config, 2, work)
+    assert child == again and child.peak_bytes > 0
 
 
 @pytest.mark.timeout(300)

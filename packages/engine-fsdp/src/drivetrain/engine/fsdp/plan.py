@@ -123,9 +123,9 @@ def plan_memory(config: FSDPConfig, world: int, work: RankWork) -> MemoryPlan:
     that holds a process group of its own (a rank, a test worker) plans in a child process:
     the fake one must be the default group."""
     if dist.is_initialized():
-        from drivetrain.engine.fsdp.plan_child import plan_in_child
+        from drivetrain.engine_core.plan_child import plan_in_child
 
-        return plan_in_child(config, world, work)
+        return plan_in_child("drivetrain.engine.fsdp.plan:plan_here", config, world, work)
     return plan_here(config, world, work)
 
 
