@@ -26,5 +26,6 @@ MEGATRON = PluginSpec(
         }
     ),
     install_hint="pip install drivetrain-engine-megatron",
+    planner="drivetrain.engine.megatron.plan:plan_memory",
     description="Megatron-Core GPTModel: TP, PP, SP, CP, EP/MoE, DDP + distributed optimizer",
 )
