@@ -23,6 +23,7 @@ BENCHMARKS = {
     "cli": ((), ("listing_speedup_vs_import_all",), 300),
     "engine_fsdp": ((), ("overhead_ratio", "packed_mfu_vs_dense", "packing_speedup"), 300),
     "packed_attention": ((), ("speedup_vs_per_document",), 120),
+    "plan_table": ((), (), 300),  # a plan on paper: no timing to compare
     "sft": ((), ("speedup_vs_trl", "speedup_vs_trl_default"), 600),
     "grpo": ((), ("step_speedup_vs_trl", "step_speedup_vs_trl_default"), 900),
     "grpo_seeds": ((), ("greedy_delta.min", "log_prob_gap.max"), 600),

@@ -29,7 +29,7 @@ def time_of(
         prompt=inputs.prompt or inputs.length,
         new=inputs.new,
         trained=trained,
-        scored=len(inputs.roles) - trained,
+        scored=len(inputs.roles) - trained + inputs.old_log_probs,
         epochs=inputs.epochs,
         checkpointing=inputs.roles[0].config.model.gradient_checkpointing,
     )

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from drivetrain.api import ConfigError, EngineConfig, registry
+from drivetrain.api import ConfigError, EngineConfig, OffloadConfig, registry
 from drivetrain.api.plan import GiB, MemoryPlan, RankWork
 from drivetrain.trainer.plan_rank import Phase, RolloutShare, busiest, phases, rollout_share
 from drivetrain.trainer.plan_target import Accelerator, PlanTarget
@@ -73,10 +73,18 @@ def plan_role(
         return RolePlan(role, engine, work, reason=f"engine {engine!r} declares no planner")
     if not (Path(config.model.path) / "config.json").is_file():
         return RolePlan(role, engine, work, reason=f"no model config at {config.model.path}")
+    # offload moves states between phases, not within a role's own step: one plan serves both
+    key = (engine, repr(dataclasses.replace(config, offload=OffloadConfig())), target.gpus, work)
     try:
-        return RolePlan(role, engine, work, plan=planner(config, target.gpus, work))
+        if key not in _PLANNED:
+            _PLANNED[key] = planner(config, target.gpus, work)
     except NotImplementedError as exc:
         return RolePlan(role, engine, work, reason=str(exc))
+    return RolePlan(role, engine, work, plan=_PLANNED[key])
+
+
+#: plans made in this process (a refusal's remedies and a table re-plan the same role often)
+_PLANNED: dict[tuple[str, str, int, RankWork], MemoryPlan] = {}
 
 
 @dataclass(frozen=True)
@@ -237,6 +245,7 @@ class PlanInputs:
     prompt: int = 0
     new: int = 0
     epochs: int = 1
+    old_log_probs: bool = False  # a forward of the actor before its updates (off-policy)
 
 
 def rl_inputs(job: Any) -> PlanInputs:
@@ -246,7 +255,8 @@ def rl_inputs(job: Any) -> PlanInputs:
     from drivetrain.trainer.rl.config import updates_per_step
     from drivetrain.trainer.rl.job import role_specs
     from drivetrain.trainer.rl.placement import resolve_mode
-    from drivetrain.trainer.workers.role_worker import ACTOR, CRITIC
+    from drivetrain.trainer.rl.updates import on_policy
+    from drivetrain.trainer.workers.role_worker import ACTOR, CRITIC, REFERENCE, TEACHER
 
     config = job.config
     specs, _ = role_specs(job, updates_per_step(config))
@@ -266,6 +276,7 @@ def rl_inputs(job: Any) -> PlanInputs:
         prompt=prompt,
         new=new,
         epochs=config.algorithm.ppo_epochs,
+        old_log_probs=not on_policy(config, REFERENCE in specs, TEACHER in specs),
     )
 
 

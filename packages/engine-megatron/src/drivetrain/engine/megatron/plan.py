@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from drivetrain.api import MicroBatchConfig
 from drivetrain.api.batch import Batch, Layout
+from drivetrain.api.columns import LOG_PROBS, LOSS_MASK, VALUES
 from drivetrain.api.plan import MemoryPlan, RankWork
 from drivetrain.engine.megatron.config import MegatronConfig
 
@@ -69,7 +70,6 @@ def _plan_rank(config: MegatronConfig, world: int, work: RankWork, rank: int) ->
 
     from drivetrain.engine.megatron.engine import MegatronEngine
     from drivetrain.engine.megatron.plan_count import HostReads, LiveBytes
-    from drivetrain.testing import token_mean_nll
 
     batch, micro = _batch(config, work)
     config = dataclasses.replace(config, micro_batch=micro, device="cpu")
@@ -91,7 +91,7 @@ def _plan_rank(config: MegatronConfig, world: int, work: RankWork, rank: int) ->
                 count.part = "temporary"
                 engine.optimizer_zero_grad()
                 count.part = "activations"
-                engine.forward_backward(batch, token_mean_nll)
+                engine.forward_backward(batch, _planned_loss)
                 count.part = "optimizer"
                 engine.optimizer_step()
     by_category = {k: v for k, v in count.peak_by_part.items() if v > 0}
@@ -106,11 +106,19 @@ def _plan_rank(config: MegatronConfig, world: int, work: RankWork, rank: int) ->
     )
 
 
+def _planned_loss(outputs: Any, micro_batch: Batch, ctx: Any) -> tuple[Any, dict]:
+    """A loss over every scored token (log-probs, or a value head's values): what a step's
+    backward holds does not depend on which."""
+    scores = outputs[VALUES] if VALUES in outputs else outputs[LOG_PROBS]
+    return -(scores * micro_batch[LOSS_MASK]).sum() / ctx.global_tokens, {}
+
+
 def _batch(config: MegatronConfig, work: RankWork) -> tuple[Batch, MicroBatchConfig]:
     """The step's batch of ``work`` (token values do not matter) and its micro-batching:
     every micro-batch as large as the largest; two of them without pipeline parallel (the
-    second meets the first's gradients), all of them with it (they are in flight together)."""
-    count = work.micro_batches if config.pipeline_parallel > 1 else min(work.micro_batches, 2)
+    second meets the first's gradients); with it, up to twice the stages (1F1B holds at most
+    one a stage in flight: more only repeat the steady state)."""
+    count = min(work.micro_batches, 2 * config.pipeline_parallel)
     if work.documents:
         lengths = list(work.documents) * count
         micro = MicroBatchConfig(max_tokens=sum(work.documents))

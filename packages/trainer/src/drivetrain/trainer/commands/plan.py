@@ -34,6 +34,40 @@ def _untrained_as_base(inputs: Any, task: Any) -> Any:
     return dataclasses.replace(inputs, roles=roles)
 
 
+def job_inputs(
+    job: str, engine: str, rollout: str, files: list[str], said: list[str]
+) -> tuple[Any, int]:
+    """What ``job`` (grpo, ppo, distill or sft) configured by ``files`` and ``said`` runs in a
+    step (:class:`~drivetrain.trainer.planning.PlanInputs`), and the GPUs of its rollouts
+    when they have their own (separate placement)."""
+    from drivetrain.trainer.plan_rank import rollout_share
+    from drivetrain.trainer.planning import rl_inputs, sft_inputs
+
+    if job in RL_JOBS:
+        from drivetrain.trainer.builtin.tasks import rl_task
+        from drivetrain.trainer.rl.job import load_rl_job
+
+        task = rl_task(job, engine=engine, rollout=rollout, console=plain_console())
+        loaded = load_rl_job(
+            job, engine=engine, rollout=rollout, files=files, overrides=said, task=task,
+            train_prerequisites=False,
+        )  # fmt: skip
+        inputs = _untrained_as_base(rl_inputs(loaded), loaded.task)
+        if inputs.colocated and inputs.rollout is None:  # sized from the model planned
+            share = rollout_share(loaded.rollout, loaded.config.rollout, inputs.roles[0].config)
+            inputs = dataclasses.replace(inputs, rollout=share)
+        return inputs, loaded.config.placement.rollout_replicas
+    if job == "sft":
+        from drivetrain.trainer.builtin.addition_sft import addition_sft
+        from drivetrain.trainer.sft.job import load_sft_job
+
+        loaded_sft = load_sft_job(
+            engine, files=files, overrides=said, task=addition_sft, train_prerequisites=False
+        )
+        return sft_inputs(loaded_sft.config, engine), 0
+    raise typer.BadParameter(f"{job!r}: plan takes grpo, ppo, distill or sft")
+
+
 def plan(
     job: Annotated[str, typer.Argument(help="grpo, ppo, distill or sft.")] = "grpo",
     overrides: RLOverrides = None,
@@ -48,38 +82,14 @@ def plan(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object, nothing else.")] = False,
 ) -> None:
     """Plan a job for a cluster: per-rank memory of each training role, and whether it fits."""
-    from drivetrain.trainer.plan_rank import rollout_share
     from drivetrain.trainer.plan_report import lines, report, time_of
     from drivetrain.trainer.plan_target import PlanTarget, accelerator
-    from drivetrain.trainer.planning import plan_with_fixes, rl_inputs, sft_inputs
+    from drivetrain.trainer.planning import plan_with_fixes
 
     target = PlanTarget(accelerator(gpu), gpus=gpus, nodes=nodes)
-    files, said = list(config or ()), list(overrides or ())
-    rollout_gpus = 0
-    if job in RL_JOBS:
-        from drivetrain.trainer.builtin.tasks import rl_task
-        from drivetrain.trainer.rl.job import load_rl_job
-
-        task = rl_task(job, engine=engine, rollout=rollout, console=plain_console())
-        loaded = load_rl_job(
-            job, engine=engine, rollout=rollout, files=files, overrides=said, task=task,
-            train_prerequisites=False,
-        )  # fmt: skip
-        inputs = _untrained_as_base(rl_inputs(loaded), loaded.task)
-        if inputs.colocated and inputs.rollout is None:  # sized from the model planned
-            share = rollout_share(loaded.rollout, loaded.config.rollout, inputs.roles[0].config)
-            inputs = dataclasses.replace(inputs, rollout=share)
-        rollout_gpus = loaded.config.placement.rollout_replicas
-    elif job == "sft":
-        from drivetrain.trainer.builtin.addition_sft import addition_sft
-        from drivetrain.trainer.sft.job import load_sft_job
-
-        loaded_sft = load_sft_job(
-            engine, files=files, overrides=said, task=addition_sft, train_prerequisites=False
-        )
-        inputs = sft_inputs(loaded_sft.config, engine)
-    else:
-        raise typer.BadParameter(f"{job!r}: plan takes grpo, ppo, distill or sft")
+    inputs, rollout_gpus = job_inputs(
+        job, engine, rollout, list(config or ()), list(overrides or ())
+    )
     planned, fixes = plan_with_fixes(inputs, target)
     result = report(job, planned, fixes, time_of(inputs, target, rollout_gpus=rollout_gpus))
     if as_json:
