@@ -44,6 +44,8 @@ def test_the_gpu_run_passes_its_cpu_smoke(tmp_path, builtin_addition):
         "megatron_packed",
     }  # fmt: skip
     assert result["compiled_vs_dense"] > 0
+    planned = {n for n, row in result["mfu_table"].items() if row.get("planned_gib", 0) > 0}
+    assert planned == {"fsdp2_dense", "fsdp2_packed", "megatron_dense", "megatron_packed"}
     assert set(result["mfu_profile"]) == {"plain", "fsdp2_dense"}
     assert all(ops and ops[0]["ms"] > 0 for ops in result["mfu_profile"].values())
     assert result["grpo"]["steps"] == 2

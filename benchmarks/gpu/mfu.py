@@ -21,8 +21,12 @@ path, one timed step (proves the script runs; its numbers mean nothing). ``--pro
 more step of ``plain`` and ``fsdp2_dense`` under ``torch.profiler``, their 15 costliest ops by
 self device time side by side (where fsdp2's gap to the plain loop goes).
 
+Each engine configuration (compile aside) is also planned by its engine's planner (``drivetrain
+plan``'s: fake tensors on the CPU) and its ``planned_gib`` set beside the measured peak.
+
 The last line is JSON: ``dense_mfu``, ``dense_vs_plain``, ``packed_vs_dense_mfu``,
-``compiled_vs_dense``, ``megatron_peak_vs_fsdp2``, ``configurations``, ``profile`` (with
+``compiled_vs_dense``, ``megatron_peak_vs_fsdp2``, ``plan_error.<configuration>`` (planned
+over measured peak, minus 1; on a device), ``configurations``, ``profile`` (with
 ``--profile``), ``device``.
 Usage: python benchmarks/gpu/mfu.py [--cpu-smoke] [--peak-tflops 989] [--profile]
 """
@@ -86,9 +90,9 @@ def plain_step(model_dir: Path, batch: Batch, device: str, dtype: torch.dtype, m
     return step, lambda: None
 
 
-def engine_step(kind: str, model_dir: Path, batch: Batch, device: str, dtype: str,
-                micro: MicroBatchConfig, **overrides: object) -> Any:  # fmt: skip
-    """One drivetrain optimizer step (the engine stays up between calls); and its close."""
+def engine_config(kind: str, model_dir: Path, device: str, dtype: str,
+                  micro: MicroBatchConfig, **overrides: object) -> Any:  # fmt: skip
+    """The fsdp2 or megatron engine's config of a configuration."""
     common = dict(
         model=ModelConfig(path=str(model_dir), dtype=dtype),
         optim=OptimConfig(lr=1e-5, weight_decay=0.0, clip_grad=1.0),
@@ -96,14 +100,25 @@ def engine_step(kind: str, model_dir: Path, batch: Batch, device: str, dtype: st
     )  # fmt: skip
     if kind == "fsdp2":
         from drivetrain.engine.fsdp.config import FSDPConfig
+
+        return FSDPConfig(**common, **overrides)
+    from drivetrain.engine.megatron.config import MegatronConfig
+
+    return MegatronConfig(**common, **overrides)
+
+
+def engine_step(kind: str, model_dir: Path, batch: Batch, device: str, dtype: str,
+                micro: MicroBatchConfig, **overrides: object) -> Any:  # fmt: skip
+    """One drivetrain optimizer step (the engine stays up between calls); and its close."""
+    config = engine_config(kind, model_dir, device, dtype, micro, **overrides)
+    if kind == "fsdp2":
         from drivetrain.engine.fsdp.engine import FSDP2Engine
 
-        engine: Any = FSDP2Engine(FSDPConfig(**common, **overrides))
+        engine: Any = FSDP2Engine(config)
     else:
-        from drivetrain.engine.megatron.config import MegatronConfig
         from drivetrain.engine.megatron.engine import MegatronEngine
 
-        engine = MegatronEngine(MegatronConfig(**common, **overrides))
+        engine = MegatronEngine(config)
     engine.initialize()
 
     def step() -> None:
@@ -114,6 +129,31 @@ def engine_step(kind: str, model_dir: Path, batch: Batch, device: str, dtype: st
             engine.lr_scheduler_step()
 
     return step, engine.close
+
+
+def planned_gib(kind: str, model_dir: Path, batch: Batch, dtype: str, micro: MicroBatchConfig,
+                **overrides: object) -> float:  # fmt: skip
+    """What ``drivetrain plan``'s planner of the engine says the configuration's rank peaks at
+    (fake tensors on the CPU, in a child process when this one holds a process group)."""
+    from drivetrain.api.plan import RankWork
+
+    config = engine_config(kind, model_dir, "cpu", dtype, micro, **overrides)
+    packed = kind == "megatron" or getattr(config, "attention", "") == "varlen"
+    if micro.max_tokens is not None and packed:
+        parts = batch.token_budget_parts(micro.max_tokens)
+        sizes = [sum(batch.seq_lens[i] for i in part) for part in parts]
+        largest = parts[sizes.index(max(sizes))]
+        lengths = tuple(batch.seq_lens[i] for i in largest)
+        work = RankWork(documents=lengths, micro_batches=len(parts))
+    else:
+        rows = micro.micro_batch_size or len(batch)
+        width = max(batch.seq_lens)
+        work = RankWork(rows=rows, width=width, micro_batches=-(-len(batch) // rows))
+    if kind == "fsdp2":
+        from drivetrain.engine.fsdp.plan import plan_memory
+    else:
+        from drivetrain.engine.megatron.plan import plan_memory
+    return plan_memory(config, 1, work).peak_gib
 
 
 def profiled(step: Callable[[], None], device: str, top: int = 15) -> list[dict[str, Any]]:
@@ -208,6 +248,13 @@ def main() -> None:
             "megatron_packed": (packed, lambda: engine_step(
                 "megatron", model_dir, packed, device, dtype_name, per_tokens)),
         }  # fmt: skip
+        #: what each engine configuration's planner is given (compile is not planned)
+        plans = {
+            "fsdp2_dense": ("fsdp2", dense, mbs, row_layout),
+            "fsdp2_packed": ("fsdp2", packed, per_tokens, {}),
+            "megatron_dense": ("megatron", dense, mbs, {}),
+            "megatron_packed": ("megatron", packed, per_tokens, {}),
+        }
         matmul = matmul_peak(dtype, device)
         peak = matmul if smoke else args.peak_tflops * 1e12
         table, ops = {}, {}
@@ -221,6 +268,13 @@ def main() -> None:
                 row["tokens_per_s"] = batch.num_tokens / row["s_per_step"]
                 row["mfu"] = flops / row["s_per_step"] / peak
                 row["mfu_vs_matmul"] = flops / row["s_per_step"] / matmul
+            if name in plans:
+                kind, planned_batch, micro, layout = plans[name]
+                row["planned_gib"] = planned_gib(
+                    kind, model_dir, planned_batch, dtype_name, micro, **layout
+                )
+                if row.get("peak_gib"):
+                    row["plan_error"] = row["planned_gib"] / row["peak_gib"] - 1
             table[name] = row
             print(f"{name:<18}" + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                             for k, v in row.items()), flush=True)  # fmt: skip
@@ -237,6 +291,8 @@ def main() -> None:
         "packed_vs_dense_mfu": ratio("fsdp2_packed", "fsdp2_dense", "mfu"),
         "compiled_vs_dense": ratio("fsdp2_compiled", "fsdp2_dense", "tokens_per_s"),
         "megatron_peak_vs_fsdp2": ratio("megatron_packed", "fsdp2_packed", "peak_gib"),
+        **{f"plan_error.{n}": round(r["plan_error"], 4)
+           for n, r in table.items() if "plan_error" in r},
         "configurations": table, **({"profile": ops} if ops else {}),
         "device": name, "dtype": dtype_name, "params_m": round(params / 1e6, 1),
         "matmul_tflops": round(matmul / 1e12, 3), "peak_tflops": round(peak / 1e12, 3),

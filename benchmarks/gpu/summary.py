@@ -50,6 +50,8 @@ def main(work: Path) -> None:
     )  # fmt: skip
     result = {
         **{key: mfu.get(key) for key in headline},
+        # the planner against this device's measured peaks (issue 58: within 10%)
+        **{key: value for key, value in mfu.items() if key.startswith("plan_error.")},
         # the built-in job over seeds: its worst greedy accuracy change (goal > 0)
         "grpo_greedy_delta_min": seeds.get("greedy_delta.min"),
         "grpo_log_prob_gap_max": seeds.get("log_prob_gap.max"),

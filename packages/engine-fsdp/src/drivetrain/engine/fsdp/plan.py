@@ -101,7 +101,7 @@ def _micro_batch(
     from drivetrain.engine.fsdp.attention import set_packed_row
 
     if row is not None:
-        kernel = "grouped_sdpa" if config.model.dtype == "float32" else "torch_varlen"
+        kernel = "torch_varlen"  # what CUDA runs; grouped_sdpa groups by real lengths
         set_packed_row(row.spans, None, kernel)
         ids, pos, targets = (
             fake.from_tensor(t) for t in (row.input_ids, row.position_ids, row.targets)
