@@ -298,6 +298,7 @@ def test_a_lost_node_fails_the_run_fast_and_resume_continues_on_the_rest(tmp_pat
         assert len(errors) == 1 and "a Ray worker died" in errors[0], stderr[-3000:]
         summary, done = run_rl("grpo", *args, "--resume", "auto", env=env)
     assert "resumed from" in done.stderr and summary["steps"] == 20
+    assert "skipping checkpoint" not in done.stderr  # nothing the lost node wrote is torn
     before, after = placed(stderr)[0], placed(done.stderr)[0]
     # two nodes each time; the one lost is gone, the third took its place
     assert len(set(before)) == len(set(after)) == 2 and len(set(before) & set(after)) == 1
