@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -17,10 +16,10 @@ import pytest
 from transformers import LlamaConfig
 
 from drivetrain.api import MicroBatchConfig, ModelConfig, OptimConfig
-from drivetrain.api.batch import Batch
 from drivetrain.api.plan import RankWork
 from drivetrain.engine.fsdp.config import FSDPConfig
 from drivetrain.engine.fsdp.plan import plan_memory
+from drivetrain.testing.h200_shape import DENSE, PARAMETERS, packed_work, save_llama_1b_config
 
 #: measured peak GiB of mfu.py's configurations on the H200 (the fixture's date and commit above)
 H200_PEAK_GIB = {"fsdp2_dense": 44.4, "fsdp2_packed": 41.9}
@@ -29,12 +28,7 @@ H200_PEAK_GIB = {"fsdp2_dense": 44.4, "fsdp2_packed": 41.9}
 @pytest.fixture(scope="module")
 def llama_1b(tmp_path_factory):
     """mfu.py's GPU_SHAPE: only its config (the planner reads no weights)."""
-    path = tmp_path_factory.mktemp("llama1b")
-    LlamaConfig(
-        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
-        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096,
-        tie_word_embeddings=True,
-    ).save_pretrained(path)  # fmt: skip
+    path = save_llama_1b_config(tmp_path_factory.mktemp("llama1b"))
     return str(path)
 
 
@@ -43,30 +37,19 @@ def _config(path: str, **layout: object) -> FSDPConfig:
     return FSDPConfig(model=ModelConfig(path=path, dtype="bfloat16"), optim=optim, **layout)
 
 
-def _packed_work() -> RankWork:
-    """mfu.py's 26 documents of 128..4096 tokens, cut as the engine cuts them (16,384 tokens
-    a micro-batch): the largest micro-batch's documents."""
-    rng = random.Random(1)
-    lengths = [rng.randint(4096 // 32, 4096) for _ in range(26)]
-    batch = Batch.from_columns({"input_ids": [[3] * n for n in lengths]}, seq_lens=lengths)
-    parts = batch.token_budget_parts(MicroBatchConfig(max_tokens=16384).max_tokens)
-    largest = max(parts, key=lambda part: sum(lengths[i] for i in part))
-    return RankWork(documents=tuple(lengths[i] for i in largest), micro_batches=len(parts))
-
-
 @pytest.mark.timeout(300)
 def test_the_plan_of_the_h200_configurations_is_within_ten_percent(llama_1b):
     dense = plan_memory(
         _config(llama_1b, attention="sdpa", remove_padding=False),
         1,
-        RankWork(rows=4, width=4096, micro_batches=4),
+        DENSE,
     )
-    packed = plan_memory(_config(llama_1b), 1, _packed_work())
+    packed = plan_memory(_config(llama_1b), 1, packed_work())
     for name, plan in (("fsdp2_dense", dense), ("fsdp2_packed", packed)):
         error = plan.peak_gib / H200_PEAK_GIB[name] - 1
         assert abs(error) <= 0.10, f"{name}: planned {plan.peak_gib:.2f} GiB, {error:+.1%}"
     # what a step holds: fp32 master weights, gradients, AdamW's two moments, activations
-    params = 1_072_236_544 * 4
+    params = PARAMETERS * 4
     assert dense.by_category["parameters"] == pytest.approx(params, rel=0.01)
     assert dense.by_category["gradients"] == pytest.approx(params, rel=0.01)
     assert dense.by_category["optimizer"] == pytest.approx(2 * params, rel=0.01)
@@ -75,7 +58,7 @@ def test_the_plan_of_the_h200_configurations_is_within_ten_percent(llama_1b):
 
 @pytest.mark.timeout(300)
 def test_sharding_over_eight_ranks_divides_the_states(llama_1b):
-    work = RankWork(rows=4, width=4096, micro_batches=4)
+    work = DENSE
     one = plan_memory(_config(llama_1b, attention="sdpa", remove_padding=False), 1, work)
     eight = plan_memory(_config(llama_1b, attention="sdpa", remove_padding=False), 8, work)
     for state in ("parameters", "gradients", "optimizer"):
@@ -116,7 +99,7 @@ def test_the_plan_of_a_cpu_run_is_within_fifteen_percent_of_the_processs_peak(tm
     it held before the engine was built (plan_measure.py) against the plan. Measured here:
     2,158 MiB, planned 2,174 (+0.7%)."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
     path = tmp_path / "model"
     shape = LlamaConfig(

@@ -7,16 +7,14 @@ within the issue's 10%; and a tensor- and pipeline-parallel layout that divides 
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import pytest
-from transformers import LlamaConfig
 
-from drivetrain.api import MicroBatchConfig, ModelConfig, OptimConfig
-from drivetrain.api.batch import Batch
-from drivetrain.api.plan import GiB, RankWork
+from drivetrain.api import ModelConfig, OptimConfig
+from drivetrain.api.plan import GiB
 from drivetrain.engine.megatron.config import MegatronConfig
 from drivetrain.engine.megatron.plan import plan_memory
+from drivetrain.testing.h200_shape import DENSE, PARAMETERS, packed_work, save_llama_1b_config
 
 #: measured peak GiB on the H200. megatron_packed's held 9.99 GiB of megatron_dense's engine,
 #: which benchmarks/gpu/mfu.py's measure() kept alive into the next configuration (10 bytes a
@@ -24,40 +22,23 @@ from drivetrain.engine.megatron.plan import plan_memory
 #: fixed since, tests/test_mfu_measure.py): until a GPU measures it again, the packed plan is
 #: checked with those bytes added.
 H200_PEAK_GIB = {"megatron_dense": 49.5, "megatron_packed": 55.7}
-PARAMETERS = 1_072_236_544
 LEFT_BY_DENSE_GIB = 10 * PARAMETERS / GiB
-DENSE = RankWork(rows=4, width=4096, micro_batches=4)
 
 
 @pytest.fixture(scope="module")
 def llama_1b(tmp_path_factory):
     """mfu.py's GPU_SHAPE: only its config (the planner reads no weights)."""
-    path = tmp_path_factory.mktemp("llama1b")
-    LlamaConfig(
-        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
-        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096,
-        tie_word_embeddings=True,
-    ).save_pretrained(path)  # fmt: skip
+    path = save_llama_1b_config(tmp_path_factory.mktemp("llama1b"))
     return MegatronConfig(
         model=ModelConfig(path=str(path), dtype="bfloat16"),
         optim=OptimConfig(lr=1e-5, weight_decay=0.0, clip_grad=1.0),
     )
 
 
-def _packed_work() -> RankWork:
-    """mfu.py's 26 documents of 128..4096 tokens cut into 16,384-token micro-batches."""
-    rng = random.Random(1)
-    lengths = [rng.randint(4096 // 32, 4096) for _ in range(26)]
-    batch = Batch.from_columns({"input_ids": [[3] * n for n in lengths]}, seq_lens=lengths)
-    parts = batch.token_budget_parts(MicroBatchConfig(max_tokens=16384).max_tokens)
-    largest = max(parts, key=lambda part: sum(lengths[i] for i in part))
-    return RankWork(documents=tuple(lengths[i] for i in largest), micro_batches=len(parts))
-
-
 @pytest.mark.timeout(300)
 def test_the_plan_of_the_h200_configurations_is_within_ten_percent(llama_1b):
     dense = plan_memory(llama_1b, 1, DENSE)
-    packed = plan_memory(llama_1b, 1, _packed_work())
+    packed = plan_memory(llama_1b, 1, packed_work())
     planned = {"megatron_dense": dense.peak_gib, "megatron_packed": packed.peak_gib}
     planned["megatron_packed"] += LEFT_BY_DENSE_GIB
     for name, gib in planned.items():
