@@ -36,6 +36,9 @@ def test_the_builtin_jobs_plan_from_an_empty_cache(empty_cache, job):
     assert result["fits"] and 0 < result["peak_gib"] < 2, result
     assert role["planned"] and role["gib"]["activations"] > role["gib"]["optimizer"] > 0
     assert result["step_time"]["roofline_s"] > 0
+    flipped = result["checkpointing_flipped"]  # the other way round: what checkpointing saves
+    assert flipped["gradient_checkpointing"]
+    assert flipped["activations_gib"] < role["gib"]["activations"] / 2
 
 
 def test_a_job_that_does_not_fit_names_what_would(empty_cache, tmp_path):

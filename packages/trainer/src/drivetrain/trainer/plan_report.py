@@ -81,6 +81,13 @@ def lines(result: dict[str, Any], plan: JobPlan, fixes: list[Any]) -> list[str]:
             f"{role['tokens']} tokens a micro-batch: own peak {role['peak_gib']:g} GiB "
             f"({parts})"
         )
+    flipped = result.get("checkpointing_flipped")
+    if flipped:
+        out.append(
+            f"{flipped['role']} with gradient_checkpointing="
+            f"{str(flipped['gradient_checkpointing']).lower()}: own peak {flipped['peak_gib']:g} "
+            f"GiB (activations {flipped['activations_gib']:.3g})"
+        )
     for phase in result["phases"]:
         parts = ", ".join(f"{k} {v:.3g}" for k, v in phase["parts"].items())
         out.append(f"  {phase['phase']}: {phase['gib']:g} GiB ({parts})")

@@ -68,6 +68,29 @@ def job_inputs(
     raise typer.BadParameter(f"{job!r}: plan takes grpo, ppo, distill or sft")
 
 
+def checkpointing_flipped(inputs: Any, target: Any) -> dict[str, Any] | None:
+    """The first training role's own peak with activation checkpointing the other way round
+    (what checkpointing saves, or costs, on this job); None when it cannot be planned."""
+    from drivetrain.trainer.planning import plan_role, rank_work
+
+    role = next((r for r in inputs.roles if r.train), None)
+    if role is None:
+        return None
+    model = role.config.model
+    flipped = dataclasses.replace(model, gradient_checkpointing=not model.gradient_checkpointing)
+    config = dataclasses.replace(role.config, model=flipped)
+    work = rank_work(config, inputs.sequences, inputs.length, target.gpus)
+    other = plan_role(role.role, role.engine, config, work, target)
+    if other.plan is None:
+        return None
+    return {
+        "role": role.role,
+        "gradient_checkpointing": flipped.gradient_checkpointing,
+        "peak_gib": round(other.plan.peak_gib, 2),
+        "activations_gib": round(other.plan.by_category.get("activations", 0) / 2**30, 3),
+    }
+
+
 def plan(
     job: Annotated[str, typer.Argument(help="grpo, ppo, distill or sft.")] = "grpo",
     overrides: RLOverrides = None,
@@ -92,6 +115,7 @@ def plan(
     )
     planned, fixes = plan_with_fixes(inputs, target)
     result = report(job, planned, fixes, time_of(inputs, target, rollout_gpus=rollout_gpus))
+    result["checkpointing_flipped"] = checkpointing_flipped(inputs, target)
     if as_json:
         typer.echo(json.dumps(result))
     else:
