@@ -204,6 +204,11 @@ class RolloutConfig:
         if self.stall_timeout_s < 2:  # a server process says it is alive once a second
             raise ConfigError(f"rollout.stall_timeout_s={self.stall_timeout_s:g} must be >= 2")
 
+    def device_share(self) -> tuple[float, int]:
+        """For planning: the fraction of its device a replica reserves to generate (0: what
+        its weights and KV cache need), and the sequences it runs at once."""
+        return 0.0, 64
+
 
 @dataclass(frozen=True)
 class WeightSyncConfig:

@@ -46,6 +46,9 @@ class HFRolloutConfig(BackendConfig):
         if self.max_batch_size < 1 or self.num_threads < 0:
             raise ConfigError("rollout.max_batch_size must be >= 1 and num_threads >= 0")
 
+    def device_share(self) -> tuple[float, int]:
+        return 0.0, self.max_batch_size
+
 
 @dataclass(frozen=True)
 class VLLMRolloutConfig(BackendConfig):
@@ -84,6 +87,9 @@ class VLLMRolloutConfig(BackendConfig):
         if self.kv_cache_space_gib < 1 or self.max_num_seqs < 1:
             raise ConfigError("rollout.kv_cache_space_gib and max_num_seqs must be >= 1")
 
+    def device_share(self) -> tuple[float, int]:
+        return self.gpu_memory_utilization, self.max_num_seqs
+
 
 @dataclass(frozen=True)
 class SGLangRolloutConfig(BackendConfig):
@@ -119,6 +125,9 @@ class SGLangRolloutConfig(BackendConfig):
             raise ConfigError("rollout.mem_fraction_static must be in (0, 1]")
         if self.weight_bucket_bytes < 1:
             raise ConfigError("rollout.weight_bucket_bytes must be >= 1")
+
+    def device_share(self) -> tuple[float, int]:
+        return self.mem_fraction_static, self.max_running_requests
 
 
 def _refuse_exact(config: BackendConfig, backend: str) -> None:

@@ -6,24 +6,23 @@ states stay where they are), then each role scores or trains in its turn. A phas
 busy one's own peak plus what the others hold meanwhile (their parameters, optimizer state and
 buffers, unless offloaded between modes); the rank's peak is its busiest phase. A colocated
 rollout on an accelerator must declare ``sleep`` (the job refuses it otherwise): it gives its
-memory back while the roles run, and takes its share (``gpu_memory_utilization`` of the device
-for vLLM, ``mem_fraction_static`` for SGLang; else its weights and a full batch's KV cache) while
-it generates.
+memory back while the roles run, and takes its share while it generates
+(``RolloutConfig.device_share``: vLLM's ``gpu_memory_utilization`` of the device, SGLang's
+``mem_fraction_static``; else its weights and a full batch's KV cache).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from drivetrain.api import EngineConfig, registry
-from drivetrain.api.plan import GiB, MemoryPlan
+from drivetrain.api.plan import MemoryPlan
 from drivetrain.trainer.plan_time import ModelShape
 
 #: the dtypes a rollout may hold its weights in, and their bytes
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -44,10 +43,9 @@ def rollout_share(name: str, rollout: Any, actor: EngineConfig) -> RolloutShare 
     """What the rollout ``name`` configured by ``rollout`` takes; None when its model's shape
     cannot be read (the plan then says the rollout is unplanned)."""
     sleeps = "sleep" in registry.rollouts.spec(name).capabilities
-    for knob in ("gpu_memory_utilization", "mem_fraction_static"):
-        fraction = getattr(rollout, knob, None)
-        if fraction:
-            return RolloutShare(name, fraction=float(fraction), sleeps=sleeps)
+    fraction, batch = rollout.device_share()
+    if fraction:
+        return RolloutShare(name, fraction=fraction, sleeps=sleeps)
     path = Path(getattr(rollout, "model_path", "") or actor.model.path)
     if not (path / "config.json").is_file():
         return None
@@ -55,10 +53,9 @@ def rollout_share(name: str, rollout: Any, actor: EngineConfig) -> RolloutShare 
 
     hf = AutoConfig.from_pretrained(path)
     shape = ModelShape.of(hf)
-    dtype = DTYPE_BYTES.get(getattr(rollout, "dtype", "bfloat16"), 2)
+    dtype = DTYPE_BYTES[rollout.dtype]
     embedding = 0 if getattr(hf, "tie_word_embeddings", False) else shape.vocab * shape.hidden
     weights = (shape.matmul_params + embedding) * dtype
-    batch = getattr(rollout, "max_batch_size", None) or getattr(rollout, "max_num_seqs", 64)
     kv = batch * rollout.max_model_len * shape.kv_bytes_per_token(dtype)
     return RolloutShare(name, fixed_bytes=weights + kv, sleeps=sleeps)
 
@@ -75,9 +72,11 @@ def resident(plan: MemoryPlan, config: EngineConfig) -> int:
 
 @dataclass(frozen=True)
 class Phase:
-    """A part of the step on one rank: what is busy, and the bytes it and the rest hold."""
+    """A part of the step on one rank: what is busy (a role, or ``rollout``), and the bytes it
+    and the rest hold."""
 
     name: str
+    busy: str
     parts: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -92,24 +91,20 @@ def phases(
 ) -> list[Phase]:
     """The phases of a step on one rank: ``roles`` as (name, config, plan, trains)."""
     held = {name: resident(plan, config) for name, config, plan, _ in roles}
-    asleep = 0 if rollout is None or rollout.sleeps else rollout.bytes_on(device_bytes)
+    awake = 0 if rollout is None or rollout.sleeps else rollout.bytes_on(device_bytes)
     found = []
     if rollout is not None:
         generating = {f"{n} (held)": b for n, b in held.items()}
         generating[f"rollout {rollout.name}"] = rollout.bytes_on(device_bytes)
-        found.append(Phase("rollout generates", generating))
+        found.append(Phase("rollout generates", "rollout", generating))
     for name, _, plan, trains in roles:
         parts = {f"{name} peak": plan.peak_bytes}
         parts.update({f"{n} (held)": b for n, b in held.items() if n != name})
-        if asleep:
-            parts[f"rollout {rollout.name} (awake: no sleep)"] = asleep  # type: ignore[union-attr]
-        found.append(Phase(f"{name} {'trains' if trains else 'scores'}", parts))
+        if awake:
+            parts[f"rollout {rollout.name} (awake: no sleep)"] = awake  # type: ignore[union-attr]
+        found.append(Phase(f"{name} {'trains' if trains else 'scores'}", name, parts))
     return found
 
 
 def busiest(found: list[Phase]) -> Phase:
     return max(found, key=lambda phase: phase.bytes)
-
-
-def gib(value: float) -> float:
-    return math.floor(value / GiB * 100 + 0.5) / 100

@@ -85,14 +85,17 @@ class StepWork:
 
 @dataclass(frozen=True)
 class StepTime:
-    """Seconds a step takes at the roofline, by phase; ``train_at_mfu`` the training at the
-    measured MFU (the generation stays at its roofline)."""
+    """Seconds a step takes at the roofline, by phase; ``expected_s`` with training and scoring
+    at the measured MFU (the generation stays at its roofline)."""
 
     generate_s: float
     score_s: float
     train_s: float
-    train_at_mfu_s: float
     tokens: int
+
+    @property
+    def train_at_mfu_s(self) -> float:
+        return self.train_s / MEASURED_TRAIN_MFU
 
     @property
     def roofline_s(self) -> float:
@@ -100,7 +103,7 @@ class StepTime:
 
     @property
     def expected_s(self) -> float:
-        return self.generate_s + self.score_s / MEASURED_TRAIN_MFU + self.train_at_mfu_s
+        return self.generate_s + (self.score_s + self.train_s) / MEASURED_TRAIN_MFU
 
     def row(self, gpus: int) -> dict[str, float]:
         return {
@@ -140,7 +143,6 @@ def step_time(
         generate_s=generate,
         score_s=score,
         train_s=train,
-        train_at_mfu_s=train / MEASURED_TRAIN_MFU,
         tokens=work.sequences * length,
     )
 

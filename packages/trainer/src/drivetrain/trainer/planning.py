@@ -197,11 +197,6 @@ def _contributors(plan: JobPlan, peak: Phase) -> dict[str, int]:
     return out
 
 
-def busy_role(peak: Phase) -> str:
-    """The role (or ``rollout``) that runs in a phase named as :func:`phases` names it."""
-    return peak.name.split(" ", 1)[0]
-
-
 def plan_with_fixes(
     inputs: PlanInputs, target: PlanTarget
 ) -> tuple[JobPlan, list[tuple[str, JobPlan]]]:
@@ -211,7 +206,7 @@ def plan_with_fixes(
         return planned, []
     assert planned.peak is not None
     fixes = []
-    for setting, changed, factor in remedies(inputs, busy_role(planned.peak)):
+    for setting, changed, factor in remedies(inputs, planned.peak.busy):
         wider = dataclasses.replace(target, gpus=target.gpus * factor, nodes=target.nodes * factor)
         tried = plan_job(changed, wider)
         if tried.fits() is not False and tried.peak is not None:

@@ -240,9 +240,10 @@ def _patched(config: MegatronConfig, rows: list[int]) -> Iterator[None]:
         return call
 
     tp = config.tensor_parallel if config.sequence_parallel else 1
+    hidden = _hidden(config)
 
     def stage_shape(*args: Any) -> tuple[list[int], list[int]]:
-        shape = [max(rows) // tp, 1, _hidden(config)]
+        shape = [max(rows) // tp, 1, hidden]
         return shape, shape
 
     kernel = "torch_varlen"  # what `auto` runs on CUDA (its memory: q, k, v, out, lse)
